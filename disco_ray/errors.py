@@ -1,0 +1,33 @@
+"""The project's exception hierarchy: every message names the vertex, device and numbers involved."""
+
+
+class DiscoError(Exception):
+    """Base of every error disco-ray raises on purpose."""
+
+
+class GraphError(DiscoError):
+    """A TaskGraph or MemGraph is malformed (unknown input, cycle, shape mismatch, ...)."""
+
+
+class FormatError(GraphError):
+    """A file is not a valid disco-taskgraph / disco-memgraph document."""
+
+
+class CapacityError(DiscoError):
+    """A vertex cannot fit in its GPU's memory, whatever is offloaded."""
+
+
+class PlanError(DiscoError):
+    """The planner could not build a MemGraph."""
+
+
+class VerifyError(DiscoError):
+    """A MemGraph violates a correctness condition of FORMATS.md."""
+
+
+class RunError(DiscoError):
+    """Running a MemGraph failed: a kernel raised, a worker died, an input was refused."""
+
+
+class UsageError(DiscoError):
+    """Bad command-line usage or an unparsable argument value."""

@@ -1,0 +1,90 @@
+"""Reading and writing TaskGraph / MemGraph documents as JSON or msgpack, chosen by file suffix."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import msgpack
+
+from .errors import FormatError
+from .memgraph import MemGraph
+from .taskgraph import TaskGraph
+
+SUFFIXES = (".json", ".msgpack")
+
+
+def _suffix(path: str | os.PathLike) -> str:
+    s = Path(path).suffix.lower()
+    if s not in SUFFIXES:
+        raise FormatError(f"{path}: unknown file suffix {s or '(none)'!r} (use .json or .msgpack)")
+    return s
+
+
+def read_doc(path: str | os.PathLike) -> object:
+    s = _suffix(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        if s == ".json":
+            return json.loads(data)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
+        raise FormatError(f"{path}: malformed msgpack: {e}") from None
+
+
+def write_doc(doc: object, path: str | os.PathLike) -> None:
+    """Writes atomically (temp file + rename): a failed write leaves nothing half-written."""
+    s = _suffix(path)
+    data = json.dumps(doc, separators=(",", ":")).encode() if s == ".json" else msgpack.packb(doc)
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _with_path(exc: FormatError, path) -> FormatError:
+    msg = str(exc)
+    return type(exc)(msg if msg.startswith(str(path)) else f"{path}: {msg}")
+
+
+def load_taskgraph(path: str | os.PathLike) -> TaskGraph:
+    doc = read_doc(path)
+    try:
+        return TaskGraph.from_dict(doc)
+    except FormatError as e:
+        raise _with_path(e, path) from None
+
+
+def load_memgraph(path: str | os.PathLike) -> MemGraph:
+    doc = read_doc(path)
+    try:
+        return MemGraph.from_dict(doc)
+    except FormatError as e:
+        raise _with_path(e, path) from None
+
+
+def save(graph: TaskGraph | MemGraph, path: str | os.PathLike) -> None:
+    write_doc(graph.to_dict(), path)
+
+
+def load_any(path: str | os.PathLike) -> TaskGraph | MemGraph:
+    doc = read_doc(path)
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    try:
+        if fmt == "disco-memgraph":
+            return MemGraph.from_dict(doc)
+        return TaskGraph.from_dict(doc)
+    except FormatError as e:
+        raise _with_path(e, path) from None

@@ -1,0 +1,203 @@
+"""MemGraph: the dependency DAG the planner hands out (FORMATS.md, "disco-memgraph").
+
+Every vertex writes one location (a byte range of a GPU arena, or of the host store of the GPU it
+runs on) and reads values at known locations; edges are data and memory dependencies. Any order
+that respects the edges computes the same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .errors import FormatError
+
+FORMAT = "disco-memgraph"
+VERSION = 1
+HOST = -1  # the host store of the GPU the vertex runs on
+INPUT = -2  # the caller's own host copy of a graph input (a reload with "src": null)
+
+
+class MKind(str, Enum):
+    INPUT = "input"
+    KERNEL = "kernel"
+    TRANSFER = "transfer"
+    OFFLOAD = "offload"
+    RELOAD = "reload"
+
+
+def device_name(d: int) -> str:
+    return "host" if d == HOST else "input" if d == INPUT else f"gpu:{d}"
+
+
+def parse_device(s: object, where: str) -> int:
+    if s == "host":
+        return HOST
+    if s == "input":
+        return INPUT
+    if isinstance(s, str) and s.startswith("gpu:") and s[4:].isdigit():
+        return int(s[4:])
+    raise FormatError(f"{where}: bad device {s!r} (gpu:N, host or input)")
+
+
+@dataclass(frozen=True, slots=True)
+class Loc:
+    device: int  # GPU index, HOST or INPUT
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def overlaps(self, o: Loc) -> bool:
+        return self.device == o.device and self.offset < o.end and o.offset < self.end
+
+    def to_dict(self) -> dict:
+        return {"device": device_name(self.device), "offset": self.offset, "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    value: str
+    src: int | None  # the vertex that wrote it there; None: a graph input's own host copy
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class MemVertex:
+    id: int
+    kind: MKind
+    value: str
+    gpu: int  # where it runs; a transfer runs on (and writes to) its destination GPU
+    ins: tuple[Read, ...]
+    out: Loc
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "kind": self.kind.value, "value": self.value, "device": f"gpu:{self.gpu}",
+                "ins": [{"value": r.value, "src": r.src, "loc": r.loc.to_dict()} for r in self.ins],
+                "out": self.out.to_dict()}
+
+
+@dataclass(slots=True)
+class MemGraph:
+    """Vertices in a topological order (the planner's: a good priority for the runtime)."""
+
+    capacity: list[int]  # arena bytes per GPU
+    vertices: list[MemVertex]
+    edges: list[tuple[int, int, str]]  # (u, w, "data" | "mem"): w may not start before u ends
+    outputs: dict[str, int]  # TaskGraph output id -> vertex holding its final value
+    host_capacity: list[int] = field(default_factory=list)  # host store bytes per GPU
+    stats: dict = field(default_factory=dict)
+    _index: dict[int, int] | None = None
+
+    @property
+    def gpus(self) -> int:
+        return len(self.capacity)
+
+    def __len__(self) -> int:
+        return len(self.vertices)
+
+    def __iter__(self) -> Iterator[MemVertex]:
+        return iter(self.vertices)
+
+    def index(self, vid: int) -> int:
+        """Position in `vertices` of the vertex with id `vid`."""
+        if self._index is None:
+            self._index = {v.id: n for n, v in enumerate(self.vertices)}
+        return self._index[vid]
+
+    def vertex(self, vid: int) -> MemVertex:
+        return self.vertices[self.index(vid)]
+
+    def preds(self) -> list[list[int]]:
+        """Predecessor positions of each vertex position (duplicates removed)."""
+        out: list[set[int]] = [set() for _ in self.vertices]
+        for u, w, _ in self.edges:
+            out[self.index(w)].add(self.index(u))
+        return [sorted(s) for s in out]
+
+    def succs(self) -> list[list[int]]:
+        out: list[set[int]] = [set() for _ in self.vertices]
+        for u, w, _ in self.edges:
+            out[self.index(u)].add(self.index(w))
+        return [sorted(s) for s in out]
+
+    def statistics(self) -> dict:
+        kinds = {k.value: 0 for k in MKind}
+        for v in self.vertices:
+            kinds[v.kind.value] += 1
+        data = sum(1 for e in self.edges if e[2] == "data")
+        return {**self.stats, "vertices": len(self.vertices), "by_kind": kinds, "edges": len(self.edges),
+                "data_edges": data, "mem_edges": len(self.edges) - data, "capacity": list(self.capacity),
+                "host_capacity": list(self.host_capacity)}
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT, "version": VERSION,
+            "devices": [{"device": f"gpu:{g}", "capacity": c,
+                         "host_capacity": self.host_capacity[g] if g < len(self.host_capacity) else 0}
+                        for g, c in enumerate(self.capacity)],
+            "vertices": [v.to_dict() for v in self.vertices],
+            "edges": [list(e) for e in self.edges],
+            "outputs": [{"value": k, "vertex": v} for k, v in self.outputs.items()],
+            "stats": self.stats,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: object) -> MemGraph:
+        if not isinstance(doc, dict):
+            raise FormatError("memgraph: top level must be an object")
+        if doc.get("format") != FORMAT:
+            raise FormatError(f"memgraph: \"format\" must be {FORMAT!r}, got {doc.get('format')!r}")
+        if doc.get("version") != VERSION:
+            raise FormatError(f"memgraph: unsupported version {doc.get('version')!r} (this reads {VERSION})")
+        try:
+            devs = doc["devices"]
+            cap = [0] * len(devs)
+            host = [0] * len(devs)
+            for n, d in enumerate(devs):
+                g = parse_device(d["device"], f"devices[{n}]")
+                if g < 0 or g >= len(devs):
+                    raise FormatError(f"devices[{n}]: device {d['device']!r} out of range")
+                cap[g] = int(d["capacity"])
+                host[g] = int(d.get("host_capacity", 0))
+            verts = []
+            seen: set[int] = set()
+            for n, r in enumerate(doc["vertices"]):
+                where = f"memgraph vertex {r.get('id', n)!r}"
+                vid = r["id"]
+                if not isinstance(vid, int) or isinstance(vid, bool):
+                    raise FormatError(f"{where}: id must be an integer")
+                if vid in seen:
+                    raise FormatError(f"{where}: duplicate id")
+                seen.add(vid)
+                try:
+                    kind = MKind(r["kind"])
+                except ValueError:
+                    raise FormatError(f"{where}: unknown kind {r['kind']!r}") from None
+                gpu = parse_device(r["device"], where)
+                if gpu < 0:
+                    raise FormatError(f"{where}: a vertex runs on a GPU, not {r['device']!r}")
+                ins = tuple(Read(i["value"], i["src"], _loc(i["loc"], where)) for i in r["ins"])
+                verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where)))
+            edges = []
+            for e in doc["edges"]:
+                if not (isinstance(e, list) and len(e) in (2, 3) and all(isinstance(x, int) for x in e[:2])):
+                    raise FormatError(f"memgraph: bad edge {e!r}")
+                if e[0] not in seen or e[1] not in seen:
+                    raise FormatError(f"memgraph: edge {e!r} names an unknown vertex")
+                edges.append((e[0], e[1], e[2] if len(e) == 3 else "data"))
+            outputs = {o["value"]: o["vertex"] for o in doc["outputs"]}
+        except (KeyError, TypeError, AttributeError) as e:
+            raise FormatError(f"memgraph: missing or malformed field {e}") from None
+        return cls(cap, verts, edges, outputs, host, dict(doc.get("stats") or {}))
+
+
+def _loc(d: dict, where: str) -> Loc:
+    off = d["offset"]
+    nb = d["nbytes"]
+    if not isinstance(off, int) or not isinstance(nb, int) or off < 0 or nb < 0:
+        raise FormatError(f"{where}: bad location {d!r}")
+    return Loc(parse_device(d["device"], where), off, nb)

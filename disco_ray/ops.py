@@ -1,0 +1,161 @@
+"""The op set: each op's arity, attributes and shape/dtype inference (pure, no torch).
+
+The torch implementations live in `disco_ray.kernels`; they write into a given output view so
+the runtime can run them on arena views on the CPU or a GPU. New ops register with `register`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from .dtypes import FLOATS
+
+Shape = tuple[int, ...]
+Infer = Callable[[list[Shape], list[str], Mapping], tuple[Shape, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    """One operation: `infer` raises ValueError with a plain reason when operands do not fit."""
+
+    name: str
+    min_arity: int
+    max_arity: int | None  # None: any number >= min_arity
+    infer: Infer
+    attrs: Mapping[str, object] = field(default_factory=dict)  # name -> default (REQUIRED if none)
+    flops: Callable[[list[Shape], Shape, Mapping], float] | None = None
+    doc: str = ""
+
+    def check_arity(self, n: int) -> str | None:
+        if n < self.min_arity or (self.max_arity is not None and n > self.max_arity):
+            want = (
+                f"{self.min_arity}"
+                if self.max_arity == self.min_arity
+                else f"{self.min_arity}..{self.max_arity if self.max_arity is not None else 'n'}"
+            )
+            return f"op {self.name} takes {want} operands, got {n}"
+        return None
+
+    def full_attrs(self, attrs: Mapping) -> dict:
+        """Attributes with defaults filled in; raises ValueError for unknown or missing ones."""
+        unknown = set(attrs) - set(self.attrs)
+        if unknown:
+            raise ValueError(f"op {self.name} has no attribute(s) {sorted(unknown)}")
+        out = {}
+        for k, default in self.attrs.items():
+            if k in attrs:
+                out[k] = attrs[k]
+            elif default is REQUIRED:
+                raise ValueError(f"op {self.name} needs attribute {k!r}")
+            else:
+                out[k] = default
+        return out
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
+OPS: dict[str, OpSpec] = {}
+
+
+def register(spec: OpSpec) -> OpSpec:
+    OPS[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> OpSpec:
+    return OPS[name]
+
+
+def numel(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+def _same_dtype(name: str, dtypes: list[str], floats: bool = True) -> str:
+    if len(set(dtypes)) != 1:
+        raise ValueError(f"{name} operands have different dtypes {dtypes}")
+    if floats and dtypes[0] not in FLOATS:
+        raise ValueError(f"{name} needs a floating dtype, got {dtypes[0]}")
+    return dtypes[0]
+
+
+def _broadcast(a: Shape, b: Shape) -> Shape:
+    out = []
+    for x, y in zip(reversed(a), reversed(b)):
+        if x != y and 1 not in (x, y):
+            raise ValueError(f"batch dims {a} and {b} do not broadcast")
+        out.append(max(x, y))
+    longer = a if len(a) > len(b) else b
+    return tuple(longer[: len(longer) - len(out)]) + tuple(reversed(out))
+
+
+def _infer_matmul(shapes, dtypes, attrs):
+    a, b = shapes
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"matmul needs operands of rank >= 2, got {list(a)} and {list(b)}")
+    if a[-1] != b[-2]:
+        raise ValueError(f"matmul inner dims differ: {list(a)} @ {list(b)}")
+    batch = _broadcast(a[:-2], b[:-2])
+    return (*batch, a[-2], b[-1]), _same_dtype("matmul", dtypes)
+
+
+def _flops_matmul(shapes, out, attrs):
+    return 2.0 * numel(out) * shapes[0][-1]
+
+
+def _infer_same_shape(name: str, floats: bool = False):
+    def infer(shapes, dtypes, attrs):
+        if len(set(shapes)) != 1:
+            raise ValueError(f"{name} operands have different shapes {[list(s) for s in shapes]}")
+        return shapes[0], _same_dtype(name, dtypes, floats=floats)
+
+    return infer
+
+
+def _infer_unary_float(name: str, min_rank: int = 0):
+    def infer(shapes, dtypes, attrs):
+        (s,) = shapes[:1]
+        if len(s) < min_rank:
+            raise ValueError(f"{name} needs rank >= {min_rank}, got shape {list(s)}")
+        return s, _same_dtype(name, dtypes[:1])
+
+    return infer
+
+
+def _infer_rmsnorm(shapes, dtypes, attrs):
+    x = shapes[0]
+    if not x:
+        raise ValueError("rmsnorm needs rank >= 1")
+    if len(shapes) == 2 and shapes[1] != (x[-1],):
+        raise ValueError(f"rmsnorm weight must have shape [{x[-1]}], got {list(shapes[1])}")
+    return x, _same_dtype("rmsnorm", dtypes)
+
+
+def _infer_transpose(shapes, dtypes, attrs):
+    (s,) = shapes
+    if len(s) < 2:
+        raise ValueError(f"transpose needs rank >= 2, got shape {list(s)}")
+    return (*s[:-2], s[-1], s[-2]), dtypes[0]
+
+
+def _elementwise(k: float):
+    return lambda shapes, out, attrs: k * numel(out)
+
+
+register(OpSpec("matmul", 2, 2, _infer_matmul, flops=_flops_matmul, doc="a [.., m, k] @ b [.., k, n] -> [.., m, n]"))
+register(OpSpec("add", 1, None, _infer_same_shape("add"), flops=lambda s, o, a: (len(s) - 1) * numel(o),
+                doc="elementwise sum of 1 or more tensors of one shape"))
+register(OpSpec("mul", 2, 2, _infer_same_shape("mul"), flops=_elementwise(1), doc="elementwise product a * b"))
+register(OpSpec("scale", 1, 1, _infer_unary_float("scale"), attrs={"factor": REQUIRED}, flops=_elementwise(1),
+                doc="x * factor"))
+register(OpSpec("softmax", 1, 1, _infer_unary_float("softmax", 1), flops=_elementwise(5),
+                doc="softmax over the last dim"))
+register(OpSpec("silu", 1, 1, _infer_unary_float("silu"), flops=_elementwise(4), doc="x * sigmoid(x)"))
+register(OpSpec("rmsnorm", 1, 2, _infer_rmsnorm, attrs={"eps": 1e-6}, flops=_elementwise(4),
+                doc="x / sqrt(mean(x^2, last dim) + eps) [* w]"))
+register(OpSpec("transpose", 1, 1, _infer_transpose, flops=lambda s, o, a: 0.0, doc="swap the last two dims"))
