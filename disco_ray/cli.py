@@ -153,10 +153,8 @@ def taskgraph_stats(tg: TaskGraph) -> dict:
     # the smallest capacity any plan can work with: a vertex's distinct inputs and output at once
     need = [0] * tg.gpus
     for v in tg:
-        if v.kind is not Kind.INPUT:
-            need[v.gpu] = max(need[v.gpu], v.nbytes + sum(tg[i].nbytes for i in set(v.inputs)))
-        else:
-            need[v.gpu] = max(need[v.gpu], v.nbytes)
+        ins = sum(tg[i].nbytes for i in set(v.inputs)) if v.kind is Kind.KERNEL else 0  # a transfer's is elsewhere
+        need[v.gpu] = max(need[v.gpu], v.nbytes + ins)
     st["min_capacity_per_gpu"] = need
     return st
 
@@ -187,7 +185,7 @@ def summary_lines(st: dict, what: str) -> list[str]:
     if what == "taskgraph":
         return [
             f"taskgraph: {st['vertices']} vertices ({_kinds(st['by_kind'])}) on {st['gpus']} GPU(s), "
-            f"{st['edges']} edges, {st['outputs']} outputs",
+            f"{st['edges']} edges, {st['outputs']} output(s)",
             f"tensor bytes: {_sizes(st['tensor_bytes_per_gpu'])}; inputs {format_size(st['input_bytes'])}",
             f"min capacity (largest vertex): {_sizes(st['min_capacity_per_gpu'])}",
         ]
