@@ -153,7 +153,9 @@ def taskgraph_stats(tg: TaskGraph) -> dict:
     # the smallest capacity any plan can work with: a vertex's distinct inputs and output at once
     need = [0] * tg.gpus
     for v in tg:
-        ins = sum(tg[i].nbytes for i in set(v.inputs)) if v.kind is Kind.KERNEL else 0  # a transfer's is elsewhere
+        ins = (
+            sum(tg[i].nbytes for i in set(v.inputs)) if v.kind is Kind.KERNEL else 0
+        )  # a transfer's is elsewhere
         need[v.gpu] = max(need[v.gpu], v.nbytes + ins)
     st["min_capacity_per_gpu"] = need
     return st
@@ -261,11 +263,11 @@ def add_plan(sub) -> None:
 
 
 def cmd_plan(args) -> int:
-    from planner import build_memgraph
-
     tg = formats.load_taskgraph(args.taskgraph)
     caps = capacities(tg, args.capacity, args.capacity_gpu)
     order = read_order(args.order) if args.order else None
+    from planner import build_memgraph
+
     try:
         mg = build_memgraph(tg, caps, order=order, alignment=args.alignment)
     except DiscoError as e:
@@ -292,10 +294,10 @@ def add_verify(sub) -> None:
 
 
 def cmd_verify(args) -> int:
-    from planner.verify import verify
-
     tg = formats.load_taskgraph(args.taskgraph)
     mg = formats.load_memgraph(args.memgraph)
+    from planner.verify import verify
+
     violations = verify(tg, mg, limit=args.limit)
     for v in violations:
         print(v)

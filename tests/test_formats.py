@@ -6,10 +6,11 @@ import json
 
 import msgpack
 import pytest
+from conftest import sample_memgraph
 
 from disco_ray import formats
 from disco_ray.errors import FormatError, GraphError
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MKind, Read
 from disco_ray.taskgraph import Kind, TaskGraph
 
 # Verbatim from FORMATS.md.
@@ -60,33 +61,6 @@ W0 = {
     "ins": [],
     "out": {"device": "gpu:0", "offset": 16384, "nbytes": 16384},
 }
-
-
-def sample_memgraph() -> MemGraph:
-    """A small MemGraph using every kind, both edge kinds, a host store and a src-null input reload."""
-    g0 = lambda off: Loc(0, off, 16384)  # noqa: E731
-    v = [
-        MemVertex(0, MKind.INPUT, "x0", 0, (), g0(0)),
-        MemVertex(1, MKind.INPUT, "w0", 0, (), g0(16384)),
-        MemVertex(2, MKind.KERNEL, "m1", 0, (Read("x0", 0, g0(0)), Read("w0", 1, g0(16384))), g0(32768)),
-        MemVertex(3, MKind.OFFLOAD, "m1", 0, (Read("m1", 2, g0(32768)),), Loc(HOST, 0, 16384)),
-        MemVertex(4, MKind.KERNEL, "a1", 0, (Read("x0", 0, g0(0)),), g0(32768)),
-        MemVertex(5, MKind.RELOAD, "m1", 0, (Read("m1", 3, Loc(HOST, 0, 16384)),), g0(16384)),
-        MemVertex(6, MKind.RELOAD, "x0", 0, (Read("x0", None, Loc(INPUT, 0, 16384)),), g0(0)),
-        MemVertex(7, MKind.TRANSFER, "t1", 1, (Read("m1", 5, g0(16384)),), Loc(1, 0, 16384)),
-    ]
-    edges = [
-        (0, 2, "data"),
-        (1, 2, "data"),
-        (2, 3, "data"),
-        (3, 4, "mem"),
-        (0, 4, "data"),
-        (3, 5, "data"),
-        (4, 5, "mem"),
-        (5, 7, "data"),
-        (4, 6, "mem"),
-    ]
-    return MemGraph([65536, 32768], v, edges, {"t1": 7, "a1": 4}, [16384, 0], {"offloads": 1, "note": "x"})
 
 
 @pytest.mark.parametrize("suffix", [".json", ".msgpack"])
