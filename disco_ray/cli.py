@@ -1,8 +1,8 @@
 """The `disco-ray` command line: plan, verify, info, ops (and, from other modules, run/workload/bench).
 
-Every subcommand NAME is a pair `add_NAME(subparsers)` (declares its arguments and sets
-`func=cmd_NAME`) and `cmd_NAME(args) -> int` (the exit status), in the module that COMMANDS names
-for it. A module listed there keeps heavy imports (ray, torch) inside `cmd_NAME`, so that
+Every subcommand NAME is a pair `add_NAME(subparsers)` (adds the parser NAME and its arguments)
+and `cmd_NAME(args) -> int` (runs it, returns the exit status), in the module that COMMANDS names
+for it; adding a command is one line in COMMANDS. A module listed there keeps heavy imports (ray, torch) inside `cmd_NAME`, so that
 `disco-ray plan` stays quick.
 
 Exit status: 0 success, 1 `verify` found violations, 2 bad usage or bad input. Input errors
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit status (the console script's entry point)."""
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args))
+        cmd = getattr(importlib.import_module(COMMANDS[args.command]), f"cmd_{args.command}")
+        return int(cmd(args))
     except DiscoError as e:
         _error(str(e))
     except OSError as e:  # an unwritable output directory, a full disk: the user's to fix
@@ -259,7 +260,6 @@ def add_plan(sub) -> None:
         metavar="MEMGRAPH",
         help="where to write the MemGraph (.json or .msgpack)",
     )
-    p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args) -> int:
@@ -290,7 +290,6 @@ def add_verify(sub) -> None:
     p.add_argument("taskgraph", metavar="TASKGRAPH")
     p.add_argument("memgraph", metavar="MEMGRAPH")
     p.add_argument("--limit", type=positive_int, default=20, help="report at most this many violations")
-    p.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args) -> int:
@@ -317,7 +316,6 @@ def add_info(sub) -> None:
     )
     p.add_argument("file", metavar="FILE", help="a TaskGraph or MemGraph (.json or .msgpack)")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
-    p.set_defaults(func=cmd_info)
 
 
 def cmd_info(args) -> int:
@@ -335,7 +333,6 @@ def cmd_info(args) -> int:
 def add_ops(sub) -> None:
     p = sub.add_parser("ops", help="list the op set", description="Print the op table (docs/OPS.md).")
     p.add_argument("--markdown", action="store_true", help="print docs/OPS.md")
-    p.set_defaults(func=cmd_ops)
 
 
 def ops_markdown() -> str:

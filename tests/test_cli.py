@@ -7,6 +7,7 @@ import json
 import pytest
 from conftest import ROOT, sample_memgraph, two_gpu_graph
 
+from disco_ray import cli as cli_module
 from disco_ray import formats
 from disco_ray.errors import UsageError
 from disco_ray.sizes import format_size, parse_size
@@ -183,3 +184,19 @@ def test_plan_output_suffix_checked_first(cli, bad_files, name, fragment):
     r = cli("plan", "g.json", "--capacity", "1MiB", "-o", name, cwd=bad_files)
     assert_one_line_error(r, fragment)
     assert not (bad_files / name).exists()
+
+
+def test_other_modules_add_commands(tmp_path, monkeypatch, capsys):
+    (tmp_path / "hello_cmd.py").write_text(
+        "def add_hello(sub):\n"
+        "    sub.add_parser('hello').add_argument('--times', type=int, default=1)\n"
+        "def cmd_hello(args):\n"
+        "    print('hello ' * args.times)\n"
+        "    return 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli_module.COMMANDS, "hello", "hello_cmd")
+    assert cli_module.main(["hello", "--times", "2"]) == 3
+    assert capsys.readouterr().out.strip() == "hello hello"
+    assert cli_module.main(["hello", "--times", "x"]) == 2
+    assert capsys.readouterr().err.startswith("disco-ray: error: hello: argument --times: invalid int value")
