@@ -52,6 +52,22 @@ def sample_memgraph() -> MemGraph:
     return MemGraph([65536, 32768], v, edges, {"t1": 7, "a1": 4}, [16384, 0], {"offloads": 1, "note": "x"})
 
 
+def plan_of_two_gpu_graph(*, clobber: bool = False) -> MemGraph:
+    """A hand-made correct MemGraph of two_gpu_graph(); `clobber` makes m1 overwrite its operand x0."""
+    k = 16384
+    m1_out = Loc(0, 0 if clobber else 2 * k, k)
+    v = [
+        MemVertex(0, MKind.INPUT, "x0", 0, (), Loc(0, 0, k)),
+        MemVertex(1, MKind.INPUT, "w0", 0, (), Loc(0, k, k)),
+        MemVertex(
+            2, MKind.KERNEL, "m1", 0, (Read("x0", 0, Loc(0, 0, k)), Read("w0", 1, Loc(0, k, k))), m1_out
+        ),
+        MemVertex(3, MKind.TRANSFER, "t1", 1, (Read("m1", 2, m1_out),), Loc(1, 0, k)),
+    ]
+    edges = [(0, 2, "data"), (1, 2, "data"), (2, 3, "data")]
+    return MemGraph([4 * k, 4 * k], v, edges, {"t1": 3}, [0, 0])
+
+
 @pytest.fixture
 def tg2() -> TaskGraph:
     return two_gpu_graph()

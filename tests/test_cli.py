@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT, sample_memgraph, two_gpu_graph
+from conftest import ROOT, plan_of_two_gpu_graph, sample_memgraph, two_gpu_graph
 
 from disco_ray import cli as cli_module
 from disco_ray import formats
@@ -200,3 +200,30 @@ def test_other_modules_add_commands(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.strip() == "hello hello"
     assert cli_module.main(["hello", "--times", "x"]) == 2
     assert capsys.readouterr().err.startswith("disco-ray: error: hello: argument --times: invalid int value")
+
+
+# ---- verify ------------------------------------------------------------------------------------
+@pytest.fixture
+def plans(tmp_path):
+    formats.save(two_gpu_graph(), tmp_path / "g.json")
+    formats.save(plan_of_two_gpu_graph(), tmp_path / "ok.msgpack")
+    formats.save(plan_of_two_gpu_graph(clobber=True), tmp_path / "bad.json")
+    return tmp_path
+
+
+def test_verify_ok(cli, plans):
+    pytest.importorskip("planner.verify")
+    r = cli("verify", "g.json", "ok.msgpack", cwd=plans)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok: ok.msgpack is a correct plan of g.json")
+
+
+def test_verify_violations(cli, plans):
+    pytest.importorskip("planner.verify")
+    r = cli("verify", "g.json", "bad.json", cwd=plans)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines and all(ln.strip() for ln in lines)
+    assert "Traceback" not in r.stderr and r.stderr.strip().endswith("violation(s)")
+    r = cli("verify", "--limit", "1", "g.json", "bad.json", cwd=plans)
+    assert r.returncode == 1 and len(r.stdout.splitlines()) == 1
