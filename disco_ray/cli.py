@@ -272,7 +272,10 @@ def cmd_plan(args) -> int:
         mg = build_memgraph(tg, caps, order=order, alignment=args.alignment)
     except DiscoError as e:
         raise type(e)(f"{args.taskgraph}: {e}") from None
-    formats.save(mg, args.output)
+    try:
+        formats.save(mg, args.output)
+    except OSError as e:  # name the file asked for, not the temporary one beside it
+        raise UsageError(f"{args.output}: cannot write ({e.strerror})") from None
     for line in summary_lines(memgraph_stats(mg), "memgraph"):
         print(line, file=sys.stderr)
     print(f"wrote {args.output}", file=sys.stderr)

@@ -227,3 +227,65 @@ def test_verify_violations(cli, plans):
     assert "Traceback" not in r.stderr and r.stderr.strip().endswith("violation(s)")
     r = cli("verify", "--limit", "1", "g.json", "bad.json", cwd=plans)
     assert r.returncode == 1 and len(r.stdout.splitlines()) == 1
+
+
+# ---- plan --------------------------------------------------------------------------------------
+def need_planner() -> None:
+    planner = pytest.importorskip("planner")
+    if not hasattr(planner, "build_memgraph"):
+        pytest.skip("planner.build_memgraph not on this branch yet")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".msgpack"])
+def test_plan_then_verify_and_info(cli, tmp_path, suffix):
+    need_planner()
+    out = tmp_path / f"m{suffix}"
+    r = cli("plan", EXAMPLE, "--capacity", "64KiB", "--capacity-gpu", "1=48KiB", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert "memgraph: " in r.stderr and f"wrote {out}" in r.stderr
+    mg = formats.load_memgraph(out)
+    assert mg.capacity == [65536, 49152, 65536]
+    st = json.loads(cli("info", "--json", out).stdout)
+    # GPU 1 holds 7 tensors of 16 KiB over the run but has room for 3: something must go to the host
+    assert st["by_kind"]["offload"] + st["by_kind"]["reload"] > 0 and st["reload_bytes"] > 0
+    assert st["arena_high_water"][1] <= 49152
+    assert f"reloaded {format_size(st['reload_bytes'])}" in r.stderr
+    r = cli("verify", EXAMPLE, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", ["order.txt", "order.json"])
+def test_plan_with_order(cli, tmp_path, name):
+    need_planner()
+    tg = formats.load_taskgraph(EXAMPLE)
+    ids = [v.id for v in tg]
+    (tmp_path / name).write_text(
+        json.dumps(ids) if name.endswith(".json") else "# file order\n" + "\n".join(ids)
+    )
+    r = cli("plan", EXAMPLE, "--capacity", "1MiB", "--order", tmp_path / name, "-o", tmp_path / "m.json")
+    assert r.returncode == 0, r.stderr
+    assert cli("verify", EXAMPLE, tmp_path / "m.json").returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (["--capacity", "40KiB"], ["matmul3.json: ", "'p0'"]),  # matmul needs 48 KiB at once
+        (["--capacity", "1MiB", "--capacity-gpu", "2=16KiB"], ["matmul3.json: "]),
+        (["--capacity", "1MiB", "--order", "rev.txt"], ["matmul3.json: "]),
+    ],
+)
+def test_plan_errors(cli, tmp_path, extra, fragments):
+    need_planner()
+    ids = [v.id for v in formats.load_taskgraph(EXAMPLE)]
+    (tmp_path / "rev.txt").write_text("\n".join(reversed(ids)))
+    r = cli("plan", EXAMPLE, *extra, "-o", "m.json", cwd=tmp_path)
+    assert_one_line_error(r, *fragments)
+    assert list(tmp_path.iterdir()) == [tmp_path / "rev.txt"]
+
+
+def test_plan_unwritable_output(cli, tmp_path):
+    need_planner()
+    r = cli("plan", EXAMPLE, "--capacity", "1MiB", "-o", tmp_path / "no" / "such" / "m.json")
+    assert_one_line_error(r, "m.json: cannot write (No such file or directory)")
+    assert not (tmp_path / "no").exists()
