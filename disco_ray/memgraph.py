@@ -75,9 +75,14 @@ class MemVertex:
     out: Loc
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "kind": self.kind.value, "value": self.value, "device": f"gpu:{self.gpu}",
-                "ins": [{"value": r.value, "src": r.src, "loc": r.loc.to_dict()} for r in self.ins],
-                "out": self.out.to_dict()}
+        return {
+            "id": self.id,
+            "kind": self.kind.value,
+            "value": self.value,
+            "device": f"gpu:{self.gpu}",
+            "ins": [{"value": r.value, "src": r.src, "loc": r.loc.to_dict()} for r in self.ins],
+            "out": self.out.to_dict(),
+        }
 
 
 @dataclass(slots=True)
@@ -129,16 +134,29 @@ class MemGraph:
         for v in self.vertices:
             kinds[v.kind.value] += 1
         data = sum(1 for e in self.edges if e[2] == "data")
-        return {**self.stats, "vertices": len(self.vertices), "by_kind": kinds, "edges": len(self.edges),
-                "data_edges": data, "mem_edges": len(self.edges) - data, "capacity": list(self.capacity),
-                "host_capacity": list(self.host_capacity)}
+        return {
+            **self.stats,
+            "vertices": len(self.vertices),
+            "by_kind": kinds,
+            "edges": len(self.edges),
+            "data_edges": data,
+            "mem_edges": len(self.edges) - data,
+            "capacity": list(self.capacity),
+            "host_capacity": list(self.host_capacity),
+        }
 
     def to_dict(self) -> dict:
         return {
-            "format": FORMAT, "version": VERSION,
-            "devices": [{"device": f"gpu:{g}", "capacity": c,
-                         "host_capacity": self.host_capacity[g] if g < len(self.host_capacity) else 0}
-                        for g, c in enumerate(self.capacity)],
+            "format": FORMAT,
+            "version": VERSION,
+            "devices": [
+                {
+                    "device": f"gpu:{g}",
+                    "capacity": c,
+                    "host_capacity": self.host_capacity[g] if g < len(self.host_capacity) else 0,
+                }
+                for g, c in enumerate(self.capacity)
+            ],
             "vertices": [v.to_dict() for v in self.vertices],
             "edges": [list(e) for e in self.edges],
             "outputs": [{"value": k, "vertex": v} for k, v in self.outputs.items()],
@@ -150,7 +168,7 @@ class MemGraph:
         if not isinstance(doc, dict):
             raise FormatError("memgraph: top level must be an object")
         if doc.get("format") != FORMAT:
-            raise FormatError(f"memgraph: \"format\" must be {FORMAT!r}, got {doc.get('format')!r}")
+            raise FormatError(f'memgraph: "format" must be {FORMAT!r}, got {doc.get("format")!r}')
         if doc.get("version") != VERSION:
             raise FormatError(f"memgraph: unsupported version {doc.get('version')!r} (this reads {VERSION})")
         try:
