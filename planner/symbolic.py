@@ -22,7 +22,11 @@ from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
 from disco_ray.taskgraph import Kind, TaskGraph
 
 EMPTY = -1  # nothing written yet
-BUSY = -2  # a write is in progress (the bytes are garbage until it completes)
+
+
+def busy(i: int) -> int:
+    """The tag of bytes that vertex position `i` is writing (garbage until it completes)."""
+    return -2 - i
 
 
 def _arena(loc: Loc, gpu: int) -> tuple[int, int]:
@@ -84,8 +88,9 @@ class _Machine:
     def found(self, tag: int) -> str:
         if tag == EMPTY:
             return "nothing (never written)"
-        if tag == BUSY:
-            return "a write in progress"
+        if tag < EMPTY:
+            v = self.verts[-2 - tag]
+            return f"{v.value!r} half-written (vertex {v.id}, {v.kind.value}, still running)"
         v = self.verts[tag]
         return f"{v.value!r} (written by vertex {v.id}, {v.kind.value})"
 
@@ -137,7 +142,7 @@ def execute(
         v = verts[i]
         if v.out.device != INPUT:
             k, a, b = m.segs(v.out, v.gpu)
-            arenas[k][a:b] = BUSY
+            arenas[k][a:b] = busy(i)
         running.append(i)
 
     def finish(i: int) -> None:
