@@ -12,6 +12,7 @@ the edges leave unordered against a reader is caught whichever way it falls. No 
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Iterable
 
@@ -96,9 +97,19 @@ class _Machine:
 
 
 def execute(
-    tg: TaskGraph, mg: MemGraph, rng: random.Random, *, in_flight: int = 1, _machine: _Machine | None = None
+    tg: TaskGraph,
+    mg: MemGraph,
+    rng: random.Random,
+    *,
+    in_flight: int = 1,
+    policy: str = "uniform",
+    _machine: _Machine | None = None,
 ) -> None:
     """Runs `mg` once in a random order allowed by its edges, up to `in_flight` vertices at a time.
+
+    `policy` picks the next vertex to start: "uniform" draws among the ready ones; "priority" draws
+    a random priority per vertex and starts the ready one of highest priority, which lets some
+    vertices lag far behind (a long-delayed load or a racing writer that runs very late).
 
     Raises:
         VerifyError: a read saw another value than its src wrote, an output is not in place at
@@ -109,7 +120,13 @@ def execute(
     arenas = m.new_arenas()
     inputs = {t.id for t in tg if t.kind is Kind.INPUT}
     waiting = [len(p) for p in m.preds]
+    if policy not in ("uniform", "priority"):
+        raise ValueError(f"policy must be 'uniform' or 'priority', got {policy!r}")
+    prio = [rng.random() for _ in verts] if policy == "priority" else None
     ready = [i for i, c in enumerate(waiting) if c == 0]
+    if prio is not None:
+        ready = [(prio[i], i) for i in ready]
+        heapq.heapify(ready)
     running: list[int] = []
     done = 0
 
@@ -156,13 +173,19 @@ def execute(
         for w in m.succs[i]:
             waiting[w] -= 1
             if waiting[w] == 0:
-                ready.append(w)
+                if prio is None:
+                    ready.append(w)
+                else:
+                    heapq.heappush(ready, (prio[w], w))
 
     while ready or running:
         if ready and len(running) < in_flight and (not running or rng.random() < 0.5):
-            k = rng.randrange(len(ready))
-            ready[k], ready[-1] = ready[-1], ready[k]
-            start(ready.pop())
+            if prio is None:
+                k = rng.randrange(len(ready))
+                ready[k], ready[-1] = ready[-1], ready[k]
+                start(ready.pop())
+            else:
+                start(heapq.heappop(ready)[1])
         else:
             k = rng.randrange(len(running))
             running[k], running[-1] = running[-1], running[k]
@@ -187,17 +210,17 @@ def execute(
 def check_random_orders(
     tg: TaskGraph, mg: MemGraph, n_orders: int, seed: int, *, in_flight: Iterable[int] = (1, 2, 4, 16)
 ) -> None:
-    """Executes `mg` in `n_orders` random orders, cycling through the `in_flight` widths.
+    """Executes `mg` in `n_orders` random orders, cycling through the `in_flight` widths and both policies.
 
     Raises:
-        VerifyError: from the first failing order, with the seed and order number appended.
+        VerifyError: from the first failing order, with the seed, order number and mode appended.
     """
     m = _Machine(mg)
-    widths = list(in_flight)
+    modes = [(k, p) for p in ("uniform", "priority") for k in in_flight]
     for n in range(n_orders):
-        k = widths[n % len(widths)]
+        k, p = modes[n % len(modes)]
         rng = random.Random(f"{seed}:{n}")
         try:
-            execute(tg, mg, rng, in_flight=k, _machine=m)
+            execute(tg, mg, rng, in_flight=k, policy=p, _machine=m)
         except VerifyError as e:
-            raise VerifyError(f"{e} [seed {seed}, order {n}, in_flight {k}]") from None
+            raise VerifyError(f"{e} [seed {seed}, order {n}, in_flight {k}, {p}]") from None
