@@ -1,7 +1,7 @@
 """Planning time of build_memgraph on random DAGs over 4 GPUs at a capacity that forces offloads.
 
 Usage: PYTHONPATH=. python benchmarks/bench_planner.py [--sizes 10000 20000 50000 100000]
-       [--gpus 4] [--fraction 0.05] [--seed 0]
+       [--gpus 4] [--capacity-mib 2 | --fraction 0.05] [--seed 0]
 Goal: 100k vertices planned in <= 10 s.
 """
 
@@ -12,7 +12,7 @@ import time
 
 from disco_ray.memgraph import MKind
 from planner import build_memgraph
-from workloads.random_dag import random_dag, tight_capacity
+from workloads.random_dag import min_capacity, random_dag, tight_capacity
 
 
 def main() -> None:
@@ -20,7 +20,16 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 20_000, 50_000, 100_000])
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument(
-        "--fraction", type=float, default=0.05, help="capacity: this share of a GPU's tensor bytes"
+        "--capacity-mib",
+        type=float,
+        default=2.0,
+        help="arena per GPU (raised to what the largest vertex needs): ~32 of the largest tensors",
+    )
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        default=None,
+        help="instead: this share of each GPU's tensor bytes (grows with the graph)",
     )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -31,7 +40,10 @@ def main() -> None:
     for n in args.sizes:
         t0 = time.perf_counter()
         tg = random_dag(n, args.gpus, args.seed)
-        cap = tight_capacity(tg, args.fraction)
+        if args.fraction is not None:
+            cap = tight_capacity(tg, args.fraction)
+        else:
+            cap = [max(m, int(args.capacity_mib * 2**20)) for m in min_capacity(tg)]
         t1 = time.perf_counter()
         mg = build_memgraph(tg, cap)
         t2 = time.perf_counter()

@@ -95,7 +95,7 @@ def _verify(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
     _check_kinds_and_capacity(mg, sink)
     _check_provenance(tg, mg, sink)
     anc = _ancestors(preds, order, n)
-    _check_reads(mg, pos, anc, sink)
+    _check_reads(tg, mg, pos, anc, sink)
     _check_races(tg, mg, pos, anc, sink)
 
 
@@ -263,7 +263,7 @@ def _is_anc(anc: np.ndarray, u: np.ndarray, w: np.ndarray) -> np.ndarray:
     return ((anc[w, u >> 3] >> (u & 7)) & 1).astype(bool)
 
 
-def _check_reads(mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
+def _check_reads(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
     verts = mg.vertices
     for i, v in enumerate(verts):
         for n, r in enumerate(v.ins):
@@ -271,6 +271,8 @@ def _check_reads(mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink
             if r.src is None:
                 if not (v.kind is MKind.RELOAD and r.loc.device == INPUT):
                     sink.add(f"{head}: no src (allowed only for a reload of a graph input from 'input')")
+                elif r.value not in tg or tg[r.value].kind is not Kind.INPUT:
+                    sink.add(f"{head}: reads the caller's copy of {r.value!r}, which is not a graph input")
                 continue
             if r.loc.device == INPUT:
                 sink.add(f"{head}: reads the caller's input copy but names src {r.src}")

@@ -113,6 +113,7 @@ def test_four_slots_offload_reload_on_gpu_1_only():
     mg = build_memgraph(tg, 4 * SLOT, order=ORDER_FOUR)
     assert verify(tg, mg) == []
     check_random_orders(tg, mg, 100, seed=4)
+    assert verify(tg, MemGraph.from_dict(mg.to_dict())) == []  # the file form verifies the same
     moves = [x for x in mg.vertices if x.kind in (MKind.OFFLOAD, MKind.RELOAD)]
     assert moves and all(x.gpu == 0 for x in moves)
     reloads = [x for x in moves if x.kind is MKind.RELOAD]

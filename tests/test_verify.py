@@ -190,6 +190,10 @@ def test_src_none_only_for_reload_of_input():
     v = mg.vertices[6]
     bad = replace_vertex(mg, dataclasses.replace(v, ins=(Read("x", 0, Loc(INPUT, 0, S)),)))
     one_of(verify(tg, bad), "vertex 6", "names src 0")
+    # a reload from the caller's copies must bring back a graph input, not a computed value
+    v = mg.vertices[4]
+    bad = replace_vertex(mg, dataclasses.replace(v, ins=(Read("y", None, Loc(INPUT, 0, S)),)))
+    one_of(verify(tg, bad), "vertex 4", "caller's copy of 'y'", "not a graph input")
 
 
 def test_race_missing_memory_edge():
