@@ -95,7 +95,7 @@ class MemGraph:
     outputs: dict[str, int]  # TaskGraph output id -> vertex holding its final value
     host_capacity: list[int] = field(default_factory=list)  # host store bytes per GPU
     stats: dict = field(default_factory=dict)
-    _index: dict[int, int] | None = None
+    _index: dict[int, int] | None = field(default=None, compare=False, repr=False)
 
     @property
     def gpus(self) -> int:
@@ -199,16 +199,19 @@ class MemGraph:
                 if gpu < 0:
                     raise FormatError(f"{where}: a vertex runs on a GPU, not {r['device']!r}")
                 ins = tuple(Read(i["value"], i["src"], _loc(i["loc"], where)) for i in r["ins"])
+                if any(not (x.src is None or type(x.src) is int) for x in ins):
+                    raise FormatError(f"{where}: a read's \"src\" must be a vertex id or null")
                 verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where)))
             edges = []
             for e in doc["edges"]:
-                if not (isinstance(e, list) and len(e) in (2, 3) and all(isinstance(x, int) for x in e[:2])):
+                if not (isinstance(e, list) and len(e) in (2, 3) and all(isinstance(x, int) for x in e[:2])
+                        and (len(e) == 2 or e[2] in ("data", "mem"))):
                     raise FormatError(f"memgraph: bad edge {e!r}")
                 if e[0] not in seen or e[1] not in seen:
                     raise FormatError(f"memgraph: edge {e!r} names an unknown vertex")
                 edges.append((e[0], e[1], e[2] if len(e) == 3 else "data"))
             outputs = {o["value"]: o["vertex"] for o in doc["outputs"]}
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise FormatError(f"memgraph: missing or malformed field {e}") from None
         return cls(cap, verts, edges, outputs, host, dict(doc.get("stats") or {}))
 

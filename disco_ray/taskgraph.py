@@ -7,6 +7,7 @@ vertices in any order and checks the same things plus cycles and unknown inputs.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -84,7 +85,7 @@ class TaskGraph:
 
     def output(self, *ids: str) -> None:
         for i in ids:
-            if i not in self.vertices:
+            if not isinstance(i, str) or i not in self.vertices:
                 raise GraphError(f"output {i!r}: no such vertex")
             if i in self.outputs:
                 raise GraphError(f"output {i!r} listed twice")
@@ -184,12 +185,12 @@ class TaskGraph:
                 raise GraphError(f"{where}: unknown input {i!r}")
         if shape is not None:
             try:
-                shape = tuple(int(d) for d in shape)
+                shape = tuple(operator.index(d) for d in shape)  # refuses 1.5, accepts numpy ints
             except (TypeError, ValueError):
                 raise GraphError(f"{where}: shape must be a list of integers, got {shape!r}") from None
             if any(d < 0 for d in shape):
                 raise GraphError(f"{where}: negative dimension in shape {list(shape)}")
-        if dtype is not None and dtype not in ITEMSIZE:
+        if dtype is not None and (not isinstance(dtype, str) or dtype not in ITEMSIZE):
             raise GraphError(f"{where}: unknown dtype {dtype!r} (one of {', '.join(ITEMSIZE)})")
         if kind is Kind.INPUT:
             if inputs:
@@ -205,7 +206,7 @@ class TaskGraph:
                 raise GraphError(f"{where}: transfer of {ins[0].id!r} to gpu {gpu}, where it already is")
             out_shape, out_dtype = ins[0].shape, ins[0].dtype
         else:
-            if op not in ops.OPS:
+            if not isinstance(op, str) or op not in ops.OPS:
                 raise GraphError(f"{where}: unknown op {op!r} (one of {', '.join(sorted(ops.OPS))})")
             spec = ops.OPS[op]
             bad = spec.check_arity(len(ins))
@@ -266,7 +267,7 @@ class TaskGraph:
             if vid in by_id:
                 raise GraphError(f"vertex {vid!r}: duplicate id")
             kind = r.get("kind")
-            if kind not in {k.value for k in Kind}:
+            if not isinstance(kind, str) or kind not in {k.value for k in Kind}:
                 raise FormatError(f"vertex {vid!r}: unknown kind {kind!r} (input, kernel or transfer)")
             ins = r.get("inputs", [])
             if not isinstance(ins, list) or not all(isinstance(i, str) for i in ins):
