@@ -214,14 +214,12 @@ def plans(tmp_path):
 
 
 def test_verify_ok(cli, plans):
-    pytest.importorskip("planner.verify")
     r = cli("verify", "g.json", "ok.msgpack", cwd=plans)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("ok: ok.msgpack is a correct plan of g.json")
 
 
 def test_verify_violations(cli, plans):
-    pytest.importorskip("planner.verify")
     r = cli("verify", "g.json", "bad.json", cwd=plans)
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
@@ -232,15 +230,8 @@ def test_verify_violations(cli, plans):
 
 
 # ---- plan --------------------------------------------------------------------------------------
-def need_planner() -> None:
-    planner = pytest.importorskip("planner")
-    if not hasattr(planner, "build_memgraph"):
-        pytest.skip("planner.build_memgraph not on this branch yet")
-
-
 @pytest.mark.parametrize("suffix", [".json", ".msgpack"])
 def test_plan_then_verify_and_info(cli, tmp_path, suffix):
-    need_planner()
     out = tmp_path / f"m{suffix}"
     # chain.json needs 64 KiB on gpu 0 to keep everything resident: 48 KiB forces an offload of
     # 'a' and a reload of the clean input 'x' from its own host copy
@@ -254,14 +245,12 @@ def test_plan_then_verify_and_info(cli, tmp_path, suffix):
     st = json.loads(cli("info", "--json", out).stdout)
     assert st["by_kind"]["offload"] == 1 and st["bytes_reloaded"] == 32768
     assert st["arena_high_water"][0] <= 49152 and st["arena_high_water"][1] <= 32768
-    pytest.importorskip("planner.verify")
     r = cli("verify", CHAIN, out)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("name", ["order.txt", "order.json"])
 def test_plan_with_order(cli, tmp_path, name):
-    need_planner()
     tg = formats.load_taskgraph(EXAMPLE)
     ids = [v.id for v in tg]
     (tmp_path / name).write_text(
@@ -270,7 +259,6 @@ def test_plan_with_order(cli, tmp_path, name):
     r = cli("plan", EXAMPLE, "--capacity", "1MiB", "--order", tmp_path / name, "-o", tmp_path / "m.json")
     assert r.returncode == 0, r.stderr
     assert formats.load_memgraph(tmp_path / "m.json").stats["order"] == "given"
-    pytest.importorskip("planner.verify")
     assert cli("verify", EXAMPLE, tmp_path / "m.json").returncode == 0
 
 
@@ -287,7 +275,6 @@ def test_plan_with_order(cli, tmp_path, name):
     ],
 )
 def test_plan_errors(cli, tmp_path, extra, fragments):
-    need_planner()
     ids = [v.id for v in formats.load_taskgraph(EXAMPLE)]
     (tmp_path / "rev.txt").write_text("\n".join(reversed(ids)))
     r = cli("plan", EXAMPLE, *extra, "-o", "m.json", cwd=tmp_path)
@@ -296,7 +283,6 @@ def test_plan_errors(cli, tmp_path, extra, fragments):
 
 
 def test_plan_unwritable_output(cli, tmp_path):
-    need_planner()
     r = cli("plan", EXAMPLE, "--capacity", "1MiB", "-o", tmp_path / "no" / "such" / "m.json")
     assert_one_line_error(r, "m.json: cannot write (No such file or directory)")
     assert not (tmp_path / "no").exists()
