@@ -217,7 +217,10 @@ class MemGraph:
             outputs = {o["value"]: o["vertex"] for o in doc["outputs"]}
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise FormatError(f"memgraph: missing or malformed field {e}") from None
-        return cls(cap, verts, edges, outputs, host, dict(doc.get("stats") or {}))
+        stats = doc.get("stats") or {}
+        if not isinstance(stats, dict):
+            raise FormatError("memgraph: \"stats\" must be an object")
+        return cls(cap, verts, edges, outputs, host, dict(stats))
 
 
 def _loc(d: dict, where: str) -> Loc:
