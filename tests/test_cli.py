@@ -286,3 +286,53 @@ def test_plan_unwritable_output(cli, tmp_path):
     r = cli("plan", EXAMPLE, "--capacity", "1MiB", "-o", tmp_path / "no" / "such" / "m.json")
     assert_one_line_error(r, "m.json: cannot write (No such file or directory)")
     assert not (tmp_path / "no").exists()
+
+
+# ---- no tracebacks for any malformed field ------------------------------------------------------
+JUNK = [None, -1, 1.5, "x", [0], 10**20, "__delete__"]
+
+
+def _paths(d, pre=()):
+    """Every key path into a JSON document."""
+    yield pre
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+    for k, v in items:
+        yield from _paths(v, (*pre, k))
+
+
+def _mutated(doc, path, value):
+    doc = json.loads(json.dumps(doc))
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    if value == "__delete__":
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return doc
+
+
+@pytest.mark.parametrize("which", ["taskgraph", "memgraph"])
+def test_any_malformed_field_is_one_line_error(tmp_path, capsys, which):
+    """Every field of a good document replaced by junk (or deleted): exit 0, 1 or 2, never a traceback."""
+    tg, mg = tmp_path / "tg.json", tmp_path / "mg.json"
+    formats.save(two_gpu_graph(), tg)
+    formats.save(plan_of_two_gpu_graph(), mg)
+    good = (two_gpu_graph() if which == "taskgraph" else plan_of_two_gpu_graph()).to_dict()
+    bad = tmp_path / "bad.json"
+    for path in list(_paths(good))[1:]:
+        for value in JUNK:
+            bad.write_text(json.dumps(_mutated(good, path, value)))
+            if which == "taskgraph":
+                runs = [["info", bad], ["plan", bad, "--capacity", "1MiB", "-o", tmp_path / "out.json"]]
+            else:
+                runs = [["info", bad], ["verify", tg, bad]]
+            for args in runs:
+                rc = cli_module.main([str(a) for a in args])
+                err = capsys.readouterr().err
+                assert rc in (0, 1, 2), (path, value, args)
+                assert rc != 2 or (err.startswith("disco-ray: error: ") and err.count("\n") == 1), (
+                    path,
+                    value,
+                    err,
+                )
