@@ -246,16 +246,30 @@ def _check_provenance(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
 
 
 def _ancestors(preds: list[list[int]], order: list[int], n: int) -> np.ndarray:
-    """Bit matrix A (n x ceil(n/8) bytes, little bit order): bit u of row w set iff u is an ancestor of w."""
-    anc = [0] * n
+    """Bit matrix A (n x ceil(n/8) bytes, little bit order): bit u of row w set iff u is an ancestor of w.
+
+    Rows are built as Python ints (fast big-integer OR) in topological order and copied into the
+    matrix at once; an int is dropped after its last successor, so only the frontier stays boxed.
+    """
+    width = (n + 7) // 8
+    rows = np.zeros((n, width), dtype=np.uint8)
+    left = [0] * n  # successors not yet built, per vertex
+    for ps in preds:
+        for u in set(ps):
+            left[u] += 1
+    anc: list[int | None] = [None] * n
     for w in order:
         a = 0
-        for u in preds[w]:
-            a |= anc[u] | (1 << u)
-        anc[w] = a
-    width = (n + 7) // 8
-    buf = b"".join(a.to_bytes(width, "little") for a in anc)
-    return np.frombuffer(buf, dtype=np.uint8).reshape(n, width) if width else np.zeros((n, 0), np.uint8)
+        for u in set(preds[w]):
+            a |= anc[u] | (1 << u)  # type: ignore[operator]
+            left[u] -= 1
+            if left[u] == 0:
+                anc[u] = None
+        if a:
+            rows[w] = np.frombuffer(a.to_bytes(width, "little"), dtype=np.uint8)
+        if left[w]:
+            anc[w] = a
+    return rows
 
 
 def _is_anc(anc: np.ndarray, u: np.ndarray, w: np.ndarray) -> np.ndarray:
