@@ -279,27 +279,41 @@ def _is_anc(anc: np.ndarray, u: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def _check_reads(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
     verts = mg.vertices
+
+    def head(v: MemVertex, n: int) -> str:
+        r = v.ins[n]
+        return f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
+
+    pairs: list[tuple[int, int, int]] = []  # (src position, reader position, read index)
     for i, v in enumerate(verts):
         for n, r in enumerate(v.ins):
-            head = f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
             if r.src is None:
                 if not (v.kind is MKind.RELOAD and r.loc.device == INPUT):
-                    sink.add(f"{head}: no src (allowed only for a reload of a graph input from 'input')")
+                    sink.add(
+                        f"{head(v, n)}: no src (allowed only for a reload of a graph input from 'input')"
+                    )
                 elif r.value not in tg or tg[r.value].kind is not Kind.INPUT:
-                    sink.add(f"{head}: reads the caller's copy of {r.value!r}, which is not a graph input")
+                    sink.add(
+                        f"{head(v, n)}: reads the caller's copy of {r.value!r}, which is not a graph input"
+                    )
                 continue
             if r.loc.device == INPUT:
-                sink.add(f"{head}: reads the caller's input copy but names src {r.src}")
+                sink.add(f"{head(v, n)}: reads the caller's input copy but names src {r.src}")
                 continue
             j = pos.get(r.src)
             if j is None:
-                sink.add(f"{head}: src {r.src} is not a vertex")
+                sink.add(f"{head(v, n)}: src {r.src} is not a vertex")
                 continue
             s = verts[j]
             if s.value != r.value or s.out != r.loc or (r.loc.device == HOST and s.gpu != v.gpu):
-                sink.add(f"{head}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
-            if not _is_anc(anc, np.array([j]), np.array([i]))[0]:
-                sink.add(f"{head}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})")
+                sink.add(f"{head(v, n)}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
+            pairs.append((j, i, n))
+    if not pairs:
+        return
+    p = np.array(pairs, dtype=np.int64)
+    for k in np.flatnonzero(~_is_anc(anc, p[:, 0], p[:, 1])):
+        s, v = verts[p[k, 0]], verts[p[k, 1]]
+        sink.add(f"{head(v, int(p[k, 2]))}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})")
 
 
 def _check_races(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
