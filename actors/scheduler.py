@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from disco_ray.errors import RunError
 from disco_ray.memgraph import MemGraph
 
 # ---- events (shell -> core) ------------------------------------------------------------------
@@ -123,10 +122,11 @@ class Scheduler:
         held = self.held[event.gpu]
         ready: list[int] = []
         for vid in event.vids:
-            try:
-                held.remove(vid)
-            except KeyError:
-                raise RunError(f"gpu:{event.gpu} reported vertex {vid} done, which it was not holding") from None
+            if vid not in held:
+                self.state = "failed"
+                self.error = f"gpu:{event.gpu} reported vertex {vid} done, which it was not holding"
+                return [Abort(self.error)]
+            held.remove(vid)
             for w in self.remote_succs.get(vid, ()):
                 k = self.left[w] - 1
                 self.left[w] = k
