@@ -79,8 +79,10 @@ class CpuBackend:
     def open(self, streams: int, work: Work, done: Done) -> None:
         self.close()
         self._queues = [queue.SimpleQueue() for _ in range(streams)]
-        self._threads = [threading.Thread(target=self._loop, args=(s, work, done), daemon=True,
-                                          name=f"stream-{s}") for s in range(streams)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(s, work, done), daemon=True, name=f"stream-{s}")
+            for s in range(streams)
+        ]
         for t in self._threads:
             t.start()
 

@@ -66,9 +66,19 @@ def describe(mg: MemGraph, vid: int) -> str:
 class Executor:
     """The vertices of GPU `gpu` of `mg`; `begin` starts a run, `dispatch` feeds it, `wait` ends it."""
 
-    def __init__(self, gpu: int, mg: MemGraph, tg: TaskGraph, *, backend: str | Backend = "cpu",
-                 streams: int = 5, transport: Transport | None = None, report: Report | None = None,
-                 fail: Fail | None = None, flush_s: float = 1e-3):
+    def __init__(
+        self,
+        gpu: int,
+        mg: MemGraph,
+        tg: TaskGraph,
+        *,
+        backend: str | Backend = "cpu",
+        streams: int = 5,
+        transport: Transport | None = None,
+        report: Report | None = None,
+        fail: Fail | None = None,
+        flush_s: float = 1e-3,
+    ):
         if streams < 1:
             raise RunError(f"gpu:{gpu}: streams must be >= 1, got {streams}")
         self.gpu, self.mg, self.tg = gpu, mg, tg
@@ -80,14 +90,19 @@ class Executor:
         self.flush_s = flush_s
         self.core = WorkerCore(mg, gpu)
         mine = [mg.vertex(v) for v in self.core.mine]
-        host_need = max([v.out.end for v in mine if v.out.device == HOST] +
-                        [r.loc.end for v in mine for r in v.ins if r.loc.device == HOST] + [0])
+        host_need = max(
+            [v.out.end for v in mine if v.out.device == HOST]
+            + [r.loc.end for v in mine for r in v.ins if r.loc.device == HOST]
+            + [0]
+        )
         declared = mg.host_capacity[gpu] if gpu < len(mg.host_capacity) else 0
         self.arena = self.backend.alloc(mg.capacity[gpu], host=False)
         self.host = self.backend.alloc(max(declared, host_need), host=True)
         self.granule = granule_for([v.out for v in mine] + [r.loc for v in mine for r in v.ins])
         self.plans: dict[int, _Plan] = {v.id: self._plan(v) for v in mine}
-        self.input_values = sorted({p.value for p in self.plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)})
+        self.input_values = sorted(
+            {p.value for p in self.plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)}
+        )
         self._lock = threading.Lock()
         self._inputs: dict[str, torch.Tensor] = {}
         self._sanitizer: Sanitizer | None = None
@@ -114,41 +129,68 @@ class Executor:
             raise RunError(f"gpu:{self.gpu} {describe(self.mg, vid)} uses memory of device {loc.device}")
         if loc.end > buf.numel():
             where = "host store" if loc.device == HOST else "arena"
-            raise RunError(f"gpu:{self.gpu} {describe(self.mg, vid)}: range [{loc.offset}, {loc.end}) lies "
-                           f"outside the {where} of {buf.numel()} bytes")
-        return buf[loc.offset: loc.end]
+            raise RunError(
+                f"gpu:{self.gpu} {describe(self.mg, vid)}: range [{loc.offset}, {loc.end}) lies "
+                f"outside the {where} of {buf.numel()} bytes"
+            )
+        return buf[loc.offset : loc.end]
 
     def _typed(self, loc: Loc, value: str, vid: int) -> torch.Tensor:
         tv = self.tg[value]
         if loc.nbytes != tv.nbytes:
-            raise RunError(f"gpu:{self.gpu} {describe(self.mg, vid)}: range of {value!r} has {loc.nbytes} "
-                           f"bytes, the value needs {tv.nbytes}")
+            raise RunError(
+                f"gpu:{self.gpu} {describe(self.mg, vid)}: range of {value!r} has {loc.nbytes} "
+                f"bytes, the value needs {tv.nbytes}"
+            )
         return self._buf(loc, vid).view(torch_dtype(tv.dtype)).view(tv.shape)
 
     def _plan(self, v) -> _Plan:
         local = tuple((r.value, r.loc, r.src) for r in v.ins if r.loc.device in (self.gpu, HOST))
         if v.kind is MKind.KERNEL:
             tv = self.tg[v.value]
-            return _Plan(K_KERNEL, v.value, self._typed(v.out, v.value, v.id),
-                         [self._typed(r.loc, r.value, v.id) for r in v.ins], tv.op,
-                         OPS[tv.op].full_attrs(tv.attrs), out_loc=v.out, checks=local)
+            return _Plan(
+                K_KERNEL,
+                v.value,
+                self._typed(v.out, v.value, v.id),
+                [self._typed(r.loc, r.value, v.id) for r in v.ins],
+                tv.op,
+                OPS[tv.op].full_attrs(tv.attrs),
+                out_loc=v.out,
+                checks=local,
+            )
         out = self._buf(v.out, v.id)
         if v.kind is MKind.INPUT:
             return _Plan(K_INPUT, v.value, out, [], out_loc=v.out)
         r = v.ins[0]
         if r.loc.nbytes != v.out.nbytes:
-            raise RunError(f"gpu:{self.gpu} {describe(self.mg, v.id)} moves {r.loc.nbytes} bytes into a range "
-                           f"of {v.out.nbytes}")
+            raise RunError(
+                f"gpu:{self.gpu} {describe(self.mg, v.id)} moves {r.loc.nbytes} bytes into a range "
+                f"of {v.out.nbytes}"
+            )
         if v.kind is MKind.TRANSFER:
-            return _Plan(K_TRANSFER, v.value, out, [], src_gpu=r.loc.device, src_loc=r.loc,
-                         src_vid=-1 if r.src is None else r.src, out_loc=v.out)
+            return _Plan(
+                K_TRANSFER,
+                v.value,
+                out,
+                [],
+                src_gpu=r.loc.device,
+                src_loc=r.loc,
+                src_vid=-1 if r.src is None else r.src,
+                out_loc=v.out,
+            )
         if v.kind is MKind.RELOAD and (r.src is None or r.loc.device == INPUT):
             return _Plan(K_RELOAD_INPUT, v.value, out, [], out_loc=v.out)
         return _Plan(K_COPY, v.value, out, [self._buf(r.loc, v.id)], out_loc=v.out, checks=local)
 
     # ---- a run ---------------------------------------------------------------------------------
-    def begin(self, inputs: Mapping[str, torch.Tensor], *, check: bool = False,
-              delay: tuple[float, float] | None = None, seed: int = 0) -> None:
+    def begin(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+    ) -> None:
         """Resets the counters for a new run on `inputs` (the caller's tensors this GPU reads)."""
         with self._lock:
             if self._running:
@@ -161,8 +203,13 @@ class Executor:
                 self._inputs[name] = t.detach().contiguous().reshape(-1).view(torch.uint8)
             if check:
                 if self._sanitizer is None:
-                    self._sanitizer = Sanitizer(self.gpu, self.arena.numel(), self.host.numel(), self.granule,
-                                                lambda vid: describe(self.mg, vid))
+                    self._sanitizer = Sanitizer(
+                        self.gpu,
+                        self.arena.numel(),
+                        self.host.numel(),
+                        self.granule,
+                        lambda vid: describe(self.mg, vid),
+                    )
                 self._sanitizer.reset()
             self._check = check
             self._delay = delay
@@ -217,8 +264,10 @@ class Executor:
         else:
             src = self._inputs[p.value]
             if src.numel() != p.out.numel():
-                raise RunError(f"gpu:{self.gpu} {describe(self.mg, vid)}: input has {src.numel()} bytes, "
-                               f"the range {p.out.numel()}")
+                raise RunError(
+                    f"gpu:{self.gpu} {describe(self.mg, vid)}: input has {src.numel()} bytes, "
+                    f"the range {p.out.numel()}"
+                )
             self.backend.copy(p.out, src)
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
@@ -251,8 +300,10 @@ class Executor:
         if isinstance(exc, RunError):
             msg = str(exc) if str(exc).startswith(f"gpu:{self.gpu}") else f"gpu:{self.gpu}: {exc}"
         else:
-            msg = f"gpu:{self.gpu} {describe(self.mg, vid) if vid is not None else ''} raised " \
-                  f"{type(exc).__name__}: {exc}"
+            msg = (
+                f"gpu:{self.gpu} {describe(self.mg, vid) if vid is not None else ''} raised "
+                f"{type(exc).__name__}: {exc}"
+            )
         with self._lock:
             if self._error is not None:
                 return
@@ -319,9 +370,17 @@ class Executor:
         return t.view(torch_dtype(tv.dtype)).view(tv.shape)
 
     def statistics(self) -> dict:
-        return {"gpu": self.gpu, "vertices": len(self.plans), "done": self.core.done, "reports": self.reports,
-                "streams": self.streams, "arena_bytes": self.arena.numel(), "host_bytes": self.host.numel(),
-                "granule": self.granule, "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0}
+        return {
+            "gpu": self.gpu,
+            "vertices": len(self.plans),
+            "done": self.core.done,
+            "reports": self.reports,
+            "streams": self.streams,
+            "arena_bytes": self.arena.numel(),
+            "host_bytes": self.host.numel(),
+            "granule": self.granule,
+            "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
+        }
 
     def close(self) -> None:
         self._closing = True

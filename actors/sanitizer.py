@@ -33,13 +33,16 @@ def granule_for(locs: Iterable[Loc], cap: int = 256) -> int:
 class Sanitizer:
     """Shadow writers of one worker's arena (device `gpu`) and host store."""
 
-    def __init__(self, gpu: int, arena_bytes: int, host_bytes: int, granule: int,
-                 describe: Callable[[int], str]):
+    def __init__(
+        self, gpu: int, arena_bytes: int, host_bytes: int, granule: int, describe: Callable[[int], str]
+    ):
         self.gpu = gpu
         self.granule = granule
         self.describe = describe
-        self._shadow = {gpu: np.full(-(-arena_bytes // granule), NEVER, np.int32),
-                        HOST: np.full(-(-host_bytes // granule), NEVER, np.int32)}
+        self._shadow = {
+            gpu: np.full(-(-arena_bytes // granule), NEVER, np.int32),
+            HOST: np.full(-(-host_bytes // granule), NEVER, np.int32),
+        }
         self.checks = 0
 
     def reset(self) -> None:
@@ -48,7 +51,7 @@ class Sanitizer:
 
     def _slice(self, loc: Loc) -> np.ndarray:
         g = self.granule
-        return self._shadow[loc.device][loc.offset // g: -(-loc.end // g)]
+        return self._shadow[loc.device][loc.offset // g : -(-loc.end // g)]
 
     def begin_write(self, loc: Loc, vid: int) -> None:
         self._slice(loc)[:] = -2 - vid
@@ -74,6 +77,8 @@ class Sanitizer:
             what = f"{self.describe(-2 - found)} while it was still writing"
         else:
             what = self.describe(found)
-        raise RunError(f"sanitizer: {self.describe(reader)} on gpu:{self.gpu} reads {value!r} at {where} "
-                       f"byte {at} ({when}) and expected the write of {self.describe(expect)}, "
-                       f"found {what}")
+        raise RunError(
+            f"sanitizer: {self.describe(reader)} on gpu:{self.gpu} reads {value!r} at {where} "
+            f"byte {at} ({when}) and expected the write of {self.describe(expect)}, "
+            f"found {what}"
+        )

@@ -156,6 +156,11 @@ class Scheduler:
         return sorted(self.held[gpu])
 
     def statistics(self) -> dict:
-        return {"vertices": self.n, "completed": self.completed, "state": self.state, "events": self.events,
-                "dispatch_messages": self.dispatch_msgs,
-                "cross_worker_edges": sum(len(s) for s in self.remote_succs.values())}
+        return {
+            "vertices": self.n,
+            "completed": self.completed,
+            "state": self.state,
+            "events": self.events,
+            "dispatch_messages": self.dispatch_msgs,
+            "cross_worker_edges": sum(len(s) for s in self.remote_succs.values()),
+        }

@@ -17,9 +17,17 @@ def _infer_noop(shapes, dtypes, attrs):
     return tuple(int(d) for d in attrs["shape"]), str(attrs["dtype"])
 
 
-ops.register(ops.OpSpec("noop", 0, None, _infer_noop, attrs={"shape": ops.REQUIRED, "dtype": "float32",
-                                                              "fail": False},
-                        flops=lambda s, o, a: 0.0, doc="does nothing (test/benchmark op); fail=True raises"))
+ops.register(
+    ops.OpSpec(
+        "noop",
+        0,
+        None,
+        _infer_noop,
+        attrs={"shape": ops.REQUIRED, "dtype": "float32", "fail": False},
+        flops=lambda s, o, a: 0.0,
+        doc="does nothing (test/benchmark op); fail=True raises",
+    )
+)
 
 
 @kernels.impl("noop")

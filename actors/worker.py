@@ -21,16 +21,34 @@ from .transport import RayTransport
 
 
 class GpuWorker:
-    def __init__(self, gpu: int, mg: MemGraph, tg: TaskGraph, coordinator: Any, *, backend: str = "cpu",
-                 streams: int = 5, flush_s: float = 1e-3, op_modules: Sequence[str] = (),
-                 torch_threads: int | None = 1):
+    def __init__(
+        self,
+        gpu: int,
+        mg: MemGraph,
+        tg: TaskGraph,
+        coordinator: Any,
+        *,
+        backend: str = "cpu",
+        streams: int = 5,
+        flush_s: float = 1e-3,
+        op_modules: Sequence[str] = (),
+        torch_threads: int | None = 1,
+    ):
         for m in op_modules:
             importlib.import_module(m)
         if torch_threads:
             torch.set_num_threads(torch_threads)  # S streams x N workers share the host's cores
         self.coord = coordinator
-        self.ex = Executor(gpu, mg, tg, backend=backend, streams=streams, report=self._report,
-                           fail=self._fail, flush_s=flush_s)
+        self.ex = Executor(
+            gpu,
+            mg,
+            tg,
+            backend=backend,
+            streams=streams,
+            report=self._report,
+            fail=self._fail,
+            flush_s=flush_s,
+        )
 
     def _report(self, gpu: int, vids: list[int]) -> None:
         self.coord.report.remote(gpu, vids)  # fire and forget: the coordinator orders nothing by it

@@ -26,8 +26,16 @@ class LocalEngine:
 
     name = "local"
 
-    def __init__(self, tg: TaskGraph, mg: MemGraph, *, backend: str = "cpu", streams: int = 5,
-                 flush_s: float = 1e-3, **_: object):
+    def __init__(
+        self,
+        tg: TaskGraph,
+        mg: MemGraph,
+        *,
+        backend: str = "cpu",
+        streams: int = 5,
+        flush_s: float = 1e-3,
+        **_: object,
+    ):
         self.tg, self.mg = tg, mg
         self.sched = Scheduler(mg)
         self._lock = threading.Lock()
@@ -37,8 +45,19 @@ class LocalEngine:
         transport = LocalTransport(self.execs)
         try:
             for g in range(mg.gpus):
-                self.execs.append(Executor(g, mg, tg, backend=backend, streams=streams, transport=transport,
-                                           report=self._report, fail=self._fail, flush_s=flush_s))
+                self.execs.append(
+                    Executor(
+                        g,
+                        mg,
+                        tg,
+                        backend=backend,
+                        streams=streams,
+                        transport=transport,
+                        report=self._report,
+                        fail=self._fail,
+                        flush_s=flush_s,
+                    )
+                )
         except BaseException:
             self.close()
             raise
@@ -63,9 +82,16 @@ class LocalEngine:
                 self._error = i.message
                 self._done.set()
 
-    def run(self, inputs: Mapping[str, torch.Tensor], *, check: bool = False,
-            delay: tuple[float, float] | None = None, seed: int = 0, timeout: float | None = None,
-            progress: Callable[[int], None] | None = None) -> tuple[dict[str, torch.Tensor], list[list]]:
+    def run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+        timeout: float | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
         """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
         for ex in self.execs:
             ex.begin({k: inputs[k] for k in ex.input_values}, check=check, delay=delay, seed=seed)
@@ -79,21 +105,28 @@ class LocalEngine:
             if progress is not None:
                 progress(self.sched.completed)
             if t_end is not None and time.monotonic() > t_end:
-                raise RunError(f"run did not finish within {timeout} s "
-                               f"({self.sched.completed} of {self.sched.n} vertices done)")
+                raise RunError(
+                    f"run did not finish within {timeout} s "
+                    f"({self.sched.completed} of {self.sched.n} vertices done)"
+                )
         if self._error is not None:
             raise RunError(self._error)
         if progress is not None:
             progress(self.sched.completed)
         for ex in self.execs:  # every vertex reported done, so each worker has finished too
             ex.wait()
-        outs = {value: self.execs[self.mg.vertex(vid).gpu].output(value, vid)
-                for value, vid in self.mg.outputs.items()}
+        outs = {
+            value: self.execs[self.mg.vertex(vid).gpu].output(value, vid)
+            for value, vid in self.mg.outputs.items()
+        }
         return outs, [list(ex.trace) for ex in self.execs]
 
     def statistics(self) -> dict:
-        return {"engine": self.name, "scheduler": self.sched.statistics(),
-                "workers": [ex.statistics() for ex in self.execs]}
+        return {
+            "engine": self.name,
+            "scheduler": self.sched.statistics(),
+            "workers": [ex.statistics() for ex in self.execs],
+        }
 
     def close(self) -> None:
         for ex in self.execs:

@@ -11,6 +11,7 @@ End detection: the driver `ray.wait`s on the coordinator's `wait` and every work
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,9 +30,18 @@ class RayEngine:
 
     name = "ray"
 
-    def __init__(self, tg: TaskGraph, mg: MemGraph, *, backend: str = "cpu", streams: int = 5,
-                 flush_s: float = 1e-3, op_modules: Sequence[str] = (), num_cpus: int | None = None,
-                 **_: object):
+    def __init__(
+        self,
+        tg: TaskGraph,
+        mg: MemGraph,
+        *,
+        backend: str = "cpu",
+        streams: int = 5,
+        flush_s: float = 1e-3,
+        op_modules: Sequence[str] = (),
+        num_cpus: int | None = None,
+        **_: object,
+    ):
         import ray
 
         from actors.coordinator import Coordinator
@@ -42,8 +52,14 @@ class RayEngine:
         self.workers: list = []
         self.coord = None
         if not ray.is_initialized():
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=mg.gpus,
-                     include_dashboard=False, logging_level="WARNING", configure_logging=True)
+            ray.init(
+                address="local",
+                num_cpus=num_cpus or os.cpu_count(),
+                num_gpus=mg.gpus,
+                include_dashboard=False,
+                logging_level="WARNING",
+                configure_logging=True,
+            )
             self.started_ray = True
         try:
             have = ray.cluster_resources().get("GPU", 0)
@@ -54,18 +70,39 @@ class RayEngine:
             coord_cls = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=mg.gpus + 8)
             self.coord = coord_cls.remote(mg_ref)
             worker_cls = ray.remote(GpuWorker).options(num_cpus=0, num_gpus=frac, max_concurrency=streams + 8)
-            self.workers = [worker_cls.remote(g, mg_ref, tg_ref, self.coord, backend=backend, streams=streams,
-                                              flush_s=flush_s, op_modules=tuple(op_modules))
-                            for g in range(mg.gpus)]
-            ray.get([self.coord.connect.remote(self.workers),
-                     *[w.connect.remote(self.workers) for w in self.workers]])
+            self.workers = [
+                worker_cls.remote(
+                    g,
+                    mg_ref,
+                    tg_ref,
+                    self.coord,
+                    backend=backend,
+                    streams=streams,
+                    flush_s=flush_s,
+                    op_modules=tuple(op_modules),
+                )
+                for g in range(mg.gpus)
+            ]
+            ray.get(
+                [
+                    self.coord.connect.remote(self.workers),
+                    *[w.connect.remote(self.workers) for w in self.workers],
+                ]
+            )
         except BaseException:
             self.close()
             raise
 
-    def run(self, inputs: Mapping[str, torch.Tensor], *, check: bool = False,
-            delay: tuple[float, float] | None = None, seed: int = 0, timeout: float | None = None,
-            progress: Callable[[int], None] | None = None) -> tuple[dict[str, torch.Tensor], list[list]]:
+    def run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+        timeout: float | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
         """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
@@ -75,8 +112,12 @@ class RayEngine:
             if v.kind.value == "input" or (v.kind.value == "reload" and v.ins and v.ins[0].src is None):
                 wants[v.gpu].append(v.value)
         try:
-            ray.get([w.begin.remote({k: inputs[k] for k in sorted(set(wants[g]))}, check, delay, seed)
-                     for g, w in enumerate(self.workers)])
+            ray.get(
+                [
+                    w.begin.remote({k: inputs[k] for k in sorted(set(wants[g]))}, check, delay, seed)
+                    for g, w in enumerate(self.workers)
+                ]
+            )
             ray.get(self.coord.start.remote())
         except (RayActorError, RayTaskError) as e:
             raise RunError(f"starting the run failed: {_cause(e)}") from None
@@ -103,8 +144,10 @@ class RayEngine:
                     raise RunError(err)
                 pending.remove(r)
             if t_end is not None and time.monotonic() > t_end:
-                raise RunError(f"run did not finish within {timeout} s "
-                               f"({ray.get(self.coord.progress.remote())} of {len(self.mg)} vertices done)")
+                raise RunError(
+                    f"run did not finish within {timeout} s "
+                    f"({ray.get(self.coord.progress.remote())} of {len(self.mg)} vertices done)"
+                )
         by_gpu: dict[int, list[tuple[str, int]]] = {}
         for value, vid in self.mg.outputs.items():
             by_gpu.setdefault(self.mg.vertex(vid).gpu, []).append((value, vid))
@@ -126,25 +169,30 @@ class RayEngine:
             held = ray.get(self.coord.held_by.remote(g), timeout=5)
         except Exception:
             held = None
-        what = "unknown vertices" if held is None else f"{len(held)} vertices" + (
-            f": {held[:20]}{' ...' if len(held) > 20 else ''}" if held else "")
+        what = (
+            "unknown vertices"
+            if held is None
+            else f"{len(held)} vertices"
+            + (f": {held[:20]}{' ...' if len(held) > 20 else ''}" if held else "")
+        )
         return f"gpu:{g} worker died during the run while holding {what}"
 
     def statistics(self) -> dict:
         import ray
 
-        return {"engine": self.name, "scheduler": ray.get(self.coord.statistics.remote()),
-                "workers": ray.get([w.statistics.remote() for w in self.workers])}
+        return {
+            "engine": self.name,
+            "scheduler": ray.get(self.coord.statistics.remote()),
+            "workers": ray.get([w.statistics.remote() for w in self.workers]),
+        }
 
     def close(self) -> None:
         import ray
 
         if ray.is_initialized():
             for a in [*self.workers, *([self.coord] if self.coord is not None else [])]:
-                try:
+                with contextlib.suppress(Exception):  # already dead: nothing to kill
                     ray.kill(a)
-                except Exception:
-                    pass
         self.workers, self.coord = [], None
         if self.started_ray and ray.is_initialized():
             ray.shutdown()

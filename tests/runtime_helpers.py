@@ -14,7 +14,9 @@ from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Rea
 from disco_ray.taskgraph import Kind, TaskGraph
 
 
-def random_taskgraph(seed: int, n: int = 30, gpus: int = 2, dtype: str = "float32", size: int = 8) -> TaskGraph:
+def random_taskgraph(
+    seed: int, n: int = 30, gpus: int = 2, dtype: str = "float32", size: int = 8
+) -> TaskGraph:
     """A random DAG of inputs, elementwise ops, matmuls and transfers on `gpus` GPUs (square tiles)."""
     rng = random.Random(seed)
     g = TaskGraph(gpus=gpus)
@@ -79,14 +81,55 @@ def trivial_memgraph(tg: TaskGraph, *, offload_all: bool = False, align: int = 2
         where[v.id] = (vid, verts[vid].out)
         if offload_all and readers[v.id]:
             if v.kind is Kind.INPUT:
-                rl = add(MKind.RELOAD, v.id, v.gpu, [Read(v.id, None, Loc(INPUT, 0, nb))],
-                         alloc(top, v.gpu, nb, v.gpu))
+                rl = add(
+                    MKind.RELOAD,
+                    v.id,
+                    v.gpu,
+                    [Read(v.id, None, Loc(INPUT, 0, nb))],
+                    alloc(top, v.gpu, nb, v.gpu),
+                )
                 edges.append((vid, rl, "data"))  # keeps the input vertex in use
             else:
-                off = add(MKind.OFFLOAD, v.id, v.gpu, [Read(v.id, vid, verts[vid].out)],
-                          alloc(host_top, v.gpu, nb, HOST))
-                rl = add(MKind.RELOAD, v.id, v.gpu, [Read(v.id, off, verts[off].out)],
-                         alloc(top, v.gpu, nb, v.gpu))
+                off = add(
+                    MKind.OFFLOAD,
+                    v.id,
+                    v.gpu,
+                    [Read(v.id, vid, verts[vid].out)],
+                    alloc(host_top, v.gpu, nb, HOST),
+                )
+                rl = add(
+                    MKind.RELOAD, v.id, v.gpu, [Read(v.id, off, verts[off].out)], alloc(top, v.gpu, nb, v.gpu)
+                )
             where[v.id] = (rl, verts[rl].out)
     outputs = {o: where[o][0] for o in tg.outputs}
     return MemGraph(list(top), verts, edges, outputs, list(host_top))
+
+
+def planners() -> list[str]:
+    """Plan modes the tests run: the trivial planner's two, plus the real planner's when it is there."""
+    modes = ["trivial", "offload"]
+    try:
+        from planner import build_memgraph  # noqa: F401
+    except ImportError:
+        return modes
+    return [*modes, "planner", "planner-tight"]
+
+
+def plan(tg: TaskGraph, mode: str) -> MemGraph:
+    """A MemGraph for `tg`: "trivial", "offload" (trivial_memgraph) or the real planner, roomy or tight."""
+    if mode in ("trivial", "offload"):
+        return trivial_memgraph(tg, offload_all=mode == "offload")
+    from planner import build_memgraph
+
+    if mode == "planner":
+        return build_memgraph(tg, 1 << 24)
+    return build_memgraph(tg, tight_capacity(tg))
+
+
+def tight_capacity(tg: TaskGraph, align: int = 256) -> int:
+    """Barely more than the largest vertex needs (its distinct inputs and output): many offloads."""
+    need = 0
+    for v in tg:
+        ids = dict.fromkeys([*v.inputs, v.id])
+        need = max(need, sum(-(-tg[i].nbytes // align) * align for i in ids))
+    return need + 2 * align
