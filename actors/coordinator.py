@@ -11,20 +11,31 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from disco_ray.errors import RunError
 from disco_ray.memgraph import MemGraph
 
 from .scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
 
 
 class Coordinator:
-    def __init__(self, mg: MemGraph):
-        self.sched = Scheduler(mg)
+    def __init__(self) -> None:
+        self.sched: Scheduler | None = None
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: str | None = None
         self.workers: Sequence[Any] = ()
 
-    def connect(self, workers: Sequence[Any]) -> None:
+    def _core(self) -> Scheduler:
+        if self.sched is None:
+            raise RunError("the coordinator has no graph loaded")
+        return self.sched
+
+    def ping(self) -> bool:
+        return True
+
+    def load(self, mg: MemGraph, workers: Sequence[Any]) -> None:
+        """Takes the next graph; `workers[g]` is the actor of GPU g."""
+        self.sched = Scheduler(mg)
         self.workers = workers
 
     def start(self) -> None:
@@ -32,17 +43,17 @@ class Coordinator:
         self._done.clear()
         self._error = None
         with self._lock:
-            instrs = self.sched.start()
+            instrs = self._core().start()
         self._apply(instrs)
 
     def report(self, gpu: int, vids: list[int]) -> None:
         with self._lock:
-            instrs = self.sched.handle(Completed(gpu, vids))
+            instrs = self._core().handle(Completed(gpu, vids))
         self._apply(instrs)
 
     def fail(self, gpu: int, vid: int | None, message: str) -> None:
         with self._lock:
-            instrs = self.sched.handle(WorkerFailed(gpu, vid, message))
+            instrs = self._core().handle(WorkerFailed(gpu, vid, message))
         self._apply(instrs)
 
     def _apply(self, instrs: list[Instruction]) -> None:
@@ -61,11 +72,11 @@ class Coordinator:
         return ok, self._error
 
     def progress(self) -> int:
-        return self.sched.completed
+        return self._core().completed
 
     def held_by(self, gpu: int) -> list[int]:
         with self._lock:
-            return self.sched.held_by(gpu)
+            return self._core().held_by(gpu)
 
     def statistics(self) -> dict:
-        return self.sched.statistics()
+        return self._core().statistics()

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from disco_ray.errors import RunError
 from disco_ray.memgraph import Loc, MemGraph
 from disco_ray.taskgraph import TaskGraph
 
@@ -21,23 +22,33 @@ from .transport import RayTransport
 
 
 class GpuWorker:
-    def __init__(
+    """One per GPU; `load` a graph (allocating its arena), run it any number of times, load the next."""
+
+    def __init__(self, op_modules: Sequence[str] = (), torch_threads: int | None = 1):
+        for m in op_modules:
+            importlib.import_module(m)
+        if torch_threads:
+            torch.set_num_threads(torch_threads)  # S streams x N workers share the host's cores
+        self.ex: Executor | None = None
+        self.coord: Any = None
+
+    def ping(self) -> bool:
+        return True
+
+    def load(
         self,
         gpu: int,
         mg: MemGraph,
         tg: TaskGraph,
         coordinator: Any,
+        workers: Sequence[Any],
         *,
         backend: str = "cpu",
         streams: int = 5,
         flush_s: float = 1e-3,
-        op_modules: Sequence[str] = (),
-        torch_threads: int | None = 1,
-    ):
-        for m in op_modules:
-            importlib.import_module(m)
-        if torch_threads:
-            torch.set_num_threads(torch_threads)  # S streams x N workers share the host's cores
+    ) -> dict:
+        """Drops the previous graph and allocates the arena and host store of `mg` for GPU `gpu`."""
+        self.unload()
         self.coord = coordinator
         self.ex = Executor(
             gpu,
@@ -45,10 +56,17 @@ class GpuWorker:
             tg,
             backend=backend,
             streams=streams,
+            transport=RayTransport(workers),
             report=self._report,
             fail=self._fail,
             flush_s=flush_s,
         )
+        return self.ex.statistics()
+
+    def unload(self) -> None:
+        if self.ex is not None:
+            self.ex.close()
+            self.ex = None
 
     def _report(self, gpu: int, vids: list[int]) -> None:
         self.coord.report.remote(gpu, vids)  # fire and forget: the coordinator orders nothing by it
@@ -56,31 +74,31 @@ class GpuWorker:
     def _fail(self, gpu: int, vid: int | None, message: str) -> None:
         self.coord.fail.remote(gpu, vid, message)
 
-    def connect(self, workers: Sequence[Any]) -> None:
-        self.ex.transport = RayTransport(workers)
-
     def begin(self, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int) -> None:
-        self.ex.begin(inputs, check=check, delay=delay, seed=seed)
+        self._ex().begin(inputs, check=check, delay=delay, seed=seed)
 
     def dispatch(self, vids: list[int]) -> None:
-        self.ex.dispatch(vids)
+        self._ex().dispatch(vids)
 
     def serve(self) -> str | None:
         """Blocks until this GPU's vertices are all done (None) or the run failed (the message)."""
-        self.ex.wait()
-        return self.ex.error
+        ex = self._ex()
+        ex.wait()
+        return ex.error
 
     def read_range(self, loc: Loc, reader: int, expect: int):
-        return self.ex.read_range(loc, reader, expect)
+        return self._ex().read_range(loc, reader, expect)
 
     def outputs(self, wanted: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        return {value: self.ex.output(value, vid) for value, vid in wanted}
+        return {value: self._ex().output(value, vid) for value, vid in wanted}
 
     def trace(self) -> list[tuple[int, int, int, int]]:
-        return self.ex.trace
+        return self._ex().trace
 
     def statistics(self) -> dict:
-        return self.ex.statistics()
+        return self._ex().statistics()
 
-    def close(self) -> None:
-        self.ex.close()
+    def _ex(self) -> Executor:
+        if self.ex is None:
+            raise RunError("this worker has no graph loaded")
+        return self.ex

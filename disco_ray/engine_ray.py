@@ -23,10 +23,78 @@ from .memgraph import MemGraph
 from .taskgraph import TaskGraph
 
 POLL_S = 0.2
+MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
+
+
+class RayPool:
+    """Long-lived actors (a coordinator and one GpuWorker per GPU) that load one graph after another.
+
+    Starting an actor process costs seconds (Ray worker start + torch import), so a pool can be
+    shared by many Programs (tests do); an engine without one makes a private pool and kills it
+    on close. A pool whose run failed is discarded: its actors are killed and remade on next use.
+    """
+
+    def __init__(self, *, op_modules: Sequence[str] = (), num_cpus: int | None = None):
+        self.op_modules = tuple(op_modules)
+        self.num_cpus = num_cpus
+        self.started_ray = False
+        self.coord = None
+        self.workers: list = []
+
+    def acquire(self, gpus: int, backend: str = "cpu", op_modules: Sequence[str] = ()):
+        """(coordinator, workers[:gpus]), starting Ray and actors as needed."""
+        import ray
+
+        from actors.coordinator import Coordinator
+        from actors.worker import GpuWorker
+
+        if not ray.is_initialized():
+            self.coord, self.workers = None, []
+            ray.init(
+                address="local",
+                num_cpus=self.num_cpus or os.cpu_count(),
+                num_gpus=gpus,
+                include_dashboard=False,
+                logging_level="WARNING",
+            )
+            self.started_ray = True
+        mods = tuple(dict.fromkeys((*self.op_modules, *op_modules)))
+        if len(self.workers) < gpus or mods != self.op_modules:
+            self.discard()
+            self.op_modules = mods
+        if self.coord is None:
+            self.coord = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=MAX_CONCURRENCY).remote()
+        if not self.workers:
+            have = ray.cluster_resources().get("GPU", 0)
+            if have <= 0 and backend != "cpu":
+                raise RunError(f"the Ray cluster has no GPU for backend {backend!r}")
+            frac = 0 if have <= 0 else 1 if have >= gpus else have / gpus
+            cls = ray.remote(GpuWorker).options(num_cpus=0, num_gpus=frac, max_concurrency=MAX_CONCURRENCY)
+            self.workers = [cls.remote(self.op_modules) for _ in range(gpus)]
+        return self.coord, self.workers[:gpus]
+
+    def discard(self) -> None:
+        """Kills the actors (after a failure, or to remake them)."""
+        import ray
+
+        if ray.is_initialized():
+            for a in [*self.workers, *([self.coord] if self.coord is not None else [])]:
+                with contextlib.suppress(Exception):  # already dead: nothing to kill
+                    ray.kill(a)
+        self.coord, self.workers = None, []
+
+    def close(self) -> None:
+        """Kills the actors, and shuts Ray down if this pool started it."""
+        import ray
+
+        self.discard()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        self.started_ray = False
 
 
 class RayEngine:
-    """Actors for one MemGraph; reusable for many runs until `close`."""
+    """One MemGraph loaded into a pool's actors; reusable for many runs until `close`."""
 
     name = "ray"
 
@@ -40,60 +108,65 @@ class RayEngine:
         flush_s: float = 1e-3,
         op_modules: Sequence[str] = (),
         num_cpus: int | None = None,
+        pool: RayPool | None = None,
         **_: object,
     ):
         import ray
-
-        from actors.coordinator import Coordinator
-        from actors.worker import GpuWorker
+        from ray.exceptions import RayActorError, RayTaskError
 
         self.tg, self.mg = tg, mg
-        self.started_ray = False
+        self.own_pool = pool is None
+        self.pool = RayPool(num_cpus=num_cpus) if pool is None else pool
+        self.broken = False
         self.workers: list = []
-        self.coord = None
-        if not ray.is_initialized():
-            ray.init(
-                address="local",
-                num_cpus=num_cpus or os.cpu_count(),
-                num_gpus=mg.gpus,
-                include_dashboard=False,
-                logging_level="WARNING",
-                configure_logging=True,
-            )
-            self.started_ray = True
         try:
-            have = ray.cluster_resources().get("GPU", 0)
-            if have <= 0 and backend != "cpu":
-                raise RunError(f"the Ray cluster has no GPU for backend {backend!r}")
-            frac = 0 if have <= 0 else 1 if have >= mg.gpus else have / mg.gpus
+            self.coord, self.workers = self.pool.acquire(mg.gpus, backend, op_modules)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
-            coord_cls = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=mg.gpus + 8)
-            self.coord = coord_cls.remote(mg_ref)
-            worker_cls = ray.remote(GpuWorker).options(num_cpus=0, num_gpus=frac, max_concurrency=streams + 8)
-            self.workers = [
-                worker_cls.remote(
-                    g,
-                    mg_ref,
-                    tg_ref,
-                    self.coord,
-                    backend=backend,
-                    streams=streams,
-                    flush_s=flush_s,
-                    op_modules=tuple(op_modules),
-                )
-                for g in range(mg.gpus)
-            ]
             ray.get(
                 [
-                    self.coord.connect.remote(self.workers),
-                    *[w.connect.remote(self.workers) for w in self.workers],
+                    self.coord.load.remote(mg_ref, self.workers),
+                    *[
+                        w.load.remote(
+                            g,
+                            mg_ref,
+                            tg_ref,
+                            self.coord,
+                            self.workers,
+                            backend=backend,
+                            streams=streams,
+                            flush_s=flush_s,
+                        )
+                        for g, w in enumerate(self.workers)
+                    ],
                 ]
             )
+        except (RayActorError, RayTaskError) as e:
+            self.broken = True
+            self.close()
+            raise RunError(f"loading the graph into the workers failed: {_cause(e)}") from None
         except BaseException:
+            self.broken = True
             self.close()
             raise
 
     def run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+        timeout: float | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
+        """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
+        try:
+            return self._run(inputs, check=check, delay=delay, seed=seed, timeout=timeout, progress=progress)
+        except BaseException:
+            self.broken = True  # actors may hold a half-done run: the pool remakes them
+            raise
+
+    def _run(
         self,
         inputs: Mapping[str, torch.Tensor],
         *,
@@ -163,6 +236,7 @@ class RayEngine:
         return outs, traces
 
     def _died(self, g: int) -> str:
+        self.broken = True
         import ray
 
         try:
@@ -187,16 +261,19 @@ class RayEngine:
         }
 
     def close(self) -> None:
+        """Unloads the graph from a shared pool's actors; kills them if that fails (a dead or stuck
+        worker), and always kills a private pool's."""
         import ray
 
-        if ray.is_initialized():
-            for a in [*self.workers, *([self.coord] if self.coord is not None else [])]:
-                with contextlib.suppress(Exception):  # already dead: nothing to kill
-                    ray.kill(a)
-        self.workers, self.coord = [], None
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-        self.started_ray = False
+        if self.own_pool:
+            self.pool.close()
+            return
+        if not ray.is_initialized():
+            return
+        try:
+            ray.get([w.unload.remote() for w in self.workers], timeout=30)
+        except Exception:
+            self.pool.discard()
 
 
 def _cause(e: Exception) -> str:

@@ -51,6 +51,7 @@ class Program:
         op_modules: modules the workers import before loading (extra ops, e.g. "actors.testops").
         flush_s: longest a worker holds back a completion report while busy.
         num_cpus: CPUs of a Ray the engine starts (default: all).
+        pool: a `disco_ray.engine_ray.RayPool` whose actors to use (and keep) instead of fresh ones.
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class Program:
         op_modules: Sequence[str] = (),
         flush_s: float = 1e-3,
         num_cpus: int | None = None,
+        pool: object | None = None,
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
@@ -80,6 +82,7 @@ class Program:
             "op_modules": tuple(op_modules),
             "flush_s": flush_s,
             "num_cpus": num_cpus,
+            "pool": pool,
         }
         self._engine = None
         self.last_summary: dict | None = None
