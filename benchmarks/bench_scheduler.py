@@ -8,7 +8,7 @@ is the runtime's own cost):
 - wide: layers of `width` vertices spread over the GPUs; each reads a vertex of the previous
   layer on its own GPU and also depends (a memory edge) on one on the next GPU, so every vertex
   has a cross-worker edge through the coordinator.
-MemGraphs are built directly (each value its own 256-byte range): the planner is not measured.
+MemGraphs come from planner.build_memgraph (planning is not timed).
 Prints, per engine and graph, the best of --repeat runs: vertices/s and us per vertex.
 """
 
@@ -19,23 +19,18 @@ import sys
 import time
 
 import actors.testops  # noqa: F401  (registers noop)
-from disco_ray.memgraph import Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.memgraph import MemGraph, MKind
 from disco_ray.runtime import Program
 from disco_ray.taskgraph import TaskGraph
+from planner import build_memgraph
 
 
 def noop_memgraph(tg: TaskGraph, extra_edges: list[tuple[str, str]] = ()) -> MemGraph:
-    ids = {v.id: n for n, v in enumerate(tg)}
-    top = [0] * tg.gpus
-    verts, edges = [], []
-    for n, v in enumerate(tg):
-        out = Loc(v.gpu, top[v.gpu], v.nbytes)
-        top[v.gpu] += 256
-        ins = tuple(Read(x, ids[x], verts[ids[x]].out) for x in v.inputs)
-        verts.append(MemVertex(n, MKind.KERNEL, v.id, v.gpu, ins, out))
-        edges += [(ids[x], n, "data") for x in dict.fromkeys(v.inputs)]
-    edges += [(ids[a], ids[b], "mem") for a, b in extra_edges]
-    return MemGraph(top, verts, edges, {o: ids[o] for o in tg.outputs}, [0] * tg.gpus)
+    """planner.build_memgraph with room to spare, plus memory edges between values `extra_edges`."""
+    mg = build_memgraph(tg, 1 << 24)
+    vid = {v.value: v.id for v in mg.vertices if v.kind is MKind.KERNEL}
+    mg.edges = [*mg.edges, *((vid[a], vid[b], "mem") for a, b in extra_edges)]
+    return mg
 
 
 def chain(n: int, gpus: int) -> tuple[TaskGraph, MemGraph]:
@@ -62,8 +57,12 @@ def wide(n: int, gpus: int, width: int = 200) -> tuple[TaskGraph, MemGraph]:
     return g, noop_memgraph(g, extra)
 
 
-def bench(engine: str, name: str, tg: TaskGraph, mg: MemGraph, repeat: int, streams: int, flush_s: float) -> dict:
-    with Program(tg, mg, engine=engine, streams=streams, flush_s=flush_s, op_modules=["actors.testops"]) as prog:
+def bench(
+    engine: str, name: str, tg: TaskGraph, mg: MemGraph, repeat: int, streams: int, flush_s: float
+) -> dict:
+    with Program(
+        tg, mg, engine=engine, streams=streams, flush_s=flush_s, op_modules=["actors.testops"]
+    ) as prog:
         prog.run({})  # warm up: actors started, graph loaded
         best = float("inf")
         for _ in range(repeat):
@@ -73,10 +72,17 @@ def bench(engine: str, name: str, tg: TaskGraph, mg: MemGraph, repeat: int, stre
         stats = prog.statistics()
     sched = stats["engine"]["scheduler"]
     reports = sum(w["reports"] for w in stats["engine"]["workers"])
-    return {"engine": engine, "graph": name, "vertices": len(mg), "seconds": best,
-            "vertices_per_s": len(mg) / best, "us_per_vertex": best / len(mg) * 1e6,
-            "cross_edges": sched["cross_worker_edges"], "dispatch_msgs": sched["dispatch_messages"],
-            "report_batches": reports}
+    return {
+        "engine": engine,
+        "graph": name,
+        "vertices": len(mg),
+        "seconds": best,
+        "vertices_per_s": len(mg) / best,
+        "us_per_vertex": best / len(mg) * 1e6,
+        "cross_edges": sched["cross_worker_edges"],
+        "dispatch_msgs": sched["dispatch_messages"],
+        "report_batches": reports,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,16 +103,21 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             if not ray.is_initialized():
-                ray.init(address="local", num_gpus=args.gpus, include_dashboard=False, logging_level="WARNING")
+                ray.init(
+                    address="local", num_gpus=args.gpus, include_dashboard=False, logging_level="WARNING"
+                )
                 ray_started = True
         for name in args.graphs.split(","):
             tg, mg = graphs[name](args.n, args.gpus)
             r = bench(engine, name, tg, mg, args.repeat, args.streams, args.flush_ms / 1e3)
             rows.append(r)
-            print(f"{engine:6s} {name:6s} {r['vertices']:6d} vertices  {r['seconds'] * 1e3:8.1f} ms  "
-                  f"{r['vertices_per_s']:9.0f} vertices/s  {r['us_per_vertex']:6.1f} us/vertex  "
-                  f"(cross-worker edges {r['cross_edges']}, dispatch msgs {r['dispatch_msgs']}, "
-                  f"report batches {r['report_batches']})", flush=True)
+            print(
+                f"{engine:6s} {name:6s} {r['vertices']:6d} vertices  {r['seconds'] * 1e3:8.1f} ms  "
+                f"{r['vertices_per_s']:9.0f} vertices/s  {r['us_per_vertex']:6.1f} us/vertex  "
+                f"(cross-worker edges {r['cross_edges']}, dispatch msgs {r['dispatch_msgs']}, "
+                f"report batches {r['report_batches']})",
+                flush=True,
+            )
     if ray_started:
         import ray
 

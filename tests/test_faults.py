@@ -29,7 +29,7 @@ def test_run_starts_and_shuts_down_its_own_ray():
         pytest.skip("a Ray session is already running")
     tg = random_taskgraph(21, n=10, gpus=2)
     inputs = random_inputs(tg, 0)
-    out = run_memgraph(tg, plan(tg, "offload"), inputs, engine="ray", num_cpus=2, timeout=120)
+    out = run_memgraph(tg, plan(tg, "tight"), inputs, engine="ray", num_cpus=2, timeout=120)
     assert_same(out, evaluate(tg, inputs))
     assert not ray.is_initialized()
 
@@ -39,18 +39,20 @@ from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture)
 
 def test_kernel_that_raises_names_worker_and_vertex(pool):  # noqa: F811
     tg = noop_graph(fail_at="n5", gpus=2, n=8)
-    mg = plan(tg, "trivial")
+    mg = plan(tg)
     vid = next(v.id for v in mg.vertices if v.value == "n5")
     t = time.monotonic()
-    with (Program(tg, mg, engine="ray", pool=pool) as prog,
-          pytest.raises(RunError, match=rf"gpu:1 vertex {vid} \(kernel 'n5'\) raised RuntimeError")):
+    with (
+        Program(tg, mg, engine="ray", pool=pool) as prog,
+        pytest.raises(RunError, match=rf"gpu:1 vertex {vid} \(kernel 'n5'\) raised RuntimeError"),
+    ):
         prog.run({}, timeout=60)
     assert time.monotonic() - t < 30
 
 
 def test_killed_worker_stops_the_run_naming_it(pool):  # noqa: F811
     tg = noop_graph(gpus=2, n=60)
-    mg = plan(tg, "trivial")
+    mg = plan(tg)
     with Program(tg, mg, engine="ray", pool=pool) as prog:
         victim = prog.engine.workers[1]
         timer = threading.Timer(0.5, ray.kill, [victim])
@@ -67,13 +69,13 @@ def test_killed_worker_stops_the_run_naming_it(pool):  # noqa: F811
 def test_the_pool_recovers_after_a_fault(pool):  # noqa: F811
     tg = random_taskgraph(22, n=20, gpus=2)
     inputs = random_inputs(tg, 0)
-    with Program(tg, plan(tg, "offload"), engine="ray", pool=pool) as prog:
+    with Program(tg, plan(tg, "tight"), engine="ray", pool=pool) as prog:
         assert_same(prog.run(inputs, check=True, timeout=120), evaluate(tg, inputs))
 
 
 def test_bad_inputs_are_refused_before_anything_runs(pool):  # noqa: F811
     tg = random_taskgraph(23, n=10, gpus=2)
-    prog = Program(tg, plan(tg, "trivial"), engine="ray", pool=pool)
+    prog = Program(tg, plan(tg), engine="ray", pool=pool)
     good = random_inputs(tg, 0)
     name = sorted(good)[0]
     with pytest.raises(RunError, match=f"input {name!r} is missing"):
