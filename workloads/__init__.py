@@ -42,9 +42,13 @@ class Workload:
         return {v: n for n, ids in enumerate(self.levels) for v in ids}
 
     def statistics(self) -> dict:
-        return {"name": self.name, "levels": len(self.levels), "weights": len(self.weights),
-                "weight_bytes": sum(self.taskgraph[w].nbytes for w in self.weights),
-                **self.taskgraph.statistics()}
+        return {
+            "name": self.name,
+            "levels": len(self.levels),
+            "weights": len(self.weights),
+            "weight_bytes": sum(self.taskgraph[w].nbytes for w in self.weights),
+            **self.taskgraph.statistics(),
+        }
 
 
 # name -> (module, function); imported lazily

@@ -68,8 +68,16 @@ def llama_prefill(
             h = llama_layer(h, full_weights(ins, names), cos, sin, cfg["heads"])
         return {o: h[t * cfg["tile"] : (t + 1) * cfg["tile"]] for t, o in enumerate(outs)}
 
-    return Workload("llama_prefill", g, inputs, reference, levels, weights, {**p, "seed": seed, "preset": preset},
-                    {"layer_weights": layer_weights, "outputs": outs})
+    return Workload(
+        "llama_prefill",
+        g,
+        inputs,
+        reference,
+        levels,
+        weights,
+        {**p, "seed": seed, "preset": preset},
+        {"layer_weights": layer_weights, "outputs": outs},
+    )
 
 
 def _check(p: dict) -> None:
@@ -79,7 +87,9 @@ def _check(p: dict) -> None:
     if p["dim"] % p["heads"] or (p["dim"] // p["heads"]) % 2:
         raise UsageError(f"llama_prefill: dim {p['dim']} must split into {p['heads']} heads of even size")
     if p["heads"] % p["gpus"] or p["ffn"] % p["gpus"]:
-        raise UsageError(f"llama_prefill: heads {p['heads']} and ffn {p['ffn']} must divide by gpus {p['gpus']}")
+        raise UsageError(
+            f"llama_prefill: heads {p['heads']} and ffn {p['ffn']} must divide by gpus {p['gpus']}"
+        )
     if p["seq"] % p["tile"]:
         raise UsageError(f"llama_prefill: seq {p['seq']} is not a multiple of tile {p['tile']}")
 
@@ -102,7 +112,9 @@ def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype):
         return [x if j == owner else add(g.transfer(x, j, id=f"{stem}_to{j}")) for j in range(G)]
 
     def reduce(parts: list[str], residual: str, owner: int, stem: str) -> str:
-        moved = [p if j == owner else add(g.transfer(p, owner, id=f"{stem}_p{j}")) for j, p in enumerate(parts)]
+        moved = [
+            p if j == owner else add(g.transfer(p, owner, id=f"{stem}_p{j}")) for j, p in enumerate(parts)
+        ]
         return add(g.add(residual, *moved, id=stem, gpu=owner))
 
     # h[t][j]: the hidden state of tile t on GPU j; the prompt's embeddings start on the tile's owner
@@ -110,13 +122,25 @@ def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype):
     for t in range(tiles):
         x = add(g.input(f"h0_t{t}", (tile, dim), dtype, gpu=t % G))
         h.append(broadcast(x, t % G, f"h0_t{t}"))
-    cos = [[add(g.input(f"{c}_t{t}_g{j}", (tile, hd), dtype, gpu=j)) for j in range(G)]
-           for t in range(tiles) for c in ("cos", "sin")]
+    cos = [
+        [add(g.input(f"{c}_t{t}_g{j}", (tile, hd), dtype, gpu=j)) for j in range(G)]
+        for t in range(tiles)
+        for c in ("cos", "sin")
+    ]
     cos, sin = cos[0::2], cos[1::2]
     weights: list[str] = []
     layer_weights: list[dict[str, list[str]]] = []
-    shapes = {"attn_norm": (dim,), "wq": (dim, hg * hd), "wk": (dim, hg * hd), "wv": (dim, hg * hd),
-              "wo": (hg * hd, dim), "mlp_norm": (dim,), "w1": (dim, fg), "w3": (dim, fg), "w2": (fg, dim)}
+    shapes = {
+        "attn_norm": (dim,),
+        "wq": (dim, hg * hd),
+        "wk": (dim, hg * hd),
+        "wv": (dim, hg * hd),
+        "wo": (hg * hd, dim),
+        "mlp_norm": (dim,),
+        "w1": (dim, fg),
+        "w3": (dim, fg),
+        "w2": (fg, dim),
+    }
     outs: list[str] = []
     for li in range(layers):
         lv = levels[li]
@@ -139,8 +163,19 @@ def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype):
                 q = add(g.kernel("rope", q, cos[t][j], sin[t][j], id=f"{s}.qr_g{j}"))
                 ks[j].append(add(g.kernel("rope", k, cos[t][j], sin[t][j], id=f"{s}.kr_g{j}")))
                 vs[j].append(v)
-                a = add(g.kernel("attention", q, *ks[j], *vs[j], id=f"{s}.attn_g{j}", heads=hg,
-                                 scale=1.0 / math.sqrt(hd), offset=t * tile, causal=True))
+                a = add(
+                    g.kernel(
+                        "attention",
+                        q,
+                        *ks[j],
+                        *vs[j],
+                        id=f"{s}.attn_g{j}",
+                        heads=hg,
+                        scale=1.0 / math.sqrt(hd),
+                        offset=t * tile,
+                        causal=True,
+                    )
+                )
                 parts.append(add(g.matmul(a, w["wo"][j], id=f"{s}.o_g{j}")))
             h1 = broadcast(reduce(parts, h[t][own], own, f"{s}.h1"), own, f"{s}.h1")
             parts = []
@@ -224,7 +259,9 @@ def llama_layer(h: torch.Tensor, w: Mapping[str, torch.Tensor], cos, sin, heads:
     x = rms_norm(h, w["attn_norm"])
     q, k, v = ((x @ w[n]).view(s, heads, hd).transpose(0, 1) for n in ("wq", "wk", "wv"))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    a = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=1 / math.sqrt(hd))
+    a = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, scale=1 / math.sqrt(hd)
+    )
     h = h + a.to(h.dtype).transpose(0, 1).reshape(s, d) @ w["wo"]
     x = rms_norm(h, w["mlp_norm"])
     return h + (F.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]

@@ -30,7 +30,9 @@ def matmul_chain(
 ) -> Workload:
     """Builds the n-level tensor-parallel matmul chain over `gpus` GPUs."""
     if n < 1 or gpus < 1 or tokens < 1 or hidden < 1:
-        raise UsageError(f"matmul_chain needs positive n, gpus, tokens, hidden; got {n}, {gpus}, {tokens}, {hidden}")
+        raise UsageError(
+            f"matmul_chain needs positive n, gpus, tokens, hidden; got {n}, {gpus}, {tokens}, {hidden}"
+        )
     if hidden % gpus:
         raise UsageError(f"matmul_chain: hidden {hidden} is not divisible by gpus {gpus}")
     g = TaskGraph(gpus)
@@ -50,7 +52,9 @@ def matmul_chain(
         else:
             nxt = []
             for j in range(gpus):
-                blocks = [parts[j] if k == j else g.transfer(parts[k], j, id=f"t{i}_{k}to{j}") for k in range(gpus)]
+                blocks = [
+                    parts[j] if k == j else g.transfer(parts[k], j, id=f"t{i}_{k}to{j}") for k in range(gpus)
+                ]
                 ids += [b for k, b in enumerate(blocks) if k != j]
                 nxt.append(g.kernel("concat", *blocks, gpu=j, id=f"x{i + 1}_g{j}", axis=-1))
             ids += nxt
@@ -67,8 +71,15 @@ def matmul_chain(
             h = h @ y
         return {out_id: h}
 
-    return Workload("matmul_chain", g, inputs, reference, levels, weights,
-                    dict(n=n, gpus=gpus, tokens=tokens, hidden=hidden, dtype=dtype, seed=seed))
+    return Workload(
+        "matmul_chain",
+        g,
+        inputs,
+        reference,
+        levels,
+        weights,
+        dict(n=n, gpus=gpus, tokens=tokens, hidden=hidden, dtype=dtype, seed=seed),
+    )
 
 
 def _inputs(g: TaskGraph, seed: int, hidden: int) -> dict[str, torch.Tensor]:

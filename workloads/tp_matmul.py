@@ -50,5 +50,12 @@ def tp_matmul(
         y = torch.cat([ins[f"y_g{j}"] for j in range(gpus)], dim=0)
         return {out: x @ y}
 
-    return Workload("tp_matmul", g, inputs, reference, [[*xs, *ys, *parts, *moved[1:], out]], ys,
-                    dict(gpus=gpus, m=m, k=k, n=n, dtype=dtype, seed=seed))
+    return Workload(
+        "tp_matmul",
+        g,
+        inputs,
+        reference,
+        [[*xs, *ys, *parts, *moved[1:], out]],
+        ys,
+        dict(gpus=gpus, m=m, k=k, n=n, dtype=dtype, seed=seed),
+    )
