@@ -56,7 +56,7 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "matmul_chain": ("workloads.matmul_chain", "matmul_chain"),
     "tp_matmul": ("workloads.tp_matmul", "tp_matmul"),
     "llama_prefill": ("workloads.llama", "llama_prefill"),
-    "random_dag": ("workloads.random_dag", "random_dag"),
+    "random_dag": ("workloads", "random_dag_workload"),
 }
 
 
@@ -118,6 +118,46 @@ def parse_value(key: str, s: str, typ: type) -> object:
         return typ(s)
     except ValueError:
         raise UsageError(f"parameter {key}={s!r} is not a valid {typ.__name__}") from None
+
+
+def random_dag_workload(
+    n: int = 40,
+    gpus: int = 2,
+    seed: int = 0,
+    transfer_prob: float = 0.1,
+    max_inputs: int = 3,
+    far_prob: float = 0.05,
+    input_prob: float = 0.05,
+    outputs: int | None = None,
+    materialize: bool = True,
+) -> Workload:
+    """A random DAG (`workloads.random_dag`) with random inputs; levels are longest-path depths.
+
+    A random graph has no definition other than itself, so its reference is the graph's own
+    evaluation (`disco_ray.reference.evaluate`), unlike the other workloads.
+    """
+    try:
+        from .random_dag import random_dag
+    except ModuleNotFoundError as e:
+        raise UsageError(f"workload 'random_dag' is not available: {e}") from None
+    from disco_ray.reference import evaluate, random_inputs
+
+    kw = dict(transfer_prob=transfer_prob, max_inputs=max_inputs, far_prob=far_prob, input_prob=input_prob)
+    tg = random_dag(n, gpus, seed, outputs=outputs, **kw)
+    depth: dict[str, int] = {}
+    for v in tg:
+        depth[v.id] = 1 + max((depth[i] for i in v.inputs), default=-1)
+    levels: list[list[str]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
+    for v, d in depth.items():
+        levels[d].append(v)
+    weights = [v.id for v in tg.inputs()]
+
+    def reference(ins: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return evaluate(tg, ins)
+
+    inputs = random_inputs(tg, seed) if materialize else {}
+    params = dict(n=n, gpus=gpus, seed=seed, outputs=outputs, **kw)
+    return Workload("random_dag", tg, inputs, reference, levels, weights, params)
 
 
 def _base_type(t) -> type:
