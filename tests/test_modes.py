@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -24,7 +26,9 @@ def _planner():
 
 
 def _edges_by_value(mg):
-    return {(mg.vertex(u).value, mg.vertex(u).kind, mg.vertex(w).value, mg.vertex(w).kind) for u, w, _ in mg.edges}
+    return {
+        (mg.vertex(u).value, mg.vertex(u).kind, mg.vertex(w).value, mg.vertex(w).kind) for u, w, _ in mg.edges
+    }
 
 
 def _check_consistent(mg):
@@ -46,7 +50,7 @@ def test_deterministic_fixes_each_lane_order():
     _check_consistent(det)
     r = simulate(det, w.taskgraph, h100)
     seen: dict = {}
-    for v, g, ln, s, _ in sorted(r.timeline, key=lambda e: (e[3], e[0])):
+    for v, g, ln, _s, _ in sorted(r.timeline, key=lambda e: (e[3], e[0])):
         seen.setdefault((g, ln), []).append(v)
     for ids in seen.values():
         assert ids == sorted(ids)
@@ -54,7 +58,7 @@ def test_deterministic_fixes_each_lane_order():
     r1 = simulate(per_gpu, w.taskgraph, h100)
     for g in range(2):
         spans = sorted((s, e, v) for v, gg, _, s, e in r1.timeline if gg == g)
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     with pytest.raises(UsageError):
         modes.deterministic(mg, per="stream")
 
@@ -74,7 +78,7 @@ def test_levelwise_runs_level_by_level():
         phase = 2 * lv[v.value] + (0 if v.kind is MKind.INPUT else 1)
         span.setdefault(phase, []).append((s, e))
     phases = sorted(span)
-    for a, b in zip(phases, phases[1:]):
+    for a, b in itertools.pairwise(phases):
         assert max(e for _, e in span[a]) <= min(s for s, _ in span[b]), (a, b)
     assert r.makespan >= simulate(mg, tg, h100).makespan
     # a mapping works as well as a list; unknown ids are refused
@@ -123,7 +127,9 @@ def test_modes_keep_planned_graphs_correct(name, kw, frac):
         for seed in range(3):
             got = execute_random_order(m, tg, w.inputs, seed=seed)
             for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4, msg=f"{mode} seed {seed} {k}")
+                torch.testing.assert_close(
+                    got[k], want[k], rtol=1e-4, atol=1e-4, msg=f"{mode} seed {seed} {k}"
+                )
 
 
 def test_plan_dispatches_modes():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 import workloads
@@ -120,7 +122,7 @@ def test_timeline_respects_edges_and_lanes():
         by_lane.setdefault((g, ln), []).append((s, e))
     for spans in by_lane.values():
         spans.sort()
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     points = sorted({s for _, _, _, s, _ in r.timeline})
     for t in points:  # never more than 3 vertices at once on a GPU
         for g in range(2):

@@ -15,6 +15,7 @@ from disco_ray.errors import GraphError, UsageError
 from disco_ray.kernels import run_kernel
 from disco_ray.reference import evaluate
 from disco_ray.taskgraph import Kind, TaskGraph
+from workloads import baselines
 from workloads.llama import apply_rope, rope_tables
 
 CASES = [
@@ -192,3 +193,37 @@ def test_concat_op_and_shape_errors():
     with pytest.raises(GraphError, match="rope"):
         g.kernel("rope", q, cs, cs)
     assert math.isclose(ops.OPS["rope"].flops([(4, 8)], (4, 8), {}), 96)
+
+
+# ---- torch baselines -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [("matmul_chain", dict(n=4, gpus=2, tokens=8, hidden=16)), ("llama_prefill", dict(layers=2, gpus=2))],
+)
+@pytest.mark.parametrize("which", sorted(baselines.BASELINES))
+def test_baselines_match_reference(name, kw, which):
+    w = workloads.build(name, **kw)
+    r = baselines.BASELINES[which](w, device="cpu")
+    want = w.reference(w.inputs)
+    assert r.device == "cpu" and r.seconds > 0 and r.name == which
+    assert set(r.outputs) == set(want)
+    for k in want:
+        torch.testing.assert_close(r.outputs[k], want[k], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("which", sorted(baselines.BASELINES))
+def test_baselines_on_cuda(which):
+    w = workloads.build("llama_prefill", layers=3, gpus=2, seq=128, tile=32, dim=128, heads=4, ffn=256)
+    r = baselines.BASELINES[which](w, device="cuda")
+    want = w.reference(w.inputs)
+    for k in want:
+        torch.testing.assert_close(r.outputs[k], want[k], rtol=1e-3, atol=1e-3)
+
+
+def test_baselines_refuse_other_workloads():
+    with pytest.raises(UsageError):
+        baselines.torch_naive(workloads.build("tp_matmul"))
+    with pytest.raises(UsageError, match="without inputs"):
+        baselines.torch_naive(workloads.build("matmul_chain", materialize=False))
