@@ -93,27 +93,27 @@ def levelwise(mg: MemGraph, tg: TaskGraph, levels: Sequence[Sequence[str]] | Map
     return _renumber(out, sorted(range(len(vs)), key=lambda p: (phase[p], p)))
 
 
-def in_memory(tg: TaskGraph, alignment: int = 256) -> MemGraph:
+def in_memory(tg: TaskGraph, alignment: int = 256, order=None) -> MemGraph:
     """Plans `tg` with room for every tensor at once, so the plan has no offloads or reloads."""
     from planner import build_memgraph
 
     need = [0] * tg.gpus
     for v in tg:
         need[v.gpu] += -(-v.nbytes // alignment) * alignment
-    mg = build_memgraph(tg, [n + alignment for n in need], alignment=alignment)
+    mg = build_memgraph(tg, [n + alignment for n in need], order=order, alignment=alignment)
     mg.stats["mode"] = "in_memory"
     return mg
 
 
-def plan(tg: TaskGraph, mode: str, capacity, levels=None, alignment: int = 256) -> MemGraph:
-    """Plans `tg` with the planner and applies `mode` (one of MODES)."""
+def plan(tg: TaskGraph, mode: str, capacity, levels=None, alignment: int = 256, order=None) -> MemGraph:
+    """Plans `tg` with the planner (serial `order`, default the planner's) and applies `mode` (one of MODES)."""
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
     if mode == "in_memory":
-        return in_memory(tg, alignment)
+        return in_memory(tg, alignment, order)
     from planner import build_memgraph
 
-    mg = build_memgraph(tg, capacity, alignment=alignment)
+    mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
     if mode == "deterministic":
         return deterministic(mg)
     if mode == "levelwise":

@@ -87,7 +87,7 @@ def test_levelwise_runs_level_by_level():
         modes.levelwise(mg, tg, {"nope": 0})
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_modes_keep_hand_made_plans_correct(seed):
     w = workloads.build("llama_prefill", gpus=2, seq=32, tile=8, layers=2, seed=seed)
     tg = w.taskgraph
@@ -103,28 +103,37 @@ def test_modes_keep_hand_made_plans_correct(seed):
     ("name", "kw", "frac"),
     [
         ("matmul_chain", dict(n=5, gpus=2, tokens=8, hidden=64), 0.4),
-        ("llama_prefill", dict(gpus=2, seq=32, tile=8, layers=3), 0.3),
+        ("llama_prefill", dict(gpus=2, seq=32, tile=8, layers=2), 0.3),
         ("tp_matmul", dict(gpus=3, m=32, k=48, n=32), 0.6),
     ],
 )
 def test_modes_keep_planned_graphs_correct(name, kw, frac):
     build_memgraph = _planner()
+    from planner.verify import verify
+
     w = workloads.build(name, **kw)
     tg = w.taskgraph
     need = max(tg.statistics()["tensor_bytes_per_gpu"])
     want = w.reference(w.inputs)
-    mg = build_memgraph(tg, int(need * frac) + 4096)
-    variants = {
-        "dynamic": mg,
-        "deterministic": modes.deterministic(mg),
-        "levelwise": modes.levelwise(mg, tg, w.levels),
-        "in_memory": modes.in_memory(tg),
-    }
+    variants = {}
+    reloaded = 0
+    for order in (None, w.order()):
+        mg = build_memgraph(tg, int(need * frac) + 4096, order=order)
+        reloaded += mg.stats["bytes_reloaded"]
+        o = "planner" if order is None else "builder"
+        variants |= {
+            f"dynamic/{o}": mg,
+            f"deterministic/{o}": modes.deterministic(mg),
+            f"levelwise/{o}": modes.levelwise(mg, tg, w.levels),
+        }
+    assert reloaded > 0 or name != "llama_prefill", "the test wants a plan that offloads"
+    variants["in_memory"] = modes.in_memory(tg)
     assert variants["in_memory"].statistics()["by_kind"]["offload"] == 0
     for mode, m in variants.items():
         _check_consistent(m)
+        assert verify(tg, m) == [], mode
         simulate(m, tg, UnitCost())
-        for seed in range(3):
+        for seed in range(2):
             got = execute_random_order(m, tg, w.inputs, seed=seed)
             for k in want:
                 torch.testing.assert_close(

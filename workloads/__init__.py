@@ -37,6 +37,10 @@ class Workload:
     params: dict = field(default_factory=dict)  # the builder's arguments, for baselines and reports
     meta: dict = field(default_factory=dict)
 
+    def order(self) -> list[str]:
+        """The serial order the builder laid the graph out in (level by level): a planner order."""
+        return list(self.taskgraph.vertices)
+
     def level_of(self) -> dict[str, int]:
         """TaskGraph id -> level index, for the ids that `levels` names."""
         return {v: n for n, ids in enumerate(self.levels) for v in ids}
