@@ -227,3 +227,17 @@ def test_baselines_refuse_other_workloads():
         baselines.torch_naive(workloads.build("tp_matmul"))
     with pytest.raises(UsageError, match="without inputs"):
         baselines.torch_naive(workloads.build("matmul_chain", materialize=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_workload_ops_on_cuda_fp16():
+    w = workloads.build("llama_prefill", gpus=2, seq=64, tile=16, dim=128, heads=4, ffn=256, layers=2)
+    tg16 = workloads.build(
+        "llama_prefill", gpus=2, seq=64, tile=16, dim=128, heads=4, ffn=256, layers=2, dtype="float16"
+    )
+    ins16 = {k: v.half() for k, v in w.inputs.items()}
+    got = evaluate(tg16.taskgraph, ins16, device="cuda")
+    want = w.reference(w.inputs)
+    for k in want:
+        torch.testing.assert_close(got[k].float().cpu(), want[k], rtol=2e-2, atol=2e-2)

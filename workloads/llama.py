@@ -259,9 +259,8 @@ def llama_layer(h: torch.Tensor, w: Mapping[str, torch.Tensor], cos, sin, heads:
     x = rms_norm(h, w["attn_norm"])
     q, k, v = ((x @ w[n]).view(s, heads, hd).transpose(0, 1) for n in ("wq", "wk", "wv"))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    a = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), is_causal=True, scale=1 / math.sqrt(hd)
-    )
-    h = h + a.to(h.dtype).transpose(0, 1).reshape(s, d) @ w["wo"]
+    # 4-d and in the weights' dtype, so that a GPU runs its fused (flash) kernel
+    a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=1 / math.sqrt(hd))[0]
+    h = h + a.transpose(0, 1).reshape(s, d) @ w["wo"]
     x = rms_norm(h, w["mlp_norm"])
     return h + (F.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]
