@@ -78,3 +78,38 @@ def _rmsnorm(out, ins, attrs):
 @impl("transpose")
 def _transpose(out, ins, attrs):
     out.copy_(ins[0].transpose(-1, -2))
+
+
+# ---- kernels of the workload ops (concat, rope, attention) -------------------------------------
+@impl("concat")
+def _concat(out, ins, attrs):
+    torch.cat(ins, dim=attrs["axis"], out=out)
+
+
+@impl("rope")
+def _rope(out, ins, attrs):
+    x, cos, sin = ins
+    d = cos.shape[-1]
+    xv = x.unflatten(-1, (-1, d))  # [.., s, heads, d]
+    ov = out.unflatten(-1, (-1, d))
+    rot = torch.cat((-xv[..., d // 2 :], xv[..., : d // 2]), dim=-1)
+    torch.mul(xv, cos.unsqueeze(-2), out=ov)
+    ov.addcmul_(rot, sin.unsqueeze(-2))
+
+
+@impl("attention")
+def _attention(out, ins, attrs):
+    q, kv = ins[0], ins[1:]
+    m = len(kv) // 2
+    h = attrs["heads"]
+    # softmax in fp32 whatever the operand dtype; [heads, rows, d] layout for batched matmuls
+    qh = q.unflatten(-1, (h, -1)).transpose(0, 1).float()
+    k = torch.cat(kv[:m], dim=0).unflatten(-1, (h, -1)).transpose(0, 1).float()
+    v = torch.cat(kv[m:], dim=0).unflatten(-1, (h, -1)).transpose(0, 1).float()
+    s = torch.matmul(qh, k.transpose(-1, -2)).mul_(attrs["scale"])
+    if attrs["causal"]:
+        rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + attrs["offset"]
+        cols = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
+        s.masked_fill_(cols > rows, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out.unflatten(-1, (h, -1)).copy_(torch.matmul(p, v).transpose(0, 1))
