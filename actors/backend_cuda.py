@@ -1,0 +1,144 @@
+"""The CUDA backend: one arena on the GPU, one pinned host store, S torch.cuda.Streams.
+
+TURNIP appendix A: a vertex is launched as asynchronous CUDA work on a stream it holds alone,
+and a callback tells the event loop when the stream has executed it. Here each stream has one
+thread that (1) runs `work(vid, s)` under `torch.cuda.stream(...)` (kernels and cudaMemcpyAsync
+are only enqueued), (2) records an event and waits on it (`Event.synchronize` releases the GIL
+and blocks this thread alone, never the device or the other streams), (3) calls `done`.
+A stream runs one vertex at a time (the executor's contract), so the thread that launched a
+vertex has nothing else to do until it completes; and the executor hands a freed stream's next
+vertex to the same thread, so a chain never waits on a thread wake-up. Rejected: cupy's
+`launch_host_func` callbacks (43 us median on the H100, run on CUDA's one callback thread for all
+streams, and may not call CUDA themselves) and a poller thread (a poll interval of latency).
+
+Times: the interval of a vertex is measured on the GPU (two timing events around its work); its
+end is the wall-clock instant the waiting thread returned, its start that minus the GPU interval.
+
+Nothing is allocated while a graph runs: the arena and host store come once from `alloc`, graph
+inputs are staged once per run into a pinned buffer before it starts (`stages_inputs`, see
+`actors.executor`), and cuBLAS's per-stream workspace is created by a warm-up matmul in `open`.
+Kernel temporaries (e.g. rmsnorm's float32 copy) come from torch's caching allocator, which
+reuses them from the first run on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping
+
+import torch
+
+from disco_ray.errors import RunError
+from disco_ray.kernels import IMPLS
+
+from .backend import Done, Work
+
+_STOP = -1
+_WARM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class CudaBackend:
+    """Arena on `device` (default: the current CUDA device), pinned host store, S CUDA streams."""
+
+    name = "cuda"
+    stages_inputs = True  # the executor copies graph inputs into a pinned buffer from `alloc`
+
+    def __init__(self, device: int | str | torch.device | None = None):
+        if not torch.cuda.is_available():
+            raise RunError("backend 'cuda': torch sees no CUDA device")
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self.streams: list[torch.cuda.Stream] = []
+        self._queues: list[queue.SimpleQueue] = []
+        self._threads: list[threading.Thread] = []
+        self.allocated = {"device": 0, "pinned": 0}
+
+    def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
+        """One uint8 buffer: pinned host memory (host=True) or device memory; once per worker."""
+        if host:
+            self.allocated["pinned"] += nbytes
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+        self.allocated["device"] += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def open(self, streams: int, work: Work, done: Done) -> None:
+        self.close()
+        with torch.cuda.device(self.device):
+            self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
+            for st in self.streams:
+                _warm(st, self.device)
+            torch.cuda.synchronize(self.device)
+        self._queues = [queue.SimpleQueue() for _ in range(streams)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(s, work, done), daemon=True, name=f"cuda-stream-{s}")
+            for s in range(streams)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, s: int, work: Work, done: Done) -> None:
+        torch.cuda.set_device(self.device)
+        stream = self.streams[s]
+        get = self._queues[s].get
+        clock = time.time_ns
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            while True:
+                vid = get()
+                if vid == _STOP:
+                    return
+                exc: BaseException | None = None
+                start.record(stream)
+                try:
+                    work(vid, s)
+                except BaseException as e:  # reported to the executor, which stops the run
+                    exc = e
+                end.record(stream)
+                try:
+                    end.synchronize()  # blocks this thread only (the GIL is released)
+                    t1 = clock()
+                    gpu_ns = int(start.elapsed_time(end) * 1e6)
+                except BaseException as e:  # an asynchronous CUDA error of this vertex's work
+                    t1, gpu_ns = clock(), 0
+                    exc = exc or e
+                done(vid, s, t1 - gpu_ns, t1, exc)
+
+    def submit(self, stream: int, vid: int) -> None:
+        self._queues[stream].put(vid)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueued on the current stream; pinned host <-> device copies stay asynchronous."""
+        dst.copy_(src, non_blocking=True)
+
+    def kernel(self, op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
+        IMPLS[op](out, ins, attrs)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(_STOP)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        self._queues, self._threads = [], []
+        if self.streams:
+            torch.cuda.synchronize(self.device)
+        self.streams = []
+
+    def statistics(self) -> dict:
+        return {
+            "backend": self.name,
+            "device": str(self.device),
+            "streams": len(self.streams),
+            **self.allocated,
+        }
+
+
+def _warm(stream: torch.cuda.Stream, device: torch.device) -> None:
+    """Creates cuBLAS's handle and workspace for `stream` now rather than inside the first vertex."""
+    with torch.cuda.stream(stream):
+        for dt in _WARM_DTYPES:
+            a = torch.ones(64, 64, dtype=dt, device=device)
+            torch.matmul(a, a)
