@@ -11,18 +11,31 @@ vertex to the same thread, so a chain never waits on a thread wake-up. Rejected:
 `launch_host_func` callbacks (43 us median on the H100, run on CUDA's one callback thread for all
 streams, and may not call CUDA themselves) and a poller thread (a poll interval of latency).
 
-Times: the interval of a vertex is measured on the GPU (two timing events around its work); its
-end is the wall-clock instant the waiting thread returned, its start that minus the GPU interval.
+Copies between host and device go through two FIFO copy lanes (one stream per direction), not
+the vertex's own stream: the vertex's stream waits on the lane after its copy, so completion is
+still one event. Measured on the H100 (bench_gpu_chain): loads issued on several streams run
+concurrently and share PCIe, so each finishes late and the matmul waiting for the first one
+starts late (1.26x the lower bound for the weight-streaming chain); in launch order (the
+runtime launches lowest id first, i.e. the planner's order) the first load gets all the
+bandwidth, as in a hand-written prefetch loop.
+
+Times: the interval of a vertex is measured on the GPU (two timing events around its work; for a
+lane copy the start event is recorded on the lane, so time spent queued behind earlier copies is
+not counted as busy); its end is the wall-clock instant the waiting thread returned, its start
+that minus the GPU interval.
 
 Nothing is allocated while a graph runs: the arena and host store come once from `alloc`, graph
 inputs are staged once per run into a pinned buffer before it starts (`stages_inputs`, see
-`actors.executor`), and cuBLAS's per-stream workspace is created by a warm-up matmul in `open`.
-Kernel temporaries (e.g. rmsnorm's float32 copy) come from torch's caching allocator, which
-reuses them from the first run on.
+`actors.executor`), and `open` creates cuBLAS's per-stream workspace (a warm-up matmul) and
+leaves `workspace` bytes (DISCO_CUDA_WORKSPACE, default 16 MiB) plus one small-block segment
+cached in torch's allocator for each stream: kernel temporaries (e.g. rmsnorm's float32 copy)
+are carved from those, since the caching allocator keeps blocks per stream. A kernel whose
+temporaries exceed that still works, at the cost of one cudaMalloc the first time.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -45,12 +58,18 @@ class CudaBackend:
     name = "cuda"
     stages_inputs = True  # the executor copies graph inputs into a pinned buffer from `alloc`
 
-    def __init__(self, device: int | str | torch.device | None = None):
+    def __init__(self, device: int | str | torch.device | None = None, workspace: int | None = None):
         if not torch.cuda.is_available():
             raise RunError("backend 'cuda': torch sees no CUDA device")
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
         self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self.workspace = (
+            int(os.environ.get("DISCO_CUDA_WORKSPACE", 16 << 20)) if workspace is None else workspace
+        )
         self.streams: list[torch.cuda.Stream] = []
+        self.h2d: torch.cuda.Stream | None = None  # the copy lanes
+        self.d2h: torch.cuda.Stream | None = None
+        self._local = threading.local()  # per stream thread: the start event of a lane copy
         self._queues: list[queue.SimpleQueue] = []
         self._threads: list[threading.Thread] = []
         self.allocated = {"device": 0, "pinned": 0}
@@ -67,8 +86,9 @@ class CudaBackend:
         self.close()
         with torch.cuda.device(self.device):
             self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
+            self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
             for st in self.streams:
-                _warm(st, self.device)
+                _warm(st, self.device, self.workspace)
             torch.cuda.synchronize(self.device)
         self._queues = [queue.SimpleQueue() for _ in range(streams)]
         self._threads = [
@@ -85,12 +105,15 @@ class CudaBackend:
         clock = time.time_ns
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        local = self._local
+        local.lane_start = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             while True:
                 vid = get()
                 if vid == _STOP:
                     return
                 exc: BaseException | None = None
+                local.lane_used = False
                 start.record(stream)
                 try:
                     work(vid, s)
@@ -100,7 +123,8 @@ class CudaBackend:
                 try:
                     end.synchronize()  # blocks this thread only (the GIL is released)
                     t1 = clock()
-                    gpu_ns = int(start.elapsed_time(end) * 1e6)
+                    first = local.lane_start if local.lane_used else start
+                    gpu_ns = int(first.elapsed_time(end) * 1e6)
                 except BaseException as e:  # an asynchronous CUDA error of this vertex's work
                     t1, gpu_ns = clock(), 0
                     exc = exc or e
@@ -110,8 +134,27 @@ class CudaBackend:
         self._queues[stream].put(vid)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Enqueued on the current stream; pinned host <-> device copies stay asynchronous."""
-        dst.copy_(src, non_blocking=True)
+        """Host <-> device: on that direction's lane, the current stream waiting on it after the
+        copy; device <-> device: on the current stream. Asynchronous (pinned host memory)."""
+        lane = (
+            self.h2d
+            if dst.is_cuda and not src.is_cuda
+            else self.d2h
+            if src.is_cuda and not dst.is_cuda
+            else None
+        )
+        if lane is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        cur = torch.cuda.current_stream()
+        lane.wait_stream(cur)  # after whatever this vertex enqueued before
+        local = self._local
+        with torch.cuda.stream(lane):
+            if not local.lane_used:
+                local.lane_start.record(lane)
+                local.lane_used = True
+            dst.copy_(src, non_blocking=True)
+        cur.wait_stream(lane)  # the vertex's end event follows its copy
 
     def kernel(self, op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
         IMPLS[op](out, ins, attrs)
@@ -126,6 +169,7 @@ class CudaBackend:
         if self.streams:
             torch.cuda.synchronize(self.device)
         self.streams = []
+        self.h2d = self.d2h = None
 
     def statistics(self) -> dict:
         return {
@@ -136,9 +180,14 @@ class CudaBackend:
         }
 
 
-def _warm(stream: torch.cuda.Stream, device: torch.device) -> None:
-    """Creates cuBLAS's handle and workspace for `stream` now rather than inside the first vertex."""
+def _warm(stream: torch.cuda.Stream, device: torch.device, workspace: int) -> None:
+    """Creates cuBLAS's handle and workspace for `stream`, and leaves `workspace` bytes (one
+    large-pool block) and one small-pool segment cached for that stream in torch's allocator."""
     with torch.cuda.stream(stream):
         for dt in _WARM_DTYPES:
             a = torch.ones(64, 64, dtype=dt, device=device)
             torch.matmul(a, a)
+        keep = [torch.empty(256 << 10, dtype=torch.uint8, device=device)]  # small pool: a 2 MiB segment
+        if workspace > (1 << 20):
+            keep.append(torch.empty(workspace, dtype=torch.uint8, device=device))
+        del keep  # freed into this stream's pools, not to the device

@@ -25,6 +25,7 @@ import torch
 
 from disco_ray.runtime import Program
 from disco_ray.taskgraph import TaskGraph
+from disco_ray.trace import write_trace
 from planner import build_memgraph
 
 
@@ -103,6 +104,15 @@ def prefetch_ms(x_h: torch.Tensor, ws_h: list[torch.Tensor], repeat: int) -> flo
     return min(event_ms(run, 1) for _ in range(repeat))
 
 
+def print_timeline(mg, records) -> None:
+    """One line per vertex: start, end (ms from the run's start), stream, kind, value."""
+    flat = sorted((a, b, s, vid) for recs in records for vid, s, a, b in recs)
+    t0 = flat[0][0]
+    for a, b, s, vid in flat:
+        v = mg.vertex(vid)
+        print(f"    {(a - t0) / 1e6:8.3f} {(b - t0) / 1e6:8.3f} s{s} {v.kind.value:7s} {v.value}")
+
+
 def ceilings(w_h: torch.Tensor, tokens: int) -> tuple[float, float]:
     """(one matmul [tokens x d] @ [d x d], one pinned H2D of the tile w_h), median ms."""
     d = w_h.shape[0]
@@ -123,6 +133,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--engines", default="local,ray")
+    ap.add_argument("--trace", default="", help="folder for the best run's trace JSON per engine")
+    ap.add_argument("--timeline", action="store_true", help="print each vertex of the best runs")
     args = ap.parse_args()
     t, d, n = args.tokens, args.dim, args.n
     torch.manual_seed(0)
@@ -174,9 +186,13 @@ def main() -> None:
                     flush=True,
                 )
                 if r and (best is None or s["makespan_s"] < best["makespan_s"]):
-                    best = s
+                    best, records = s, prog.last_records
             y = res[f"Y{n - 1}"].float()
         err = ((y - ref.float()).norm() / ref.float().norm()).item()
+        if args.trace:
+            write_trace(f"{args.trace}/chain_{engine}.json", mg, records, best)
+        if args.timeline:
+            print_timeline(mg, records)
         h2d_bytes = best["bytes"].get("input", 0) + best["bytes"].get("reload", 0)
         bound_ms = max(n * mm_ms, h2d_bytes / h2d_rate * 1e3)
         rows.append((engine, best, bound_ms, h2d_bytes, err, time.perf_counter() - t0))
