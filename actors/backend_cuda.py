@@ -69,7 +69,8 @@ class CudaBackend:
         self.streams: list[torch.cuda.Stream] = []
         self.h2d: torch.cuda.Stream | None = None  # the copy lanes
         self.d2h: torch.cuda.Stream | None = None
-        self._local = threading.local()  # per stream thread: the start event of a lane copy
+        self._local = threading.local()  # per stream thread: its ticket, the start event of a lane copy
+        self._turns = Turns()  # lane order: copies enter the lanes in submission order
         self._queues: list[queue.SimpleQueue] = []
         self._threads: list[threading.Thread] = []
         self.allocated = {"device": 0, "pinned": 0}
@@ -87,20 +88,34 @@ class CudaBackend:
         with torch.cuda.device(self.device):
             self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
             self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-            for st in self.streams:
-                _warm(st, self.device, self.workspace)
-            torch.cuda.synchronize(self.device)
         self._queues = [queue.SimpleQueue() for _ in range(streams)]
+        self._turns = Turns()
+        warmed = threading.Barrier(streams + 1)
         self._threads = [
-            threading.Thread(target=self._loop, args=(s, work, done), daemon=True, name=f"cuda-stream-{s}")
+            threading.Thread(
+                target=self._loop, args=(s, work, done, warmed), daemon=True, name=f"cuda-stream-{s}"
+            )
             for s in range(streams)
         ]
+        self._warm_error: BaseException | None = None
         for t in self._threads:
             t.start()
+        warmed.wait(timeout=120)  # every stream thread has its cuBLAS handle and workspace
+        torch.cuda.synchronize(self.device)
+        if self._warm_error is not None:
+            err = self._warm_error
+            self.close()
+            raise RunError(f"backend 'cuda' on {self.device}: warming up the streams failed: {err}")
 
-    def _loop(self, s: int, work: Work, done: Done) -> None:
+    def _loop(self, s: int, work: Work, done: Done, warmed: threading.Barrier) -> None:
         torch.cuda.set_device(self.device)
         stream = self.streams[s]
+        # in this thread: torch keeps a cuBLAS handle per thread and its workspace per (handle, stream)
+        try:
+            _warm(stream, self.device, self.workspace)
+        except BaseException as e:  # e.g. out of memory: `open` raises it
+            self._warm_error = e
+        warmed.wait(timeout=120)
         get = self._queues[s].get
         clock = time.time_ns
         start = torch.cuda.Event(enable_timing=True)
@@ -109,16 +124,19 @@ class CudaBackend:
         local.lane_start = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             while True:
-                vid = get()
+                vid, ticket = get()
                 if vid == _STOP:
                     return
                 exc: BaseException | None = None
                 local.lane_used = False
+                local.ticket = ticket
                 start.record(stream)
                 try:
                     work(vid, s)
                 except BaseException as e:  # reported to the executor, which stops the run
                     exc = e
+                if not local.lane_used:
+                    self._turns.resolve(ticket)
                 end.record(stream)
                 try:
                     end.synchronize()  # blocks this thread only (the GIL is released)
@@ -131,7 +149,8 @@ class CudaBackend:
                 done(vid, s, t1 - gpu_ns, t1, exc)
 
     def submit(self, stream: int, vid: int) -> None:
-        self._queues[stream].put(vid)
+        # tickets number vertices in submission order (the executor submits lowest id first)
+        self._queues[stream].put((vid, self._turns.take()))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Host <-> device: on that direction's lane, the current stream waiting on it after the
@@ -147,21 +166,27 @@ class CudaBackend:
             dst.copy_(src, non_blocking=True)
             return
         cur = torch.cuda.current_stream()
-        lane.wait_stream(cur)  # after whatever this vertex enqueued before
         local = self._local
+        first = getattr(local, "lane_used", True) is False  # a stream thread's first lane copy of a vertex
+        if first:
+            # lanes are FIFO: enqueue in submission order, not in the order the threads woke up
+            self._turns.wait(local.ticket)
+        lane.wait_stream(cur)  # after whatever this vertex enqueued before
         with torch.cuda.stream(lane):
-            if not local.lane_used:
+            if first:
                 local.lane_start.record(lane)
                 local.lane_used = True
             dst.copy_(src, non_blocking=True)
         cur.wait_stream(lane)  # the vertex's end event follows its copy
+        if first:
+            self._turns.resolve(local.ticket)
 
     def kernel(self, op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
         IMPLS[op](out, ins, attrs)
 
     def close(self) -> None:
         for q in self._queues:
-            q.put(_STOP)
+            q.put((_STOP, -1))
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
@@ -178,6 +203,35 @@ class CudaBackend:
             "streams": len(self.streams),
             **self.allocated,
         }
+
+
+class Turns:
+    """Tickets in submission order; `wait(t)` returns once every earlier ticket is resolved (its
+    vertex enqueued its lane copy, or finished launching without one). Never waits on a later
+    ticket, so it cannot deadlock."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next = 0
+        self._low = 0  # every ticket below is resolved
+        self._resolved: set[int] = set()
+
+    def take(self) -> int:
+        with self._cv:
+            self._next += 1
+            return self._next - 1
+
+    def wait(self, ticket: int, timeout: float | None = None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._low >= ticket, timeout)
+
+    def resolve(self, ticket: int) -> None:
+        with self._cv:
+            self._resolved.add(ticket)
+            while self._low in self._resolved:
+                self._resolved.discard(self._low)
+                self._low += 1
+            self._cv.notify_all()
 
 
 def _warm(stream: torch.cuda.Stream, device: torch.device, workspace: int) -> None:

@@ -58,6 +58,35 @@ def test_path_choice():
     assert choose_paths(infos) == {(0, 1): "ipc", (0, 2): "nccl", (1, 2): "nccl"}
 
 
+def test_lane_turns_follow_submission_order():
+    import random
+    import threading
+
+    from actors.backend_cuda import Turns
+
+    turns = Turns()
+    tickets = [turns.take() for _ in range(40)]
+    rng = random.Random(5)
+    entered: list[int] = []
+    lock = threading.Lock()
+
+    def vertex(t: int) -> None:  # threads start in a shuffled order; half of them use a lane
+        if t % 2 == 0:
+            assert turns.wait(t, timeout=10), f"ticket {t} waited for ever"
+            with lock:
+                entered.append(t)
+        turns.resolve(t)
+
+    order = tickets[:]
+    rng.shuffle(order)
+    threads = [threading.Thread(target=vertex, args=(t,)) for t in order]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=20)
+    assert entered == [t for t in tickets if t % 2 == 0], "seed 5"
+
+
 # ---- local engine: one process, every worker's arena on the GPU ---------------------------------
 @pytest.mark.gpu
 @needs_cuda
