@@ -242,7 +242,7 @@ def test_plan_then_verify_and_info(cli, tmp_path, suffix):
     out = tmp_path / f"m{suffix}"
     # a breadth-first order keeps p1, t0 and t2 live on GPU 1 when s1 needs a fourth range
     order = tmp_path / "bfs.txt"
-    order.write_text("\n".join("X0 Y0 X1 Y1 X2 Y2 p0 p1 p2 t0 t2 s1 s2 t3 out".split()))
+    order.write_text("X0 Y0 X1 Y1 X2 Y2 p0 p1 p2 t0 t2 s1 s2 t3 out".replace(" ", "\n"))
     r = cli("plan", EXAMPLE, "--capacity", "64KiB", "--capacity-gpu", "1=48KiB", "--order", order, "-o", out)
     assert r.returncode == 0, r.stderr
     assert "memgraph: " in r.stderr and f"wrote {out}" in r.stderr
