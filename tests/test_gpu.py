@@ -91,7 +91,7 @@ def test_lane_turns_follow_submission_order():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("mode", ["offload", "planner-tight"])
+@pytest.mark.parametrize("mode", ["roomy", "tight"])
 def test_local_engine_matches_reference(seed, mode):
     tg = random_taskgraph(300 + seed, n=40, gpus=1 + seed % 3, size=32)
     mg = plan(tg, mode)
@@ -109,7 +109,7 @@ def test_local_engine_matches_reference(seed, mode):
 def test_half_precision_local(dtype):
     tg = random_taskgraph(17, n=30, gpus=2, dtype=dtype, size=32)
     inputs = random_inputs(tg, 1)
-    with Program(tg, plan(tg, "planner-tight"), engine="local", backend="cuda") as prog:
+    with Program(tg, plan(tg, "tight"), engine="local", backend="cuda") as prog:
         _same(prog.run(inputs, check=True, timeout=120), evaluate(tg, inputs), dtype)
 
 
@@ -117,7 +117,7 @@ def test_half_precision_local(dtype):
 @needs_cuda
 def test_no_device_allocation_while_graphs_run():
     tg = random_taskgraph(21, n=40, gpus=2, size=64)
-    with Program(tg, plan(tg, "planner-tight"), engine="local", backend="cuda", streams=3) as prog:
+    with Program(tg, plan(tg, "tight"), engine="local", backend="cuda", streams=3) as prog:
         assert prog.engine is not None  # arenas, streams and per-stream workspaces are made here
         torch.cuda.synchronize()
         segments = [torch.cuda.memory_stats()["segment.all.allocated"]]
@@ -135,7 +135,7 @@ def test_inputs_are_staged_in_pinned_memory():
     from actors.executor import Executor
 
     tg = random_taskgraph(22, n=20, gpus=1, size=32)
-    mg = plan(tg, "offload")  # inputs are reloaded from the caller's copy (src None)
+    mg = plan(tg, "tight")
     ex = Executor(0, mg, tg, backend="cuda", streams=2)
     try:
         assert ex.staging is not None and ex.staging.is_pinned()
@@ -173,7 +173,7 @@ def test_ray_workers_sharing_the_gpu_match_reference(gpu_pool, gpus):
     pool.discard()  # a fresh pool per size: each worker asks for 1/gpus of the one GPU
     for seed in range(2):
         tg = random_taskgraph(400 + 10 * gpus + seed, n=50, gpus=gpus, size=32)
-        mg = plan(tg, "planner-tight")
+        mg = plan(tg, "tight")
         with Program(tg, mg, engine="ray", backend="cuda", pool=pool, streams=3) as prog:
             for run in range(2):
                 inputs = random_inputs(tg, run)
@@ -196,7 +196,7 @@ def test_ray_fallback_path_on_cuda(gpu_pool, monkeypatch):
     gpu_pool.discard()
     tg = random_taskgraph(431, n=40, gpus=2, size=32)
     inputs = random_inputs(tg, 0)
-    with Program(tg, plan(tg, "planner-tight"), engine="ray", backend="cuda", pool=gpu_pool) as prog:
+    with Program(tg, plan(tg, "tight"), engine="ray", backend="cuda", pool=gpu_pool) as prog:
         _same(prog.run(inputs, check=True, timeout=180), evaluate(tg, inputs), "ray fallback")
         assert set(prog.last_summary["transports"].values()) == {"ray"}
 
@@ -210,7 +210,7 @@ def test_sanitizer_fires_on_cuda(gpu_pool):
     from disco_ray.memgraph import MKind, Read
 
     tg = random_taskgraph(432, n=30, gpus=2, size=32)
-    mg = plan(tg, "offload")
+    mg = plan(tg, "tight")
     # a kernel claims its first operand was written by another vertex of its GPU
     for n, v in enumerate(mg.vertices):
         if v.kind is MKind.KERNEL and v.ins[0].src is not None:
