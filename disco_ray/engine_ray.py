@@ -119,6 +119,7 @@ class RayEngine:
         self.pool = RayPool(num_cpus=num_cpus) if pool is None else pool
         self.broken = False
         self.workers: list = []
+        self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, backend, op_modules)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
@@ -140,6 +141,12 @@ class RayEngine:
                     ],
                 ]
             )
+            n = len(self.workers)
+            self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
+            if backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
+                from actors.transport_cuda import connect_workers
+
+                self.transports = connect_workers(self.workers)
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()

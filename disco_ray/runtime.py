@@ -146,6 +146,7 @@ class Program:
         wall = time.perf_counter() - t
         self.last_records = records
         self.last_summary = summarize(self.mg, records, wall)
+        self.last_summary["transports"] = dict(getattr(eng, "transports", {}))  # "i-j" -> path
         if trace:
             write_trace(trace, self.mg, records, self.last_summary)
         return outs
