@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgpack
 
-from .errors import FormatError
+from .errors import FormatError, GraphError
 from .memgraph import MemGraph
 from .taskgraph import TaskGraph
 
@@ -54,7 +54,7 @@ def write_doc(doc: object, path: str | os.PathLike) -> None:
         raise
 
 
-def _with_path(exc: FormatError, path) -> FormatError:
+def _with_path(exc: GraphError, path) -> GraphError:
     msg = str(exc)
     return type(exc)(msg if msg.startswith(str(path)) else f"{path}: {msg}")
 
@@ -63,7 +63,7 @@ def load_taskgraph(path: str | os.PathLike) -> TaskGraph:
     doc = read_doc(path)
     try:
         return TaskGraph.from_dict(doc)
-    except FormatError as e:
+    except GraphError as e:
         raise _with_path(e, path) from None
 
 
@@ -71,7 +71,7 @@ def load_memgraph(path: str | os.PathLike) -> MemGraph:
     doc = read_doc(path)
     try:
         return MemGraph.from_dict(doc)
-    except FormatError as e:
+    except GraphError as e:
         raise _with_path(e, path) from None
 
 
@@ -86,5 +86,5 @@ def load_any(path: str | os.PathLike) -> TaskGraph | MemGraph:
         if fmt == "disco-memgraph":
             return MemGraph.from_dict(doc)
         return TaskGraph.from_dict(doc)
-    except FormatError as e:
+    except GraphError as e:
         raise _with_path(e, path) from None

@@ -75,9 +75,14 @@ class MemVertex:
     out: Loc
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "kind": self.kind.value, "value": self.value, "device": f"gpu:{self.gpu}",
-                "ins": [{"value": r.value, "src": r.src, "loc": r.loc.to_dict()} for r in self.ins],
-                "out": self.out.to_dict()}
+        return {
+            "id": self.id,
+            "kind": self.kind.value,
+            "value": self.value,
+            "device": f"gpu:{self.gpu}",
+            "ins": [{"value": r.value, "src": r.src, "loc": r.loc.to_dict()} for r in self.ins],
+            "out": self.out.to_dict(),
+        }
 
 
 @dataclass(slots=True)
@@ -90,7 +95,7 @@ class MemGraph:
     outputs: dict[str, int]  # TaskGraph output id -> vertex holding its final value
     host_capacity: list[int] = field(default_factory=list)  # host store bytes per GPU
     stats: dict = field(default_factory=dict)
-    _index: dict[int, int] | None = None
+    _index: dict[int, int] | None = field(default=None, compare=False, repr=False)
 
     @property
     def gpus(self) -> int:
@@ -129,16 +134,29 @@ class MemGraph:
         for v in self.vertices:
             kinds[v.kind.value] += 1
         data = sum(1 for e in self.edges if e[2] == "data")
-        return {**self.stats, "vertices": len(self.vertices), "by_kind": kinds, "edges": len(self.edges),
-                "data_edges": data, "mem_edges": len(self.edges) - data, "capacity": list(self.capacity),
-                "host_capacity": list(self.host_capacity)}
+        return {
+            **self.stats,
+            "vertices": len(self.vertices),
+            "by_kind": kinds,
+            "edges": len(self.edges),
+            "data_edges": data,
+            "mem_edges": len(self.edges) - data,
+            "capacity": list(self.capacity),
+            "host_capacity": list(self.host_capacity),
+        }
 
     def to_dict(self) -> dict:
         return {
-            "format": FORMAT, "version": VERSION,
-            "devices": [{"device": f"gpu:{g}", "capacity": c,
-                         "host_capacity": self.host_capacity[g] if g < len(self.host_capacity) else 0}
-                        for g, c in enumerate(self.capacity)],
+            "format": FORMAT,
+            "version": VERSION,
+            "devices": [
+                {
+                    "device": f"gpu:{g}",
+                    "capacity": c,
+                    "host_capacity": self.host_capacity[g] if g < len(self.host_capacity) else 0,
+                }
+                for g, c in enumerate(self.capacity)
+            ],
             "vertices": [v.to_dict() for v in self.vertices],
             "edges": [list(e) for e in self.edges],
             "outputs": [{"value": k, "vertex": v} for k, v in self.outputs.items()],
@@ -150,7 +168,7 @@ class MemGraph:
         if not isinstance(doc, dict):
             raise FormatError("memgraph: top level must be an object")
         if doc.get("format") != FORMAT:
-            raise FormatError(f"memgraph: \"format\" must be {FORMAT!r}, got {doc.get('format')!r}")
+            raise FormatError(f'memgraph: "format" must be {FORMAT!r}, got {doc.get("format")!r}')
         if doc.get("version") != VERSION:
             raise FormatError(f"memgraph: unsupported version {doc.get('version')!r} (this reads {VERSION})")
         try:
@@ -181,16 +199,19 @@ class MemGraph:
                 if gpu < 0:
                     raise FormatError(f"{where}: a vertex runs on a GPU, not {r['device']!r}")
                 ins = tuple(Read(i["value"], i["src"], _loc(i["loc"], where)) for i in r["ins"])
+                if any(not (x.src is None or type(x.src) is int) for x in ins):
+                    raise FormatError(f"{where}: a read's \"src\" must be a vertex id or null")
                 verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where)))
             edges = []
             for e in doc["edges"]:
-                if not (isinstance(e, list) and len(e) in (2, 3) and all(isinstance(x, int) for x in e[:2])):
+                if not (isinstance(e, list) and len(e) in (2, 3) and all(isinstance(x, int) for x in e[:2])
+                        and (len(e) == 2 or e[2] in ("data", "mem"))):
                     raise FormatError(f"memgraph: bad edge {e!r}")
                 if e[0] not in seen or e[1] not in seen:
                     raise FormatError(f"memgraph: edge {e!r} names an unknown vertex")
                 edges.append((e[0], e[1], e[2] if len(e) == 3 else "data"))
             outputs = {o["value"]: o["vertex"] for o in doc["outputs"]}
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise FormatError(f"memgraph: missing or malformed field {e}") from None
         return cls(cap, verts, edges, outputs, host, dict(doc.get("stats") or {}))
 

@@ -147,15 +147,55 @@ def _elementwise(k: float):
     return lambda shapes, out, attrs: k * numel(out)
 
 
-register(OpSpec("matmul", 2, 2, _infer_matmul, flops=_flops_matmul, doc="a [.., m, k] @ b [.., k, n] -> [.., m, n]"))
-register(OpSpec("add", 1, None, _infer_same_shape("add"), flops=lambda s, o, a: (len(s) - 1) * numel(o),
-                doc="elementwise sum of 1 or more tensors of one shape"))
-register(OpSpec("mul", 2, 2, _infer_same_shape("mul"), flops=_elementwise(1), doc="elementwise product a * b"))
-register(OpSpec("scale", 1, 1, _infer_unary_float("scale"), attrs={"factor": REQUIRED}, flops=_elementwise(1),
-                doc="x * factor"))
-register(OpSpec("softmax", 1, 1, _infer_unary_float("softmax", 1), flops=_elementwise(5),
-                doc="softmax over the last dim"))
+register(
+    OpSpec(
+        "matmul", 2, 2, _infer_matmul, flops=_flops_matmul, doc="a [.., m, k] @ b [.., k, n] -> [.., m, n]"
+    )
+)
+register(
+    OpSpec(
+        "add",
+        1,
+        None,
+        _infer_same_shape("add"),
+        flops=lambda s, o, a: (len(s) - 1) * numel(o),
+        doc="elementwise sum of 1 or more tensors of one shape",
+    )
+)
+register(
+    OpSpec("mul", 2, 2, _infer_same_shape("mul"), flops=_elementwise(1), doc="elementwise product a * b")
+)
+register(
+    OpSpec(
+        "scale",
+        1,
+        1,
+        _infer_unary_float("scale"),
+        attrs={"factor": REQUIRED},
+        flops=_elementwise(1),
+        doc="x * factor",
+    )
+)
+register(
+    OpSpec(
+        "softmax",
+        1,
+        1,
+        _infer_unary_float("softmax", 1),
+        flops=_elementwise(5),
+        doc="softmax over the last dim",
+    )
+)
 register(OpSpec("silu", 1, 1, _infer_unary_float("silu"), flops=_elementwise(4), doc="x * sigmoid(x)"))
-register(OpSpec("rmsnorm", 1, 2, _infer_rmsnorm, attrs={"eps": 1e-6}, flops=_elementwise(4),
-                doc="x / sqrt(mean(x^2, last dim) + eps) [* w]"))
+register(
+    OpSpec(
+        "rmsnorm",
+        1,
+        2,
+        _infer_rmsnorm,
+        attrs={"eps": 1e-6},
+        flops=_elementwise(4),
+        doc="x / sqrt(mean(x^2, last dim) + eps) [* w]",
+    )
+)
 register(OpSpec("transpose", 1, 1, _infer_transpose, flops=lambda s, o, a: 0.0, doc="swap the last two dims"))

@@ -29,7 +29,9 @@ def check_inputs(tg: TaskGraph, inputs: Mapping[str, object]) -> None:
         raise RunError(f"inputs {sorted(extra)} are not inputs of the graph")
 
 
-def evaluate(tg: TaskGraph, inputs: Mapping[str, torch.Tensor], device: str = "cpu") -> dict[str, torch.Tensor]:
+def evaluate(
+    tg: TaskGraph, inputs: Mapping[str, torch.Tensor], device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Evaluates every vertex in order with the same kernels the runtime uses; returns the outputs."""
     check_inputs(tg, inputs)
     vals: dict[str, torch.Tensor] = {}

@@ -7,6 +7,7 @@ vertices in any order and checks the same things plus cycles and unknown inputs.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -84,7 +85,7 @@ class TaskGraph:
 
     def output(self, *ids: str) -> None:
         for i in ids:
-            if i not in self.vertices:
+            if not isinstance(i, str) or i not in self.vertices:
                 raise GraphError(f"output {i!r}: no such vertex")
             if i in self.outputs:
                 raise GraphError(f"output {i!r} listed twice")
@@ -145,9 +146,14 @@ class TaskGraph:
         per_gpu = [0] * self.gpus
         for v in self.vertices.values():
             per_gpu[v.gpu] += v.nbytes
-        return {"vertices": len(self.vertices), "by_kind": kinds, "gpus": self.gpus,
-                "outputs": len(self.outputs), "tensor_bytes_per_gpu": per_gpu,
-                "input_bytes": sum(v.nbytes for v in self.inputs())}
+        return {
+            "vertices": len(self.vertices),
+            "by_kind": kinds,
+            "gpus": self.gpus,
+            "outputs": len(self.outputs),
+            "tensor_bytes_per_gpu": per_gpu,
+            "input_bytes": sum(v.nbytes for v in self.inputs()),
+        }
 
     # ---- checks ----------------------------------------------------------------------------
     def _fresh(self, stem: str) -> str:
@@ -179,12 +185,12 @@ class TaskGraph:
                 raise GraphError(f"{where}: unknown input {i!r}")
         if shape is not None:
             try:
-                shape = tuple(int(d) for d in shape)
+                shape = tuple(operator.index(d) for d in shape)  # refuses 1.5, accepts numpy ints
             except (TypeError, ValueError):
                 raise GraphError(f"{where}: shape must be a list of integers, got {shape!r}") from None
             if any(d < 0 for d in shape):
                 raise GraphError(f"{where}: negative dimension in shape {list(shape)}")
-        if dtype is not None and dtype not in ITEMSIZE:
+        if dtype is not None and (not isinstance(dtype, str) or dtype not in ITEMSIZE):
             raise GraphError(f"{where}: unknown dtype {dtype!r} (one of {', '.join(ITEMSIZE)})")
         if kind is Kind.INPUT:
             if inputs:
@@ -200,7 +206,7 @@ class TaskGraph:
                 raise GraphError(f"{where}: transfer of {ins[0].id!r} to gpu {gpu}, where it already is")
             out_shape, out_dtype = ins[0].shape, ins[0].dtype
         else:
-            if op not in ops.OPS:
+            if not isinstance(op, str) or op not in ops.OPS:
                 raise GraphError(f"{where}: unknown op {op!r} (one of {', '.join(sorted(ops.OPS))})")
             spec = ops.OPS[op]
             bad = spec.check_arity(len(ins))
@@ -208,8 +214,10 @@ class TaskGraph:
                 raise GraphError(f"{where}: {bad}")
             for x in ins:
                 if x.gpu != gpu:
-                    raise GraphError(f"{where}: operand {x.id!r} is on gpu {x.gpu}, the kernel on gpu {gpu}"
-                                     " (add a transfer)")
+                    raise GraphError(
+                        f"{where}: operand {x.id!r} is on gpu {x.gpu}, the kernel on gpu {gpu}"
+                        " (add a transfer)"
+                    )
             try:
                 attrs = spec.full_attrs(attrs)
                 out_shape, out_dtype = spec.infer([x.shape for x in ins], [x.dtype for x in ins], attrs)
@@ -229,20 +237,25 @@ class TaskGraph:
 
     # ---- formats ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "gpus": self.gpus,
-                "vertices": [v.to_dict() for v in self.vertices.values()], "outputs": list(self.outputs)}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "gpus": self.gpus,
+            "vertices": [v.to_dict() for v in self.vertices.values()],
+            "outputs": list(self.outputs),
+        }
 
     @classmethod
     def from_dict(cls, doc: object) -> TaskGraph:
         if not isinstance(doc, dict):
             raise FormatError("taskgraph: top level must be an object")
         if doc.get("format") != FORMAT:
-            raise FormatError(f"taskgraph: \"format\" must be {FORMAT!r}, got {doc.get('format')!r}")
+            raise FormatError(f'taskgraph: "format" must be {FORMAT!r}, got {doc.get("format")!r}')
         if doc.get("version") != VERSION:
             raise FormatError(f"taskgraph: unsupported version {doc.get('version')!r} (this reads {VERSION})")
         raw = doc.get("vertices")
         if not isinstance(raw, list):
-            raise FormatError("taskgraph: \"vertices\" must be a list")
+            raise FormatError('taskgraph: "vertices" must be a list')
         g = cls(doc.get("gpus"))
         by_id: dict[str, dict] = {}
         for n, r in enumerate(raw):
@@ -250,25 +263,33 @@ class TaskGraph:
                 raise FormatError(f"taskgraph: vertices[{n}] is not an object")
             vid = r.get("id")
             if not isinstance(vid, str) or not vid:
-                raise FormatError(f"taskgraph: vertices[{n}] has no string \"id\"")
+                raise FormatError(f'taskgraph: vertices[{n}] has no string "id"')
             if vid in by_id:
                 raise GraphError(f"vertex {vid!r}: duplicate id")
             kind = r.get("kind")
-            if kind not in {k.value for k in Kind}:
+            if not isinstance(kind, str) or kind not in {k.value for k in Kind}:
                 raise FormatError(f"vertex {vid!r}: unknown kind {kind!r} (input, kernel or transfer)")
             ins = r.get("inputs", [])
             if not isinstance(ins, list) or not all(isinstance(i, str) for i in ins):
-                raise FormatError(f"vertex {vid!r}: \"inputs\" must be a list of ids")
+                raise FormatError(f'vertex {vid!r}: "inputs" must be a list of ids')
             if r.get("attrs") is not None and not isinstance(r.get("attrs"), dict):
-                raise FormatError(f"vertex {vid!r}: \"attrs\" must be an object")
+                raise FormatError(f'vertex {vid!r}: "attrs" must be an object')
             by_id[vid] = r
         for vid in _topo_ids(by_id):
             r = by_id[vid]
-            g._add(vid, Kind(r["kind"]), r.get("gpu"), r.get("inputs", []), op=r.get("op"),
-                   attrs=r.get("attrs"), shape=r.get("shape"), dtype=r.get("dtype"))
+            g._add(
+                vid,
+                Kind(r["kind"]),
+                r.get("gpu"),
+                r.get("inputs", []),
+                op=r.get("op"),
+                attrs=r.get("attrs"),
+                shape=r.get("shape"),
+                dtype=r.get("dtype"),
+            )
         outs = doc.get("outputs", [])
         if not isinstance(outs, list):
-            raise FormatError("taskgraph: \"outputs\" must be a list of ids")
+            raise FormatError('taskgraph: "outputs" must be a list of ids')
         g.output(*outs)
         return g
 
@@ -307,6 +328,6 @@ def _topo_ids(by_id: dict[str, dict]) -> list[str]:
             seen[v] = len(path)
             path.append(v)
             v = next(d for d in by_id[v].get("inputs", []) if indeg[d] > 0)
-        cycle = [*path[seen[v]:], v][::-1]
+        cycle = [*path[seen[v] :], v][::-1]
         raise GraphError(f"vertex {v!r}: cycle {' -> '.join(cycle)}")
     return order

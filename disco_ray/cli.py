@@ -1,0 +1,374 @@
+"""The `disco-ray` command line: plan, verify, info, ops (and, from other modules, run/workload/bench).
+
+Every subcommand NAME is a pair `add_NAME(subparsers)` (adds the parser NAME and its arguments)
+and `cmd_NAME(args) -> int` (runs it, returns the exit status), in the module that COMMANDS names
+for it; adding a command is one line in COMMANDS. A module listed there keeps heavy imports (ray, torch) inside `cmd_NAME`, so that
+`disco-ray plan` stays quick.
+
+Exit status: 0 success, 1 `verify` found violations, 2 bad usage or bad input. Input errors
+(every DiscoError, unreadable or unwritable files) print exactly one line,
+`disco-ray: error: ...`, and never leave a partial output file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from . import formats
+from .errors import DiscoError, UsageError
+from .memgraph import MemGraph, MKind
+from .sizes import format_size, parse_size
+from .taskgraph import Kind, TaskGraph
+
+PROG = "disco-ray"
+# subcommand -> module defining add_<name> and cmd_<name>, in --help order
+COMMANDS: dict[str, str] = {
+    "plan": __name__,
+    "verify": __name__,
+    "info": __name__,
+    "ops": __name__,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports usage errors as the one line every other error uses (argparse prints two)."""
+
+    def error(self, message: str):
+        where = self.prog.removeprefix(PROG).strip()
+        raise UsageError(f"{where}: {message}" if where else message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG, description="Plan and run ML workloads larger than GPU memory (TURNIP/DISCO)."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module in COMMANDS.items():
+        getattr(importlib.import_module(module), f"add_{name}")(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand; returns its exit status (the console script's entry point)."""
+    try:
+        args = build_parser().parse_args(argv)
+        cmd = getattr(importlib.import_module(COMMANDS[args.command]), f"cmd_{args.command}")
+        return int(cmd(args))
+    except DiscoError as e:
+        _error(str(e))
+    except OSError as e:  # an unwritable output directory, a full disk: the user's to fix
+        _error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _error(msg: str) -> None:
+    print(f"{PROG}: error: {'; '.join(msg.splitlines())}", file=sys.stderr)
+
+
+# ---- argument types ----------------------------------------------------------------------------
+def size_arg(text: str) -> int:
+    """argparse type for a byte size ("64MiB")."""
+    try:
+        return parse_size(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def gpu_size_arg(text: str) -> tuple[int, int]:
+    """argparse type for `G=SIZE`, one GPU's capacity."""
+    g, eq, size = text.partition("=")
+    if not eq or not g.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"bad GPU capacity {text!r} (want G=SIZE, e.g. 1=32MiB)")
+    return int(g), size_arg(size)
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"want a positive integer, got {text!r}")
+    return n
+
+
+def output_path(text: str) -> Path:
+    """argparse type for an output file: checks the suffix before any work is done."""
+    path = Path(text)
+    if path.suffix.lower() not in formats.SUFFIXES:
+        raise argparse.ArgumentTypeError(
+            f"{text}: unknown file suffix {path.suffix or '(none)'!r} (use .json or .msgpack)"
+        )
+    return path
+
+
+def capacities(tg: TaskGraph, capacity: int, per_gpu: list[tuple[int, int]] | None) -> int | list[int]:
+    """The planner's capacity argument: one size for all GPUs, or a list once a GPU is overridden."""
+    if not per_gpu:
+        return capacity
+    caps = [capacity] * tg.gpus
+    for g, size in per_gpu:
+        if g >= tg.gpus:
+            raise UsageError(
+                f"--capacity-gpu {g}={format_size(size)}: gpu {g} out of range "
+                f"0..{tg.gpus - 1} (the taskgraph has {tg.gpus} GPU(s))"
+            )
+        caps[g] = size
+    return caps
+
+
+def read_order(path: str) -> list[str]:
+    """A vertex order: a JSON list of TaskGraph ids (.json), or a text file with one id per line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"--order {path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--order {path}: not a text file") from None
+    if Path(path).suffix.lower() == ".json":
+        try:
+            order = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(
+                f"--order {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}"
+            ) from None
+        if isinstance(order, dict):
+            order = order.get("order")
+        if not isinstance(order, list) or not all(isinstance(i, str) for i in order):
+            raise UsageError(f'--order {path}: want a JSON list of vertex ids (or {{"order": [...]}})')
+        return order
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+# ---- statistics --------------------------------------------------------------------------------
+def taskgraph_stats(tg: TaskGraph) -> dict:
+    """TaskGraph.statistics() plus edge counts and each GPU's largest single-vertex footprint."""
+    st = tg.statistics()
+    st["edges"] = sum(len(set(v.inputs)) for v in tg)
+    # the smallest capacity any plan can work with: a vertex's distinct inputs and output at once
+    need = [0] * tg.gpus
+    for v in tg:
+        ins = (
+            sum(tg[i].nbytes for i in set(v.inputs)) if v.kind is Kind.KERNEL else 0
+        )  # a transfer's is elsewhere
+        need[v.gpu] = max(need[v.gpu], v.nbytes + ins)
+    st["min_capacity_per_gpu"] = need
+    return st
+
+
+def memgraph_stats(mg: MemGraph) -> dict:
+    """MemGraph.statistics() plus bytes moved to and from the host and each arena's high-water mark."""
+    st = mg.statistics()
+    st["offload_bytes"] = sum(v.out.nbytes for v in mg if v.kind is MKind.OFFLOAD)
+    st["reload_bytes"] = sum(v.out.nbytes for v in mg if v.kind is MKind.RELOAD)
+    high = [0] * mg.gpus
+    for v in mg:
+        if 0 <= v.out.device < mg.gpus:
+            high[v.out.device] = max(high[v.out.device], v.out.end)
+    st["arena_high_water"] = high
+    return st
+
+
+def _sizes(xs: list[int]) -> str:
+    return ", ".join(f"gpu:{g} {format_size(n)}" for g, n in enumerate(xs))
+
+
+def _kinds(by_kind: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in by_kind.items() if n)
+
+
+def summary_lines(st: dict, what: str) -> list[str]:
+    """A few human-readable lines for `info` and `plan`."""
+    if what == "taskgraph":
+        return [
+            f"taskgraph: {st['vertices']} vertices ({_kinds(st['by_kind'])}) on {st['gpus']} GPU(s), "
+            f"{st['edges']} edges, {st['outputs']} output(s)",
+            f"tensor bytes: {_sizes(st['tensor_bytes_per_gpu'])}; inputs {format_size(st['input_bytes'])}",
+            f"min capacity (largest vertex): {_sizes(st['min_capacity_per_gpu'])}",
+        ]
+    lines = [
+        f"memgraph: {st['vertices']} vertices ({_kinds(st['by_kind'])}), {st['edges']} edges "
+        f"({st['data_edges']} data, {st['mem_edges']} mem)",
+        f"offloaded {format_size(st['offload_bytes'])} in {st['by_kind']['offload']} offloads, "
+        f"reloaded {format_size(st['reload_bytes'])} in {st['by_kind']['reload']} reloads",
+        f"capacity: {_sizes(st['capacity'])}",
+        f"arena high-water: {_sizes(st['arena_high_water'])}",
+    ]
+    known = {
+        "vertices",
+        "by_kind",
+        "edges",
+        "data_edges",
+        "mem_edges",
+        "capacity",
+        "host_capacity",
+        "offload_bytes",
+        "reload_bytes",
+        "arena_high_water",
+    }
+    extra = {k: v for k, v in st.items() if k not in known and isinstance(v, (int, float, str))}
+    if extra:
+        lines.append("planner: " + ", ".join(f"{k} {v}" for k, v in extra.items()))
+    return lines
+
+
+# ---- plan --------------------------------------------------------------------------------------
+def add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="build a MemGraph from a TaskGraph (BUILDMEMGRAPH)",
+        description="Plan TASKGRAPH for GPUs of the given capacity and write the MemGraph.",
+    )
+    p.add_argument("taskgraph", metavar="TASKGRAPH", help="TaskGraph file (.json or .msgpack)")
+    p.add_argument(
+        "--capacity",
+        type=size_arg,
+        required=True,
+        metavar="SIZE",
+        help="arena bytes of every GPU, e.g. 64MiB, 1.5GiB, 2GB",
+    )
+    p.add_argument(
+        "--capacity-gpu",
+        type=gpu_size_arg,
+        action="append",
+        metavar="G=SIZE",
+        help="override the capacity of GPU G (repeatable)",
+    )
+    p.add_argument(
+        "--order",
+        metavar="FILE",
+        help="vertex order to plan in: JSON list of ids, or one id per line (default: the planner's)",
+    )
+    p.add_argument(
+        "--alignment",
+        type=positive_int,
+        default=256,
+        metavar="BYTES",
+        help="arena offset alignment (default 256)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        type=output_path,
+        required=True,
+        metavar="MEMGRAPH",
+        help="where to write the MemGraph (.json or .msgpack)",
+    )
+
+
+def cmd_plan(args) -> int:
+    tg = formats.load_taskgraph(args.taskgraph)
+    caps = capacities(tg, args.capacity, args.capacity_gpu)
+    order = read_order(args.order) if args.order else None
+    from planner import build_memgraph
+
+    try:
+        mg = build_memgraph(tg, caps, order=order, alignment=args.alignment)
+    except DiscoError as e:
+        raise type(e)(f"{args.taskgraph}: {e}") from None
+    try:
+        formats.save(mg, args.output)
+    except OSError as e:  # name the file asked for, not the temporary one beside it
+        raise UsageError(f"{args.output}: cannot write ({e.strerror})") from None
+    for line in summary_lines(memgraph_stats(mg), "memgraph"):
+        print(line, file=sys.stderr)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+# ---- verify ------------------------------------------------------------------------------------
+def add_verify(sub) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check that a MemGraph is a correct plan of a TaskGraph",
+        description="Exit 0 if MEMGRAPH is correct for TASKGRAPH (FORMATS.md), else print "
+        "one violation per line and exit 1.",
+    )
+    p.add_argument("taskgraph", metavar="TASKGRAPH")
+    p.add_argument("memgraph", metavar="MEMGRAPH")
+    p.add_argument("--limit", type=positive_int, default=20, help="report at most this many violations")
+
+
+def cmd_verify(args) -> int:
+    tg = formats.load_taskgraph(args.taskgraph)
+    mg = formats.load_memgraph(args.memgraph)
+    from planner.verify import verify
+
+    violations = verify(tg, mg, limit=args.limit)
+    for v in violations:
+        print(v)
+    if violations:
+        print(f"{PROG}: {args.memgraph}: {len(violations)} violation(s)", file=sys.stderr)
+        return 1
+    print(f"ok: {args.memgraph} is a correct plan of {args.taskgraph} ({len(mg)} vertices)")
+    return 0
+
+
+# ---- info --------------------------------------------------------------------------------------
+def add_info(sub) -> None:
+    p = sub.add_parser(
+        "info",
+        help="statistics of a TaskGraph or MemGraph file",
+        description="Print vertices by kind, edges, bytes offloaded/reloaded, peak bytes.",
+    )
+    p.add_argument("file", metavar="FILE", help="a TaskGraph or MemGraph (.json or .msgpack)")
+    p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
+
+
+def cmd_info(args) -> int:
+    g = formats.load_any(args.file)
+    what = "memgraph" if isinstance(g, MemGraph) else "taskgraph"
+    st = memgraph_stats(g) if isinstance(g, MemGraph) else taskgraph_stats(g)
+    if args.json:
+        print(json.dumps({"format": f"disco-{what}", **st}))
+    else:
+        print("\n".join(summary_lines(st, what)))
+    return 0
+
+
+# ---- ops ---------------------------------------------------------------------------------------
+def add_ops(sub) -> None:
+    p = sub.add_parser("ops", help="list the op set", description="Print the op table (docs/OPS.md).")
+    p.add_argument("--markdown", action="store_true", help="print docs/OPS.md")
+
+
+def ops_markdown() -> str:
+    """docs/OPS.md: the registered ops with FORMATS.md's columns, plus attrs and FLOPs."""
+    from . import ops
+
+    rows = [
+        "# Op set",
+        "",
+        "Generated by `python -m disco_ray ops --markdown > docs/OPS.md` from the op registry",
+        "(`disco_ray/ops.py`); the columns are those of FORMATS.md. Every op also runs on the CPU.",
+        "",
+        "| op | operands | result | attrs |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in sorted(ops.OPS):
+        spec = ops.OPS[name]
+        hi = "n" if spec.max_arity is None else spec.max_arity
+        n = f"{spec.min_arity}" if hi == spec.min_arity else f"{spec.min_arity}..{hi}"
+        attrs = ", ".join(
+            f"`{k}`" + (" (required)" if d is ops.REQUIRED else f" = {d!r}") for k, d in spec.attrs.items()
+        )
+        doc = spec.doc.replace("|", "\\|")
+        rows.append(f"| `{name}` | {n} | {doc} | {attrs or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
+def cmd_ops(args) -> int:
+    from . import ops
+
+    if args.markdown:
+        print(ops_markdown(), end="")
+    else:
+        for name in sorted(ops.OPS):
+            print(f"{name:12} {ops.OPS[name].doc}")
+    return 0

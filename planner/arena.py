@@ -1,0 +1,217 @@
+"""Byte-range allocator of one simulated arena (a GPU's, or a host store) with overwrite history.
+
+Blocks tile [0, capacity) in offset order. A free block remembers the *ghosts* of what lay there
+before: (lo, hi, time, readers), the vertices that must finish before anything overwrites that
+range. Allocating over a ghost returns its readers, from which the planner adds the memory
+dependency edges of TURNIP section 4 ("v1 safely overwrites v2"). An allocation keeps the ghosts it
+covered, so retracting it restores the arena exactly.
+
+Free-range choice (TURNIP section 6): among places that fit, the one whose newest ghost is oldest
+(the range whose last use lies furthest in the past), ties to the tighter fit. A host store
+(capacity None) grows at its top when no free range fits, and records its peak.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import deque
+
+Ghost = tuple[int, int, int, tuple[int, ...]]  # lo, hi, time, readers
+NEVER = -1
+
+
+class Block:
+    __slots__ = ("ghosts", "newest", "off", "owner", "size")
+
+    def __init__(self, off: int, size: int, owner: object = None, ghosts: list[Ghost] | None = None):
+        self.off = off
+        self.size = size
+        self.owner = owner  # None: free
+        self.ghosts = ghosts if ghosts is not None else []  # free: what lay here; allocated: what it covered
+        self.newest = max((g[2] for g in self.ghosts), default=NEVER)  # the last use of any byte here
+
+    @property
+    def end(self) -> int:
+        return self.off + self.size
+
+    def __repr__(self) -> str:
+        return f"Block({self.off}+{self.size}, {'free' if self.owner is None else self.owner})"
+
+
+def _off(b: Block) -> int:
+    return b.off
+
+
+def _clip(ghosts: list[Ghost], lo: int, hi: int) -> list[Ghost]:
+    return [(max(a, lo), min(b, hi), t, r) for a, b, t, r in ghosts if a < hi and b > lo]
+
+
+def _newest(ghosts: list[Ghost], lo: int, hi: int) -> int:
+    return max((t for a, b, t, _ in ghosts if a < hi and b > lo), default=NEVER)
+
+
+class Arena:
+    def __init__(self, capacity: int | None, alignment: int = 256):
+        self.align = alignment
+        # None: unbounded (a host store); a tail smaller than the alignment is never used
+        self.capacity = None if capacity is None else capacity // alignment * alignment
+        self.blocks: list[Block] = [Block(0, self.capacity)] if self.capacity else []
+        self.free: set[Block] = set(self.blocks)
+        self.releases = 0  # bumps on every release: a failed best_free stays failed until it moves
+        self.used = 0
+        self.peak = 0
+
+    def round(self, nbytes: int) -> int:
+        a = self.align
+        return max(a, (nbytes + a - 1) // a * a)
+
+    @property
+    def top(self) -> int:
+        return self.blocks[-1].end if self.blocks else 0
+
+    def _find(self, off: int) -> int:
+        """Index of the block holding byte `off`."""
+        return bisect_right(self.blocks, off, key=_off) - 1
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def best_free(self, size: int) -> int | None:
+        """Offset of the best free place for `size` bytes, or None (a host store: None never)."""
+        best = None
+        for b in self.free:
+            if b.size >= size:
+                score = (b.newest, b.size, b.off)
+                if best is None or score < best[0]:
+                    best = (score, b)
+        if best is not None:
+            b = best[1]
+            if b.size > size and _newest(b.ghosts, b.end - size, b.end) < _newest(
+                b.ghosts, b.off, b.off + size
+            ):
+                return b.end - size
+            return b.off
+        if self.capacity is None:
+            last = self.blocks[-1] if self.blocks else None
+            return last.off if last is not None and last.owner is None else self.top
+        return None
+
+    def take(self, off: int, size: int, owner: object) -> list[Ghost]:
+        """Allocates [off, off+size) (which must be free) to `owner`; returns the ghosts it covers."""
+        if self.capacity is None and off + size > self.top:
+            if self.blocks and self.blocks[-1].owner is None:
+                self.blocks[-1].size = off + size - self.blocks[-1].off
+            else:
+                self.blocks.append(Block(self.top, off + size - self.top))
+                self.free.add(self.blocks[-1])
+        i = self._find(off)
+        b = self.blocks[i]
+        if b.owner is not None or b.end < off + size:
+            raise AssertionError(f"take({off}, {size}) over {b}")
+        self.free.discard(b)
+        covered = _clip(b.ghosts, off, off + size)
+        new = []
+        if b.off < off:
+            new.append(Block(b.off, off - b.off, None, _clip(b.ghosts, b.off, off)))
+        new.append(Block(off, size, owner, covered))
+        if off + size < b.end:
+            new.append(Block(off + size, b.end - off - size, None, _clip(b.ghosts, off + size, b.end)))
+        self.free.update(x for x in new if x.owner is None)
+        self.blocks[i : i + 1] = new
+        self.used += size
+        self.peak = max(self.peak, self.used)
+        return covered
+
+    def release(self, off: int, readers: tuple[int, ...] | None, time: int) -> None:
+        """Frees the block at `off`. readers None: a retraction, restoring the ghosts it covered."""
+        i = self._find(off)
+        b = self.blocks[i]
+        assert b.off == off and b.owner is not None, (off, b)
+        self.used -= b.size
+        self.releases += 1
+        b.owner = None
+        if readers is not None:
+            b.ghosts = [(b.off, b.end, time, readers)]
+            b.newest = time
+        else:
+            b.newest = max((g[2] for g in b.ghosts), default=NEVER)
+        self.free.add(b)
+        # coalesce with free neighbours
+        if i + 1 < len(self.blocks) and self.blocks[i + 1].owner is None:
+            nxt = self.blocks.pop(i + 1)
+            self.free.discard(nxt)
+            b.size += nxt.size
+            b.ghosts += nxt.ghosts
+            b.newest = max(b.newest, nxt.newest)
+        if i > 0 and self.blocks[i - 1].owner is None:
+            prev = self.blocks[i - 1]
+            self.free.discard(b)
+            prev.size += b.size
+            prev.ghosts += b.ghosts
+            prev.newest = max(prev.newest, b.newest)
+            self.blocks.pop(i)
+
+    # ---- eviction -----------------------------------------------------------------------------
+    def best_window(
+        self, size: int, pinned: set[int], at: int | None = None
+    ) -> tuple[int, list[Block]] | None:
+        """The window of `size` bytes whose evicted owners' minimum distance is largest.
+
+        An owner's `dist` is its distance to its next use; owners whose id() is in `pinned` may not
+        move. Ties go to
+        fewer evicted bytes, then the lower offset. `at` forces the window's offset. Returns
+        (offset, owner blocks to evict) or None when every window holds an owner that may not move.
+        Windows start at block starts; two pointers and a monotonic deque make this O(blocks).
+        """
+        blocks = self.blocks
+        if at is not None:
+            i = self._find(at)
+            j = i
+            victims = []
+            while j < len(blocks) and blocks[j].off < at + size:
+                if blocks[j].owner is not None:
+                    if id(blocks[j].owner) in pinned:
+                        return None
+                    victims.append(blocks[j])
+                j += 1
+            return (at, victims) if at + size <= self.capacity else None
+        inf = float("inf")
+        n = len(blocks)
+        offs = [b.off for b in blocks]
+        # key per block: inf free, None pinned, else the owner's distance; moved: owner bytes
+        keys = [inf if (o := b.owner) is None else None if id(o) in pinned else o.dist for b in blocks]
+        moves = [0 if b.owner is None else b.size for b in blocks]
+        cap = self.capacity
+        best_score = None
+        best_ij = (0, 0)
+        j = 0  # first block not in the window
+        moved = 0  # owner bytes in blocks[i:j]
+        dq: deque[int] = deque()  # movable owner indices in [i, j) with increasing keys
+        last_blocked = -1  # highest index < j whose owner may not move
+        for i in range(n):
+            hi = offs[i] + size
+            if hi > cap:
+                break
+            if dq and dq[0] < i:
+                dq.popleft()
+            while j < n and offs[j] < hi:
+                k = keys[j]
+                if k is None:
+                    last_blocked = j
+                elif moves[j]:
+                    moved += moves[j]
+                    while dq and keys[dq[-1]] >= k:
+                        dq.pop()
+                    dq.append(j)
+                j += 1
+            if last_blocked < i:
+                score = (-(keys[dq[0]] if dq else inf), moved)
+                if best_score is None or score < best_score:
+                    best_score, best_ij = score, (i, j)
+            if keys[i] is not None:
+                moved -= moves[i]
+        if best_score is None:
+            return None
+        i, j = best_ij
+        return offs[i], [b for b in blocks[i:j] if b.owner is not None]
+
+    def owners(self) -> list[object]:
+        return [b.owner for b in self.blocks if b.owner is not None]

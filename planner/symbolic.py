@@ -1,0 +1,226 @@
+"""Symbolic execution of a MemGraph: runs it in random valid orders over arenas of value tags.
+
+Independent of `planner.verify` (it shares no code with it): where the verifier reasons about
+reachability, this simply executes. Each arena (a GPU's, or a GPU's host store) is cut into the
+elementary segments between all range boundaries used on it; a segment holds the id of the
+vertex whose write last landed there. A vertex, on start, checks that each read sees its src's
+tag, then marks its output range as being written (a write may land any time while it runs); on
+completion it checks its reads again (it read throughout) and tags its output with its own id.
+With `in_flight` > 1 several vertices run at once and complete in random order, so a writer that
+the edges leave unordered against a reader is caught whichever way it falls. No math is done.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterable
+
+import numpy as np
+
+from disco_ray.errors import VerifyError
+from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
+from disco_ray.taskgraph import Kind, TaskGraph
+
+EMPTY = -1  # nothing written yet
+
+
+def busy(i: int) -> int:
+    """The tag of bytes that vertex position `i` is writing (garbage until it completes)."""
+    return -2 - i
+
+
+def _arena(loc: Loc, gpu: int) -> tuple[int, int]:
+    return (gpu, HOST) if loc.device == HOST else (loc.device, 0)
+
+
+def _name(loc: Loc, gpu: int) -> str:
+    dev = f"host(gpu:{gpu})" if loc.device == HOST else f"gpu:{loc.device}"
+    return f"{dev}[{loc.offset}:{loc.end}]"
+
+
+class _Machine:
+    """Arenas of segment tags plus each location's segment span, precomputed once per MemGraph."""
+
+    def __init__(self, mg: MemGraph):
+        self.mg = mg
+        self.verts = mg.vertices
+        self.pos = {v.id: i for i, v in enumerate(self.verts)}
+        bounds: dict[tuple[int, int], set[int]] = {}
+        for v in self.verts:
+            for loc in self._locs(v):
+                b = bounds.setdefault(_arena(loc, v.gpu), set())
+                b.add(loc.offset)
+                b.add(loc.end)
+        self.cuts = {k: np.array(sorted(b), dtype=np.int64) for k, b in bounds.items()}
+        self.span: dict[tuple[tuple[int, int], int, int], tuple[int, int]] = {}
+        for v in self.verts:
+            for loc in self._locs(v):
+                k = _arena(loc, v.gpu)
+                c = self.cuts[k]
+                self.span[(k, loc.offset, loc.end)] = (
+                    int(np.searchsorted(c, loc.offset)),
+                    int(np.searchsorted(c, loc.end)),
+                )
+        self.preds: list[set[int]] = [set() for _ in self.verts]
+        self.succs: list[list[int]] = [[] for _ in self.verts]
+        for e in mg.edges:
+            u, w = self.pos[e[0]], self.pos[e[1]]
+            if u not in self.preds[w]:
+                self.preds[w].add(u)
+                self.succs[u].append(w)
+
+    @staticmethod
+    def _locs(v: MemVertex) -> Iterable[Loc]:
+        if v.out.device != INPUT:
+            yield v.out
+        for r in v.ins:
+            if r.loc.device != INPUT:
+                yield r.loc
+
+    def segs(self, loc: Loc, gpu: int) -> tuple[tuple[int, int], int, int]:
+        k = _arena(loc, gpu)
+        i, j = self.span[(k, loc.offset, loc.end)]
+        return k, i, j
+
+    def new_arenas(self) -> dict[tuple[int, int], np.ndarray]:
+        return {k: np.full(max(len(c) - 1, 0), EMPTY, dtype=np.int64) for k, c in self.cuts.items()}
+
+    def found(self, tag: int) -> str:
+        if tag == EMPTY:
+            return "nothing (never written)"
+        if tag < EMPTY:
+            v = self.verts[-2 - tag]
+            return f"{v.value!r} half-written (vertex {v.id}, {v.kind.value}, still running)"
+        v = self.verts[tag]
+        return f"{v.value!r} (written by vertex {v.id}, {v.kind.value})"
+
+
+def execute(
+    tg: TaskGraph,
+    mg: MemGraph,
+    rng: random.Random,
+    *,
+    in_flight: int = 1,
+    policy: str = "uniform",
+    _machine: _Machine | None = None,
+) -> None:
+    """Runs `mg` once in a random order allowed by its edges, up to `in_flight` vertices at a time.
+
+    `policy` picks the next vertex to start: "uniform" draws among the ready ones; "priority" draws
+    a random priority per vertex and starts the ready one of highest priority, which lets some
+    vertices lag far behind (a long-delayed load or a racing writer that runs very late).
+
+    Raises:
+        VerifyError: a read saw another value than its src wrote, an output is not in place at
+            the end, or the edges leave some vertex never ready (a cycle).
+    """
+    m = _machine or _Machine(mg)
+    verts, pos = m.verts, m.pos
+    arenas = m.new_arenas()
+    inputs = {t.id for t in tg if t.kind is Kind.INPUT}
+    waiting = [len(p) for p in m.preds]
+    if policy not in ("uniform", "priority"):
+        raise ValueError(f"policy must be 'uniform' or 'priority', got {policy!r}")
+    prio = [rng.random() for _ in verts] if policy == "priority" else None
+    ready = [i for i, c in enumerate(waiting) if c == 0]
+    if prio is not None:
+        ready = [(prio[i], i) for i in ready]
+        heapq.heapify(ready)
+    running: list[int] = []
+    done = 0
+
+    def check_reads(i: int, when: str) -> None:
+        v = verts[i]
+        for n, r in enumerate(v.ins):
+            if r.src is None:
+                if r.loc.device != INPUT or r.value not in inputs or v.kind is not MKind.RELOAD:
+                    raise VerifyError(
+                        f"vertex {v.id} ({v.kind.value} on gpu:{v.gpu}) read {n} of {r.value!r} "
+                        f"has no src and is not a reload of a graph input"
+                    )
+                continue
+            want = pos.get(r.src)
+            if want is None:
+                raise VerifyError(f"vertex {v.id}: read {n} of {r.value!r} names unknown src {r.src}")
+            k, a, b = m.segs(r.loc, v.gpu)
+            seg = arenas[k][a:b]
+            bad = np.flatnonzero(seg != want)
+            if bad.size or verts[want].value != r.value:
+                got = int(seg[bad[0]]) if bad.size else want
+                raise VerifyError(
+                    f"vertex {v.id} ({v.kind.value} {v.value!r} on gpu:{v.gpu}) {when}: read {n} "
+                    f"expects {r.value!r} from vertex {r.src} at {_name(r.loc, v.gpu)}, "
+                    f"found {m.found(got)}"
+                )
+
+    def start(i: int) -> None:
+        check_reads(i, "on start")
+        v = verts[i]
+        if v.out.device != INPUT:
+            k, a, b = m.segs(v.out, v.gpu)
+            arenas[k][a:b] = busy(i)
+        running.append(i)
+
+    def finish(i: int) -> None:
+        nonlocal done
+        check_reads(i, "on completion")
+        v = verts[i]
+        if v.out.device != INPUT:
+            k, a, b = m.segs(v.out, v.gpu)
+            arenas[k][a:b] = i
+        done += 1
+        for w in m.succs[i]:
+            waiting[w] -= 1
+            if waiting[w] == 0:
+                if prio is None:
+                    ready.append(w)
+                else:
+                    heapq.heappush(ready, (prio[w], w))
+
+    while ready or running:
+        if ready and len(running) < in_flight and (not running or rng.random() < 0.5):
+            if prio is None:
+                k = rng.randrange(len(ready))
+                ready[k], ready[-1] = ready[-1], ready[k]
+                start(ready.pop())
+            else:
+                start(heapq.heappop(ready)[1])
+        else:
+            k = rng.randrange(len(running))
+            running[k], running[-1] = running[-1], running[k]
+            finish(running.pop())
+    if done != len(verts):
+        stuck = [verts[i].id for i, c in enumerate(waiting) if c > 0][:5]
+        raise VerifyError(f"{len(verts) - done} vertices never became ready (a cycle?), e.g. {stuck}")
+    for name in tg.outputs:
+        vid = mg.outputs.get(name)
+        if vid is None or vid not in pos:
+            raise VerifyError(f"output {name!r}: no MemGraph vertex holds it")
+        o = verts[pos[vid]]
+        k, a, b = m.segs(o.out, o.gpu)
+        for tag in arenas[k][a:b]:
+            if tag < 0 or verts[tag].value != name:
+                raise VerifyError(
+                    f"output {name!r} at {_name(o.out, o.gpu)} (vertex {vid}): at the end "
+                    f"found {m.found(int(tag))}"
+                )
+
+
+def check_random_orders(
+    tg: TaskGraph, mg: MemGraph, n_orders: int, seed: int, *, in_flight: Iterable[int] = (1, 2, 4, 16)
+) -> None:
+    """Executes `mg` in `n_orders` random orders, cycling through the `in_flight` widths and both policies.
+
+    Raises:
+        VerifyError: from the first failing order, with the seed, order number and mode appended.
+    """
+    m = _Machine(mg)
+    modes = [(k, p) for p in ("uniform", "priority") for k in in_flight]
+    for n in range(n_orders):
+        k, p = modes[n % len(modes)]
+        rng = random.Random(f"{seed}:{n}")
+        try:
+            execute(tg, mg, rng, in_flight=k, policy=p, _machine=m)
+        except VerifyError as e:
+            raise VerifyError(f"{e} [seed {seed}, order {n}, in_flight {k}, {p}]") from None

@@ -1,0 +1,377 @@
+"""The MemGraph verifier: checks the correctness conditions at the end of FORMATS.md.
+
+A MemGraph is correct when it is acyclic, every range lies inside its arena, every TaskGraph
+kernel/transfer is realised once with the right operands, every read names a source that wrote
+exactly that value at exactly that place and happens before the reader, no other writer of an
+overlapping range can run between a source and any of its readers, and every output is still in
+place at the end (TURNIP section 6: "v1 safely overwrites v2").
+
+Reachability is an ancestor bitset per vertex (a Python int built in topological order, then
+packed into a numpy bit matrix); overlapping (read, writer) pairs are found per arena by sorting
+writers by offset and windowing each read with `searchsorted`, so the pair tests run vectorised.
+Rejected: all-pairs overlap tests (quadratic in Python) and per-pair graph searches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+
+import numpy as np
+
+from disco_ray.errors import VerifyError
+from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, device_name
+from disco_ray.taskgraph import Kind, TaskGraph
+
+_PAIR_CHUNK = 4_000_000  # candidate (read, writer) pairs tested per numpy batch: bounds memory
+
+
+class _Full(Exception):
+    """Raised internally once `limit` violations are collected."""
+
+
+class _Sink:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.msgs: list[str] = []
+
+    def add(self, msg: str) -> None:
+        self.msgs.append(msg)
+        if len(self.msgs) >= self.limit:
+            raise _Full
+
+
+def verify(tg: TaskGraph, mg: MemGraph, limit: int = 20) -> list[str]:
+    """Returns up to `limit` one-line violations of FORMATS.md's correctness conditions ([] if none)."""
+    sink = _Sink(max(1, limit))
+    with contextlib.suppress(_Full):
+        _verify(tg, mg, sink)
+    return sink.msgs
+
+
+def check(tg: TaskGraph, mg: MemGraph, limit: int = 5) -> None:
+    """Raises VerifyError naming the first violations, if any."""
+    msgs = verify(tg, mg, limit)
+    if msgs:
+        more = f" (and possibly more; first {len(msgs)} shown)" if len(msgs) >= limit else ""
+        raise VerifyError(f"MemGraph is incorrect{more}: " + "; ".join(msgs))
+
+
+def describe(v: MemVertex) -> str:
+    """'vertex 7 (kernel m1 on gpu:0)'."""
+    return f"vertex {v.id} ({v.kind.value} {v.value!r} on gpu:{v.gpu})"
+
+
+def where(loc: Loc, gpu: int) -> str:
+    """'gpu:0[0:16384]' or 'host(gpu:1)[0:4096]'."""
+    dev = f"host(gpu:{gpu})" if loc.device == HOST else device_name(loc.device)
+    return f"{dev}[{loc.offset}:{loc.end}]"
+
+
+def _key(loc: Loc, gpu: int) -> tuple[int, int]:
+    """The arena a location lies in: host stores are per GPU (HOST means the vertex's own GPU's)."""
+    return (gpu, HOST) if loc.device == HOST else (loc.device, 0)
+
+
+def _verify(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
+    verts = mg.vertices
+    n = len(verts)
+    pos: dict[int, int] = {}
+    for i, v in enumerate(verts):
+        if v.id in pos:
+            sink.add(f"{describe(v)}: duplicate vertex id")
+        pos[v.id] = i
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for e in mg.edges:
+        u, w = e[0], e[1]
+        if u not in pos or w not in pos:
+            sink.add(f"edge {u} -> {w} names an unknown vertex")
+            continue
+        preds[pos[w]].append(pos[u])
+    order = _topo(preds, verts, sink)
+    if order is None:
+        return  # the remaining checks need a topological order
+    _check_kinds_and_capacity(mg, sink)
+    _check_provenance(tg, mg, sink)
+    anc = _ancestors(preds, order, n)
+    _check_reads(tg, mg, pos, anc, sink)
+    _check_races(tg, mg, pos, anc, sink)
+
+
+def _topo(preds: list[list[int]], verts: list[MemVertex], sink: _Sink) -> list[int] | None:
+    """Kahn's algorithm over positions; reports a cycle (by vertex ids) and returns None if there is one."""
+    n = len(verts)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for w, ps in enumerate(preds):
+        for u in set(ps):
+            succ[u].append(w)
+            indeg[w] += 1
+    stack = [i for i in range(n) if indeg[i] == 0]
+    order: list[int] = []
+    while stack:
+        u = stack.pop()
+        order.append(u)
+        for w in succ[u]:
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                stack.append(w)
+    if len(order) == n:
+        return order
+    # every vertex left has a predecessor left: walk back until one repeats
+    seen: dict[int, int] = {}
+    path: list[int] = []
+    v = next(i for i in range(n) if indeg[i] > 0)
+    while v not in seen:
+        seen[v] = len(path)
+        path.append(v)
+        v = next(u for u in preds[v] if indeg[u] > 0)
+    cycle = [*path[seen[v] :], v][::-1]
+    sink.add("cycle: " + " -> ".join(str(verts[i].id) for i in cycle))
+    return None
+
+
+def _check_kinds_and_capacity(mg: MemGraph, sink: _Sink) -> None:
+    gpus = mg.gpus
+    host_cap = mg.host_capacity
+
+    def in_gpu(v: MemVertex, loc: Loc, what: str) -> None:
+        if loc.device >= gpus:
+            sink.add(
+                f"{describe(v)}: {what} {where(loc, v.gpu)} names a GPU this MemGraph lacks ({gpus} GPUs)"
+            )
+        elif loc.device >= 0 and loc.end > mg.capacity[loc.device]:
+            sink.add(
+                f"{describe(v)}: {what} {where(loc, v.gpu)} exceeds gpu:{loc.device} capacity "
+                f"{mg.capacity[loc.device]}"
+            )
+
+    for v in mg.vertices:
+        if not 0 <= v.gpu < gpus:
+            sink.add(f"{describe(v)}: runs on a GPU this MemGraph lacks ({gpus} GPUs)")
+            continue
+        o, k = v.out, v.kind
+        in_gpu(v, o, "output")
+        for r in v.ins:
+            in_gpu(v, r.loc, f"read of {r.value!r} at")
+        if o.device == HOST and v.gpu < len(host_cap) and host_cap[v.gpu] > 0 and o.end > host_cap[v.gpu]:
+            sink.add(
+                f"{describe(v)}: output {where(o, v.gpu)} exceeds the host store capacity "
+                f"{host_cap[v.gpu]} of gpu:{v.gpu}"
+            )
+        if o.device == INPUT:
+            sink.add(f"{describe(v)}: writes {where(o, v.gpu)}, the caller's read-only input copies")
+        if k is MKind.OFFLOAD:
+            if o.device != HOST:
+                sink.add(f"{describe(v)}: an offload must write the host store, writes {where(o, v.gpu)}")
+            if len(v.ins) != 1 or v.ins[0].loc.device != v.gpu:
+                sink.add(
+                    f"{describe(v)}: an offload must read one range of its own gpu:{v.gpu}, reads "
+                    + ", ".join(where(r.loc, v.gpu) for r in v.ins)
+                )
+        elif k is MKind.RELOAD:
+            if len(v.ins) != 1 or v.ins[0].loc.device not in (HOST, INPUT):
+                sink.add(
+                    f"{describe(v)}: a reload must read one host or input range, reads "
+                    + ", ".join(where(r.loc, v.gpu) for r in v.ins)
+                )
+        elif k is MKind.TRANSFER:
+            if len(v.ins) != 1 or not 0 <= v.ins[0].loc.device != v.gpu:
+                sink.add(
+                    f"{describe(v)}: a transfer must read one range of another GPU, reads "
+                    + ", ".join(where(r.loc, v.gpu) for r in v.ins)
+                )
+        elif k is MKind.KERNEL:
+            for r in v.ins:
+                if r.loc.device != v.gpu:
+                    sink.add(
+                        f"{describe(v)}: a kernel must read its own gpu:{v.gpu}, reads {r.value!r} at "
+                        f"{where(r.loc, v.gpu)}"
+                    )
+        elif k is MKind.INPUT and v.ins:
+            sink.add(f"{describe(v)}: an input load reads nothing, has {len(v.ins)} reads")
+        if k is not MKind.OFFLOAD and o.device != v.gpu:
+            sink.add(f"{describe(v)}: a {k.value} must write its own gpu:{v.gpu}, writes {where(o, v.gpu)}")
+        if k in (MKind.OFFLOAD, MKind.RELOAD):
+            for r in v.ins:
+                if r.value != v.value:
+                    sink.add(f"{describe(v)}: moves {v.value!r} but reads {r.value!r}")
+
+
+def _check_provenance(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
+    realised: dict[str, list[MemVertex]] = defaultdict(list)
+    for v in mg.vertices:
+        t = tg.vertices.get(v.value)
+        if t is None:
+            sink.add(f"{describe(v)}: value {v.value!r} is not a TaskGraph vertex")
+            continue
+        if v.kind in (MKind.KERNEL, MKind.TRANSFER, MKind.INPUT):
+            realised[v.value].append(v)
+            if v.kind.value != t.kind.value:
+                sink.add(f"{describe(v)}: realises TaskGraph {t.kind.value} {t.id!r}")
+                continue
+            if t.gpu != v.gpu:
+                sink.add(f"{describe(v)}: TaskGraph puts {t.id!r} on gpu:{t.gpu}")
+            if v.kind is not MKind.INPUT and tuple(r.value for r in v.ins) != t.inputs:
+                sink.add(
+                    f"{describe(v)}: reads {[r.value for r in v.ins]}, TaskGraph operands are "
+                    f"{list(t.inputs)}"
+                )
+        if v.out.nbytes < t.nbytes:
+            sink.add(
+                f"{describe(v)}: output {where(v.out, v.gpu)} holds {v.out.nbytes} bytes, "
+                f"{t.id!r} needs {t.nbytes}"
+            )
+    used: set[str] = set(tg.outputs)
+    for t in tg:
+        used.update(t.inputs)
+    for t in tg:
+        got = realised.get(t.id, [])
+        if t.kind is Kind.INPUT:
+            if t.id in used and not got:
+                sink.add(f"TaskGraph input {t.id!r} (gpu:{t.gpu}) is used but has no input vertex")
+        elif len(got) != 1:
+            ids = [v.id for v in got]
+            sink.add(
+                f"TaskGraph {t.kind.value} {t.id!r} (gpu:{t.gpu}) is realised by {len(got)} "
+                f"MemGraph vertices {ids}, not exactly one"
+            )
+    for name in tg.outputs:
+        if name not in mg.outputs:
+            sink.add(f"TaskGraph output {name!r} has no MemGraph output vertex")
+    for name, vid in mg.outputs.items():
+        if name not in tg.outputs:
+            sink.add(f"MemGraph output {name!r} (vertex {vid}) is not a TaskGraph output")
+
+
+def _ancestors(preds: list[list[int]], order: list[int], n: int) -> np.ndarray:
+    """Bit matrix A (n x ceil(n/8) bytes, little bit order): bit u of row w set iff u is an ancestor of w."""
+    anc = [0] * n
+    for w in order:
+        a = 0
+        for u in preds[w]:
+            a |= anc[u] | (1 << u)
+        anc[w] = a
+    width = (n + 7) // 8
+    buf = b"".join(a.to_bytes(width, "little") for a in anc)
+    return np.frombuffer(buf, dtype=np.uint8).reshape(n, width) if width else np.zeros((n, 0), np.uint8)
+
+
+def _is_anc(anc: np.ndarray, u: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Vectorised: is position u an ancestor of position w?"""
+    return ((anc[w, u >> 3] >> (u & 7)) & 1).astype(bool)
+
+
+def _check_reads(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
+    verts = mg.vertices
+    for i, v in enumerate(verts):
+        for n, r in enumerate(v.ins):
+            head = f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
+            if r.src is None:
+                if not (v.kind is MKind.RELOAD and r.loc.device == INPUT):
+                    sink.add(f"{head}: no src (allowed only for a reload of a graph input from 'input')")
+                elif r.value not in tg or tg[r.value].kind is not Kind.INPUT:
+                    sink.add(f"{head}: reads the caller's copy of {r.value!r}, which is not a graph input")
+                continue
+            if r.loc.device == INPUT:
+                sink.add(f"{head}: reads the caller's input copy but names src {r.src}")
+                continue
+            j = pos.get(r.src)
+            if j is None:
+                sink.add(f"{head}: src {r.src} is not a vertex")
+                continue
+            s = verts[j]
+            if s.value != r.value or s.out != r.loc or (r.loc.device == HOST and s.gpu != v.gpu):
+                sink.add(f"{head}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
+            if not _is_anc(anc, np.array([j]), np.array([i]))[0]:
+                sink.add(f"{head}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})")
+
+
+def _check_races(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
+    """Every writer overlapping a read (or a final output) must be ordered around it by the edges."""
+    verts = mg.vertices
+    writers: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+    for i, v in enumerate(verts):
+        if v.out.nbytes > 0 and v.out.device != INPUT:
+            writers[_key(v.out, v.gpu)].append((v.out.offset, v.out.end, i))
+    # queries: (offset, end, src position, reader position or -1 for an output, read index)
+    queries: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = defaultdict(list)
+    for i, v in enumerate(verts):
+        for n, r in enumerate(v.ins):
+            j = pos.get(r.src) if r.src is not None else None
+            if j is None or r.loc.nbytes == 0 or r.loc.device == INPUT:
+                continue
+            queries[_key(r.loc, v.gpu)].append((r.loc.offset, r.loc.end, j, i, n))
+    for name, vid in mg.outputs.items():
+        j = pos.get(vid)
+        if j is None:
+            sink.add(f"output {name!r}: vertex {vid} does not exist")
+            continue
+        o = verts[j]
+        if o.value != name:
+            sink.add(f"output {name!r}: {describe(o)} holds {o.value!r}")
+            continue
+        if o.out.nbytes:
+            queries[_key(o.out, o.gpu)].append((o.out.offset, o.out.end, j, -1, -1))
+    for key in sorted(queries):
+        for s, w, r, n in _racing_pairs(writers.get(key, []), queries[key], anc):
+            sv, wv = verts[s], verts[w]
+            if r < 0:
+                sink.add(
+                    f"output {sv.value!r} of {describe(sv)} at {where(sv.out, sv.gpu)} may be overwritten: "
+                    f"{describe(wv)} writes {where(wv.out, wv.gpu)} and is not an ancestor of {sv.id}"
+                )
+            elif r == w:
+                rd = wv.ins[n]
+                sink.add(
+                    f"{describe(wv)}: output {where(wv.out, wv.gpu)} overlaps its own input "
+                    f"{rd.value!r} at {where(rd.loc, wv.gpu)}"
+                )
+            else:
+                rv = verts[r]
+                rd = rv.ins[n]
+                sink.add(
+                    f"race: {describe(wv)} writes {where(wv.out, wv.gpu)}, overlapping {rd.value!r} at "
+                    f"{where(rd.loc, rv.gpu)} written by {sv.id} and read by {describe(rv)}, and can run "
+                    f"between them (not an ancestor of {sv.id}, not a descendant of {rv.id})"
+                )
+
+
+def _racing_pairs(
+    writers: list[tuple[int, int, int]], queries: list[tuple[int, int, int, int, int]], anc: np.ndarray
+) -> Iterator[tuple[int, int, int, int]]:
+    """Yields (src, writer, reader or -1, read index) for each overlapping writer left unordered."""
+    if not writers or not queries:
+        return
+    wa = np.array(writers, dtype=np.int64)
+    wa = wa[np.argsort(wa[:, 0], kind="stable")]
+    ws, we, wid = wa[:, 0], wa[:, 1], wa[:, 2]
+    maxlen = int((we - ws).max())
+    qa = np.array(queries, dtype=np.int64)
+    # a writer overlapping [a, b) starts in (a - maxlen, b): a window of the start-sorted writers
+    lo = np.searchsorted(ws, qa[:, 0] - maxlen, side="right")
+    hi = np.searchsorted(ws, qa[:, 1], side="left")
+    counts = np.maximum(hi - lo, 0)
+    q0 = 0
+    nq = len(qa)
+    while q0 < nq:
+        # take queries until the batch holds about _PAIR_CHUNK candidate pairs
+        csum = np.cumsum(counts[q0:])
+        q1 = q0 + max(1, int(np.searchsorted(csum, _PAIR_CHUNK, side="right")))
+        c = counts[q0:q1]
+        total = int(c.sum())
+        if total:
+            qi = np.repeat(np.arange(q0, q1), c)
+            starts = np.repeat(lo[q0:q1] - np.concatenate(([0], np.cumsum(c)[:-1])), c)
+            wi = starts + np.arange(total)
+            keep = we[wi] > qa[qi, 0]
+            qi, wi = qi[keep], wid[wi[keep]]
+            src, rdr = qa[qi, 2], qa[qi, 3]
+            bad = (wi != src) & ~_is_anc(anc, wi, src)
+            has_r = rdr >= 0
+            rr = np.where(has_r, rdr, 0)
+            bad &= ~(has_r & _is_anc(anc, rr, wi))
+            for k in np.flatnonzero(bad):
+                yield int(src[k]), int(wi[k]), int(rdr[k]), int(qa[qi[k], 4])
+        q0 = q1

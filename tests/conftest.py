@@ -1,0 +1,91 @@
+"""Shared fixtures: small hand-made graphs and a runner for the `python -m disco_ray` CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.taskgraph import TaskGraph
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def two_gpu_graph() -> TaskGraph:
+    """The FORMATS.md TaskGraph example: x0 @ w0 on gpu 0, then moved to gpu 1."""
+    g = TaskGraph(gpus=2)
+    x = g.input("x0", (64, 64), gpu=0)
+    w = g.input("w0", (64, 64), gpu=0)
+    m = g.matmul(x, w, id="m1")
+    g.output(g.transfer(m, gpu=1, id="t1"))
+    return g
+
+
+def sample_memgraph() -> MemGraph:
+    """A small MemGraph using every kind, both edge kinds, a host store and a src-null input reload."""
+    g0 = lambda off: Loc(0, off, 16384)  # noqa: E731
+    v = [
+        MemVertex(0, MKind.INPUT, "x0", 0, (), g0(0)),
+        MemVertex(1, MKind.INPUT, "w0", 0, (), g0(16384)),
+        MemVertex(2, MKind.KERNEL, "m1", 0, (Read("x0", 0, g0(0)), Read("w0", 1, g0(16384))), g0(32768)),
+        MemVertex(3, MKind.OFFLOAD, "m1", 0, (Read("m1", 2, g0(32768)),), Loc(HOST, 0, 16384)),
+        MemVertex(4, MKind.KERNEL, "a1", 0, (Read("x0", 0, g0(0)),), g0(32768)),
+        MemVertex(5, MKind.RELOAD, "m1", 0, (Read("m1", 3, Loc(HOST, 0, 16384)),), g0(16384)),
+        MemVertex(6, MKind.RELOAD, "x0", 0, (Read("x0", None, Loc(INPUT, 0, 16384)),), g0(0)),
+        MemVertex(7, MKind.TRANSFER, "t1", 1, (Read("m1", 5, g0(16384)),), Loc(1, 0, 16384)),
+    ]
+    edges = [
+        (0, 2, "data"),
+        (1, 2, "data"),
+        (2, 3, "data"),
+        (3, 4, "mem"),
+        (0, 4, "data"),
+        (3, 5, "data"),
+        (4, 5, "mem"),
+        (5, 7, "data"),
+        (4, 6, "mem"),
+    ]
+    return MemGraph([65536, 32768], v, edges, {"t1": 7, "a1": 4}, [16384, 0], {"offloads": 1, "note": "x"})
+
+
+def plan_of_two_gpu_graph(*, clobber: bool = False) -> MemGraph:
+    """A hand-made correct MemGraph of two_gpu_graph(); `clobber` makes m1 overwrite its operand x0."""
+    k = 16384
+    m1_out = Loc(0, 0 if clobber else 2 * k, k)
+    v = [
+        MemVertex(0, MKind.INPUT, "x0", 0, (), Loc(0, 0, k)),
+        MemVertex(1, MKind.INPUT, "w0", 0, (), Loc(0, k, k)),
+        MemVertex(
+            2, MKind.KERNEL, "m1", 0, (Read("x0", 0, Loc(0, 0, k)), Read("w0", 1, Loc(0, k, k))), m1_out
+        ),
+        MemVertex(3, MKind.TRANSFER, "t1", 1, (Read("m1", 2, m1_out),), Loc(1, 0, k)),
+    ]
+    edges = [(0, 2, "data"), (1, 2, "data"), (2, 3, "data")]
+    return MemGraph([4 * k, 4 * k], v, edges, {"t1": 3}, [0, 0])
+
+
+@pytest.fixture
+def tg2() -> TaskGraph:
+    return two_gpu_graph()
+
+
+def run_cli(*args: str | os.PathLike, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs `python -m disco_ray ARGS` with this checkout first on the path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "disco_ray", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def cli():
+    return run_cli

@@ -1,0 +1,291 @@
+"""The `disco-ray` CLI through `python -m disco_ray`: happy paths, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT, plan_of_two_gpu_graph, sample_memgraph, two_gpu_graph
+
+from disco_ray import cli as cli_module
+from disco_ray import formats
+from disco_ray.errors import UsageError
+from disco_ray.sizes import format_size, parse_size
+
+EXAMPLE = ROOT / "examples" / "matmul3.json"
+
+
+def assert_one_line_error(r, *fragments: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("disco-ray: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+# ---- sizes -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [
+        ("123", 123),
+        ("0", 0),
+        ("64KiB", 65536),
+        ("1.5GiB", 3 * 2**29),
+        ("64MiB", 2**26),
+        ("2GB", 2 * 10**9),
+        ("10kB", 10_000),
+        ("10KB", 10_000),
+        ("64mib", 2**26),
+        ("1 TiB", 2**40),
+        ("7B", 7),
+        ("0.5KiB", 512),
+        (" 3MB ", 3 * 10**6),
+        (4096, 4096),
+    ],
+)
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "abc", "64XiB", "-1", "1.5", "0.3B", "1.2.3", "KiB", "64 Ki B", "1e3"])
+def test_parse_size_errors_name_the_text(text):
+    with pytest.raises(UsageError, match=f"bad size {text!r}"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1 KiB"),
+        (1536, "1.5 KiB"),
+        (2**26, "64 MiB"),
+        (3 * 2**29, "1.5 GiB"),
+        (2**41, "2 TiB"),
+    ],
+)
+def test_format_size(n, text):
+    assert format_size(n) == text
+    assert parse_size(text) == n or "." in text
+
+
+# ---- info / ops --------------------------------------------------------------------------------
+def test_info_taskgraph(cli):
+    r = cli("info", EXAMPLE)
+    assert r.returncode == 0, r.stderr
+    assert "15 vertices (6 input, 6 kernel, 3 transfer) on 3 GPU(s), 14 edges" in r.stdout
+    assert "gpu:1 112 KiB" in r.stdout
+    r = cli("info", "--json", EXAMPLE)
+    st = json.loads(r.stdout)
+    assert st["format"] == "disco-taskgraph" and st["min_capacity_per_gpu"] == [49152] * 3
+
+
+def test_info_memgraph(cli, tmp_path):
+    path = tmp_path / "m.msgpack"
+    formats.save(sample_memgraph(), path)
+    r = cli("info", path)
+    assert r.returncode == 0, r.stderr
+    assert "8 vertices" in r.stdout and "9 edges (6 data, 3 mem)" in r.stdout
+    assert "offloaded 16 KiB in 1 offloads, reloaded 32 KiB in 2 reloads" in r.stdout
+    st = json.loads(cli("info", "--json", path).stdout)
+    assert st["arena_high_water"] == [49152, 16384] and st["offload_bytes"] == 16384
+    assert st["format"] == "disco-memgraph" and st["note"] == "x"
+
+
+def test_ops_doc_is_up_to_date(cli):
+    from disco_ray import ops
+
+    doc = (ROOT / "docs" / "OPS.md").read_text()
+    for name in ops.OPS:
+        assert f"| `{name}` |" in doc, (
+            f"op {name} is not in docs/OPS.md: run python -m disco_ray ops --markdown"
+        )
+    r = cli("ops", "--markdown")
+    assert r.returncode == 0 and all(f"| `{name}` |" in r.stdout for name in ops.OPS)
+
+
+def test_help(cli):
+    r = cli("--help")
+    assert r.returncode == 0 and all(c in r.stdout for c in ("plan", "verify", "info"))
+
+
+# ---- input errors: exit 2, one line, no output file ----------------------------------------------
+@pytest.fixture
+def bad_files(tmp_path):
+    """A directory of broken inputs next to a good TaskGraph."""
+    good = tmp_path / "g.json"
+    formats.save(two_gpu_graph(), good)
+    (tmp_path / "broken.json").write_text('{"format": "disco-taskgraph",\n "version": 1 "gpus": 2}')
+    doc = two_gpu_graph().to_dict()
+    doc["vertices"][2]["inputs"] = ["x0", "ghost"]
+    (tmp_path / "unknown.json").write_text(json.dumps(doc))
+    doc = two_gpu_graph().to_dict()
+    doc["vertices"][0]["shape"] = [64, 63]
+    (tmp_path / "shape.json").write_text(json.dumps(doc))
+    (tmp_path / "order.json").write_text('["x0", 3]')
+    (tmp_path / "garbage.msgpack").write_bytes(b"\xc1")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["plan", "missing.json", "--capacity", "1MiB"], ["missing.json: cannot read"]),
+        (["plan", "broken.json", "--capacity", "1MiB"], ["broken.json: malformed JSON at line 2 column 15"]),
+        (
+            ["plan", "unknown.json", "--capacity", "1MiB"],
+            ["unknown.json: vertex 'm1': unknown input 'ghost'"],
+        ),
+        (["plan", "shape.json", "--capacity", "1MiB"], ["shape.json: vertex 'm1': matmul inner dims differ"]),
+        (["plan", "garbage.msgpack", "--capacity", "1MiB"], ["garbage.msgpack: malformed msgpack"]),
+        (["plan", "g.json", "--capacity", "lots"], ["plan: argument --capacity: bad size 'lots'"]),
+        (
+            ["plan", "g.json", "--capacity", "1MiB", "--capacity-gpu", "2=1MiB"],
+            ["--capacity-gpu 2=1 MiB: gpu 2 out of range 0..1"],
+        ),
+        (["plan", "g.json", "--capacity", "1MiB", "--capacity-gpu", "x=1MiB"], ["bad GPU capacity 'x=1MiB'"]),
+        (["plan", "g.json", "--capacity", "1MiB", "--capacity-gpu", "1=1.5B"], ["bad size '1.5B'"]),
+        (
+            ["plan", "g.json", "--capacity", "1MiB", "--alignment", "0"],
+            ["--alignment: want a positive integer"],
+        ),
+        (["plan", "g.json", "--capacity", "1MiB", "--order", "nope.txt"], ["--order nope.txt: cannot read"]),
+        (
+            ["plan", "g.json", "--capacity", "1MiB", "--order", "order.json"],
+            ["--order order.json: want a JSON list"],
+        ),
+        (["plan", "g.json"], ["plan: the following arguments are required: --capacity"]),
+        (["verify", "g.json", "missing.json"], ["missing.json: cannot read"]),
+        (["verify", "g.json", "g.json"], ["\"format\" must be 'disco-memgraph'"]),
+        (["info", "broken.json"], ["broken.json: malformed JSON"]),
+        (["info", "g.txt"], ["g.txt: unknown file suffix '.txt'"]),
+        (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+        ([], ["required: COMMAND"]),
+    ],
+)
+def test_input_errors(cli, bad_files, args, fragments):
+    out = bad_files / "out.json"
+    if args and args[0] == "plan" and "--capacity" in args:
+        args = [*args, "-o", str(out)]
+    r = cli(*args, cwd=bad_files)
+    assert_one_line_error(r, *fragments)
+    assert not out.exists()
+    assert not [p for p in bad_files.iterdir() if p.name.startswith(".out")]  # no temp file left
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [("out.txt", "out.txt: unknown file suffix '.txt'"), ("out", "unknown file suffix '(none)'")],
+)
+def test_plan_output_suffix_checked_first(cli, bad_files, name, fragment):
+    r = cli("plan", "g.json", "--capacity", "1MiB", "-o", name, cwd=bad_files)
+    assert_one_line_error(r, fragment)
+    assert not (bad_files / name).exists()
+
+
+def test_other_modules_add_commands(tmp_path, monkeypatch, capsys):
+    (tmp_path / "hello_cmd.py").write_text(
+        "def add_hello(sub):\n"
+        "    sub.add_parser('hello').add_argument('--times', type=int, default=1)\n"
+        "def cmd_hello(args):\n"
+        "    print('hello ' * args.times)\n"
+        "    return 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli_module.COMMANDS, "hello", "hello_cmd")
+    assert cli_module.main(["hello", "--times", "2"]) == 3
+    assert capsys.readouterr().out.strip() == "hello hello"
+    assert cli_module.main(["hello", "--times", "x"]) == 2
+    assert capsys.readouterr().err.startswith("disco-ray: error: hello: argument --times: invalid int value")
+
+
+# ---- verify ------------------------------------------------------------------------------------
+@pytest.fixture
+def plans(tmp_path):
+    formats.save(two_gpu_graph(), tmp_path / "g.json")
+    formats.save(plan_of_two_gpu_graph(), tmp_path / "ok.msgpack")
+    formats.save(plan_of_two_gpu_graph(clobber=True), tmp_path / "bad.json")
+    return tmp_path
+
+
+def test_verify_ok(cli, plans):
+    pytest.importorskip("planner.verify")
+    r = cli("verify", "g.json", "ok.msgpack", cwd=plans)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok: ok.msgpack is a correct plan of g.json")
+
+
+def test_verify_violations(cli, plans):
+    pytest.importorskip("planner.verify")
+    r = cli("verify", "g.json", "bad.json", cwd=plans)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines and all(ln.strip() for ln in lines)
+    assert "Traceback" not in r.stderr and r.stderr.strip().endswith("violation(s)")
+    r = cli("verify", "--limit", "1", "g.json", "bad.json", cwd=plans)
+    assert r.returncode == 1 and len(r.stdout.splitlines()) == 1
+
+
+# ---- plan --------------------------------------------------------------------------------------
+def need_planner() -> None:
+    planner = pytest.importorskip("planner")
+    if not hasattr(planner, "build_memgraph"):
+        pytest.skip("planner.build_memgraph not on this branch yet")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".msgpack"])
+def test_plan_then_verify_and_info(cli, tmp_path, suffix):
+    need_planner()
+    out = tmp_path / f"m{suffix}"
+    r = cli("plan", EXAMPLE, "--capacity", "64KiB", "--capacity-gpu", "1=48KiB", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert "memgraph: " in r.stderr and f"wrote {out}" in r.stderr
+    mg = formats.load_memgraph(out)
+    assert mg.capacity == [65536, 49152, 65536]
+    st = json.loads(cli("info", "--json", out).stdout)
+    # GPU 1 holds 7 tensors of 16 KiB over the run but has room for 3: something must go to the host
+    assert st["by_kind"]["offload"] + st["by_kind"]["reload"] > 0 and st["reload_bytes"] > 0
+    assert st["arena_high_water"][1] <= 49152
+    assert f"reloaded {format_size(st['reload_bytes'])}" in r.stderr
+    r = cli("verify", EXAMPLE, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", ["order.txt", "order.json"])
+def test_plan_with_order(cli, tmp_path, name):
+    need_planner()
+    tg = formats.load_taskgraph(EXAMPLE)
+    ids = [v.id for v in tg]
+    (tmp_path / name).write_text(
+        json.dumps(ids) if name.endswith(".json") else "# file order\n" + "\n".join(ids)
+    )
+    r = cli("plan", EXAMPLE, "--capacity", "1MiB", "--order", tmp_path / name, "-o", tmp_path / "m.json")
+    assert r.returncode == 0, r.stderr
+    assert cli("verify", EXAMPLE, tmp_path / "m.json").returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (["--capacity", "40KiB"], ["matmul3.json: ", "'p0'"]),  # matmul needs 48 KiB at once
+        (["--capacity", "1MiB", "--capacity-gpu", "2=16KiB"], ["matmul3.json: "]),
+        (["--capacity", "1MiB", "--order", "rev.txt"], ["matmul3.json: "]),
+    ],
+)
+def test_plan_errors(cli, tmp_path, extra, fragments):
+    need_planner()
+    ids = [v.id for v in formats.load_taskgraph(EXAMPLE)]
+    (tmp_path / "rev.txt").write_text("\n".join(reversed(ids)))
+    r = cli("plan", EXAMPLE, *extra, "-o", "m.json", cwd=tmp_path)
+    assert_one_line_error(r, *fragments)
+    assert list(tmp_path.iterdir()) == [tmp_path / "rev.txt"]
+
+
+def test_plan_unwritable_output(cli, tmp_path):
+    need_planner()
+    r = cli("plan", EXAMPLE, "--capacity", "1MiB", "-o", tmp_path / "no" / "such" / "m.json")
+    assert_one_line_error(r, "m.json: cannot write (No such file or directory)")
+    assert not (tmp_path / "no").exists()
