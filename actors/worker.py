@@ -98,6 +98,10 @@ class GpuWorker:
     def statistics(self) -> dict:
         return self._ex().statistics()
 
+    def call(self, fn, *args):
+        """Runs `fn(self, *args)` in this actor (link probes and diagnostics: disco_ray/cluster.py)."""
+        return fn(self, *args)
+
     def _ex(self) -> Executor:
         if self.ex is None:
             raise RunError("this worker has no graph loaded")
