@@ -14,6 +14,7 @@ about two seconds instead of thirty.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -170,10 +171,8 @@ class LocalCluster:
         """Ends every process of the cluster (SIGTERM, then SIGKILL); returns any still alive after."""
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             for pid in self.pids():
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, sig)
-                except OSError:
-                    pass
             t_end = time.monotonic() + wait
             while self.pids() and time.monotonic() < t_end:
                 time.sleep(0.1)
