@@ -59,7 +59,7 @@ def _cmdline(pid: str) -> list[str]:
 class LocalCluster:
     """A head node plus any number of extra nodes, all on this machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, checkout_on_path: bool = True) -> None:
         self.mark = uuid.uuid4().hex
         self.temp_dir = tempfile.mkdtemp(prefix="drc", dir="/tmp")
         self.port: int | None = None
@@ -73,10 +73,11 @@ class LocalCluster:
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
             "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
-            # workers import this checkout's packages (not installed in the venv)
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         }
         self.env.pop("RAY_ADDRESS", None)
+        self.env.pop("PYTHONPATH", None)
+        if checkout_on_path:  # workers import this checkout's packages (not installed in the venv)
+            self.env["PYTHONPATH"] = str(ROOT)
         self.ray = str(Path(bindir) / "ray")
 
     @property
