@@ -229,7 +229,10 @@ class RayEngine:
             if progress is not None:
                 progress(ray.get(self.coord.progress.remote()))
             if done_ref in ready:
-                _, err = ray.get(done_ref)
+                try:
+                    _, err = ray.get(done_ref)
+                except RayActorError:
+                    raise RunError("the coordinator died during the run") from None
                 if err is not None:
                     raise RunError(err)
                 break

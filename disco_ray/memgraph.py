@@ -200,12 +200,16 @@ class MemGraph:
                     raise FormatError(f"{where}: a vertex runs on a GPU, not {r['device']!r}")
                 ins = tuple(Read(i["value"], i["src"], _loc(i["loc"], where)) for i in r["ins"])
                 if any(not (x.src is None or type(x.src) is int) for x in ins):
-                    raise FormatError(f"{where}: a read's \"src\" must be a vertex id or null")
+                    raise FormatError(f'{where}: a read\'s "src" must be a vertex id or null')
                 verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where)))
             edges = []
             for e in doc["edges"]:
-                if not (isinstance(e, list) and len(e) in (2, 3) and all(isinstance(x, int) for x in e[:2])
-                        and (len(e) == 2 or e[2] in ("data", "mem"))):
+                if not (
+                    isinstance(e, list)
+                    and len(e) in (2, 3)
+                    and all(isinstance(x, int) for x in e[:2])
+                    and (len(e) == 2 or e[2] in ("data", "mem"))
+                ):
                     raise FormatError(f"memgraph: bad edge {e!r}")
                 if e[0] not in seen or e[1] not in seen:
                     raise FormatError(f"memgraph: edge {e!r} names an unknown vertex")

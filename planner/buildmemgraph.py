@@ -111,7 +111,13 @@ class Planner:
         self.seq = 0
         self.nbytes = {v.id: v.nbytes for v in tg}
         self.sizes = {k: self.arenas[0].round(n) for k, n in self.nbytes.items()}
-        self.counts = {"retractions": 0, "compactions": 0, "evictions": 0, "clean_evictions": 0}
+        self.counts = {
+            "retractions": 0,
+            "compactions": 0,
+            "evictions": 0,
+            "clean_evictions": 0,
+            "superfluous_mem_edges": 0,
+        }
         self._check_fits()
 
     # ---- checks -------------------------------------------------------------------------------
@@ -148,10 +154,14 @@ class Planner:
         rec = self.recs[w]
         for _, _, _, readers in ghosts:
             for u in readers:
-                if u != w and u not in rec.deps:
-                    rec.deps[u] = "mem"
-                    if alloc:
-                        rec.alloc_deps.add(u)
+                if u == w:
+                    continue
+                if u in rec.deps:
+                    self.counts["superfluous_mem_edges"] += 1  # already a dependency (paper Fig. 5, dashed)
+                    continue
+                rec.deps[u] = "mem"
+                if alloc:
+                    rec.alloc_deps.add(u)
 
     # ---- victims --------------------------------------------------------------------------------
     def _next_use(self, value: str) -> float:
@@ -296,6 +306,9 @@ class Planner:
         for x in operands:
             inst = self.resident[x]
             reads[x] = (x, inst.src, Loc(inst.gpu, inst.off, self.nbytes[x]))
+            if rec.deps.get(inst.src) == "mem":
+                self.counts["superfluous_mem_edges"] += 1
+                rec.alloc_deps.discard(inst.src)
             rec.deps[inst.src] = "data"
             inst.readers.append(r)
         rec.ins = [reads[x] for x in v.inputs]

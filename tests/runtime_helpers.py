@@ -1,17 +1,12 @@
-"""Test helpers for the runtime: a small random TaskGraph generator and a trivial planner.
-
-The trivial planner gives every value its own arena range (no reuse, so no memory edges); with
-`offload_all` every produced value goes to the host store and back before its readers, and graph
-inputs are re-read from the caller's copy (reload with src None), so every vertex kind runs.
-It stands in for planner.build_memgraph until that lands; tests prefer the real planner.
-"""
+"""Test helpers for the runtime: a small random TaskGraph generator and planning presets."""
 
 from __future__ import annotations
 
 import random
 
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.memgraph import MemGraph
 from disco_ray.taskgraph import Kind, TaskGraph
+from planner import build_memgraph
 
 
 def random_taskgraph(
@@ -48,86 +43,17 @@ def random_taskgraph(
     return g
 
 
-def trivial_memgraph(tg: TaskGraph, *, offload_all: bool = False, align: int = 256) -> MemGraph:
-    """Every value gets its own range; `offload_all` adds an offload+reload pair for each read value."""
-    top = [0] * tg.gpus
-    host_top = [0] * tg.gpus
-    verts: list[MemVertex] = []
-    edges: list[tuple[int, int, str]] = []
-    where: dict[str, tuple[int, Loc]] = {}  # value -> (vertex holding it, loc)
-    readers = tg.consumers()
-
-    def alloc(tops: list[int], gpu: int, nbytes: int, dev: int) -> Loc:
-        loc = Loc(dev, tops[gpu], nbytes)
-        tops[gpu] += -(-max(nbytes, 1) // align) * align
-        return loc
-
-    def add(kind: MKind, value: str, gpu: int, ins: list[Read], out: Loc) -> int:
-        vid = len(verts)
-        verts.append(MemVertex(vid, kind, value, gpu, tuple(ins), out))
-        for r in ins:
-            if r.src is not None and (r.src, vid, "data") not in edges:
-                edges.append((r.src, vid, "data"))
-        return vid
-
-    for v in tg:
-        nb = v.nbytes
-        if v.kind is Kind.INPUT:
-            vid = add(MKind.INPUT, v.id, v.gpu, [], alloc(top, v.gpu, nb, v.gpu))
-        else:
-            ins = [Read(x, where[x][0], where[x][1]) for x in v.inputs]
-            kind = MKind.KERNEL if v.kind is Kind.KERNEL else MKind.TRANSFER
-            vid = add(kind, v.id, v.gpu, ins, alloc(top, v.gpu, nb, v.gpu))
-        where[v.id] = (vid, verts[vid].out)
-        if offload_all and readers[v.id]:
-            if v.kind is Kind.INPUT:
-                rl = add(
-                    MKind.RELOAD,
-                    v.id,
-                    v.gpu,
-                    [Read(v.id, None, Loc(INPUT, 0, nb))],
-                    alloc(top, v.gpu, nb, v.gpu),
-                )
-                edges.append((vid, rl, "data"))  # keeps the input vertex in use
-            else:
-                off = add(
-                    MKind.OFFLOAD,
-                    v.id,
-                    v.gpu,
-                    [Read(v.id, vid, verts[vid].out)],
-                    alloc(host_top, v.gpu, nb, HOST),
-                )
-                rl = add(
-                    MKind.RELOAD, v.id, v.gpu, [Read(v.id, off, verts[off].out)], alloc(top, v.gpu, nb, v.gpu)
-                )
-            where[v.id] = (rl, verts[rl].out)
-    outputs = {o: where[o][0] for o in tg.outputs}
-    return MemGraph(list(top), verts, edges, outputs, list(host_top))
+MODES = ("roomy", "tight")
 
 
-def planners() -> list[str]:
-    """Plan modes the tests run: the trivial planner's two, plus the real planner's when it is there."""
-    modes = ["trivial", "offload"]
-    try:
-        from planner import build_memgraph  # noqa: F401
-    except ImportError:
-        return modes
-    return [*modes, "planner", "planner-tight"]
-
-
-def plan(tg: TaskGraph, mode: str) -> MemGraph:
-    """A MemGraph for `tg`: "trivial", "offload" (trivial_memgraph) or the real planner, roomy or tight."""
-    if mode in ("trivial", "offload"):
-        return trivial_memgraph(tg, offload_all=mode == "offload")
-    from planner import build_memgraph
-
-    if mode == "planner":
-        return build_memgraph(tg, 1 << 24)
-    return build_memgraph(tg, tight_capacity(tg))
+def plan(tg: TaskGraph, mode: str = "roomy") -> MemGraph:
+    """planner.build_memgraph with room for everything ("roomy") or barely enough ("tight": many
+    offloads and reloads, reloads of inputs from the caller's copy, memory edges everywhere)."""
+    return build_memgraph(tg, 1 << 24 if mode == "roomy" else tight_capacity(tg))
 
 
 def tight_capacity(tg: TaskGraph, align: int = 256) -> int:
-    """Barely more than the largest vertex needs (its distinct inputs and output): many offloads."""
+    """Barely more than the largest vertex needs (its distinct inputs and output)."""
     need = 0
     for v in tg:
         ids = dict.fromkeys([*v.inputs, v.id])

@@ -18,7 +18,8 @@ from disco_ray.memgraph import Loc, MKind, Read
 from disco_ray.reference import evaluate, random_inputs
 from disco_ray.runtime import Program, run_memgraph
 from disco_ray.taskgraph import TaskGraph
-from tests.runtime_helpers import plan, planners, random_taskgraph, trivial_memgraph
+from tests.runtime_helpers import MODES, plan, random_taskgraph
+from workloads.random_dag import random_dag
 
 ENGINE = "local"
 
@@ -33,7 +34,7 @@ def assert_same(out, ref, seed=None):
         )
 
 
-@pytest.mark.parametrize("mode", planners())
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seed", range(6))
 def test_random_graphs_match_reference_under_random_delays(seed, mode):
     tg = random_taskgraph(seed, n=30, gpus=1 + seed % 3)
@@ -43,17 +44,27 @@ def test_random_graphs_match_reference_under_random_delays(seed, mode):
     assert_same(out, evaluate(tg, inputs), seed)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_workload_random_dags_with_tight_capacity(seed):
+    tg = random_dag(60, 1 + seed % 3, seed)
+    mg = plan(tg, "tight")
+    assert mg.statistics()["by_kind"]["offload"] + mg.statistics()["by_kind"]["reload"] > 0 or seed % 3 == 2
+    inputs = random_inputs(tg, seed)
+    out = run_memgraph(tg, mg, inputs, engine=ENGINE, check=True, delay=(0, 5e-4), seed=seed)
+    assert_same(out, evaluate(tg, inputs), seed)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision(dtype):
     tg = random_taskgraph(7, n=20, gpus=2, dtype=dtype)
     inputs = random_inputs(tg, 7)
-    out = run_memgraph(tg, plan(tg, "offload"), inputs, engine=ENGINE, check=True)
+    out = run_memgraph(tg, plan(tg, "tight"), inputs, engine=ENGINE, check=True)
     assert_same(out, evaluate(tg, inputs))
 
 
 def test_program_runs_many_times_on_one_engine():
     tg = random_taskgraph(3, n=25, gpus=2)
-    with Program(tg, plan(tg, "offload"), engine=ENGINE, streams=2) as prog:
+    with Program(tg, plan(tg, "tight"), engine=ENGINE, streams=2) as prog:
         for seed in range(3):
             inputs = random_inputs(tg, seed)
             assert_same(prog.run(inputs, check=True, delay=(0, 3e-4), seed=seed), evaluate(tg, inputs), seed)
@@ -74,7 +85,7 @@ def _corrupt_read(mg, pick):
 
 def test_sanitizer_fires_on_a_read_of_the_wrong_range():
     tg = random_taskgraph(2, n=20, gpus=1)
-    mg = trivial_memgraph(tg)
+    mg = plan(tg)
 
     def elsewhere(mg, v):  # read another value's range of the same size
         r = v.ins[0]
@@ -96,7 +107,7 @@ def test_sanitizer_fires_on_a_read_of_the_wrong_range():
 
 def test_sanitizer_fires_on_a_wrong_source():
     tg = random_taskgraph(4, n=20, gpus=1)
-    mg = trivial_memgraph(tg, offload_all=True)
+    mg = plan(tg, "tight")
 
     def wrong_src(mg, v):  # claim the value was written by another vertex (one that does run earlier)
         r = v.ins[0]
@@ -109,7 +120,7 @@ def test_sanitizer_fires_on_a_wrong_source():
 
 def test_missing_or_wrong_inputs_are_refused_before_anything_runs():
     tg = random_taskgraph(1, n=10, gpus=2)
-    prog = Program(tg, plan(tg, "trivial"), engine=ENGINE)
+    prog = Program(tg, plan(tg), engine=ENGINE)
     good = random_inputs(tg, 0)
     name = next(iter(good))
     cases = [
@@ -139,7 +150,7 @@ def noop_graph(fail_at: str | None = None, gpus: int = 2, n: int = 8) -> TaskGra
 
 def test_a_kernel_that_raises_stops_the_run_naming_worker_and_vertex():
     tg = noop_graph(fail_at="n5")
-    mg = plan(tg, "trivial")
+    mg = plan(tg)
     vid = next(v.id for v in mg.vertices if v.value == "n5")
     with pytest.raises(RunError, match=rf"gpu:1 vertex {vid} \(kernel 'n5'\) raised RuntimeError"):
         run_memgraph(tg, mg, {}, engine=ENGINE, timeout=60)
@@ -147,7 +158,7 @@ def test_a_kernel_that_raises_stops_the_run_naming_worker_and_vertex():
 
 def test_trace_and_summary(tmp_path):
     tg = random_taskgraph(5, n=20, gpus=2)
-    mg = plan(tg, "offload")
+    mg = plan(tg, "tight")
     path = tmp_path / "trace.json"
     with Program(tg, mg, engine=ENGINE) as prog:
         prog.run(random_inputs(tg, 0), trace=str(path))
@@ -177,7 +188,7 @@ def test_cli_run_local(tmp_path):
     inputs = random_inputs(tg, 1)
     np.savez(tmp_path / "in.npz", **{k: v.numpy() for k, v in inputs.items()})
     mg_path = tmp_path / "mg.json"
-    save(plan(tg, "offload"), mg_path)
+    save(plan(tg, "tight"), mg_path)
     parser = argparse.ArgumentParser()
     add_run(parser.add_subparsers())
     args = parser.parse_args(
@@ -205,7 +216,7 @@ def test_cli_run_local(tmp_path):
 
 def test_out_of_arena_plan_is_refused():
     tg = random_taskgraph(8, n=5, gpus=1)
-    mg = trivial_memgraph(tg)
+    mg = plan(tg)
     v = mg.vertices[-1]
     verts = [*mg.vertices[:-1], dataclasses.replace(v, out=Loc(v.out.device, mg.capacity[0], v.out.nbytes))]
     with pytest.raises(RunError, match="outside the arena"):

@@ -12,13 +12,14 @@ from disco_ray.memgraph import MKind, Read
 from disco_ray.reference import evaluate, random_inputs
 from disco_ray.runtime import Program
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture)
-from tests.runtime_helpers import plan, planners, random_taskgraph, trivial_memgraph
+from tests.runtime_helpers import MODES, plan, random_taskgraph
 from tests.test_runtime_local import _corrupt_read, assert_same
+from workloads.random_dag import random_dag
 
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("mode", planners())
+@pytest.mark.parametrize("mode", MODES)
 def test_random_graphs_match_reference_under_random_delays(pool, mode):  # noqa: F811
     for seed in range(3):
         tg = random_taskgraph(100 + seed, n=40, gpus=2 + seed % 3)
@@ -29,9 +30,18 @@ def test_random_graphs_match_reference_under_random_delays(pool, mode):  # noqa:
                 assert_same(out, evaluate(tg, inputs), (seed, run))
 
 
+def test_workload_random_dags_with_tight_capacity(pool):  # noqa: F811
+    for seed in range(3):
+        tg = random_dag(80, 2 + seed % 2, seed)
+        inputs = random_inputs(tg, seed)
+        with Program(tg, plan(tg, "tight"), engine="ray", pool=pool) as prog:
+            out = prog.run(inputs, check=True, delay=(0, 5e-4), seed=seed, timeout=120)
+        assert_same(out, evaluate(tg, inputs), seed)
+
+
 def test_trace_has_every_gpu_and_vertex(pool, tmp_path):  # noqa: F811
     tg = random_taskgraph(11, n=30, gpus=3)
-    mg = plan(tg, "offload")
+    mg = plan(tg, "tight")
     with Program(tg, mg, engine="ray", pool=pool) as prog:
         prog.run(random_inputs(tg, 0), trace=str(tmp_path / "t.json"), timeout=120)
         stats = prog.statistics()
@@ -44,7 +54,7 @@ def test_trace_has_every_gpu_and_vertex(pool, tmp_path):  # noqa: F811
 
 def test_sanitizer_checks_transfer_reads_on_the_source_worker(pool):  # noqa: F811
     tg = random_taskgraph(12, n=30, gpus=2)
-    mg = trivial_memgraph(tg)
+    mg = plan(tg)
 
     def wrong_src(mg, v):  # a transfer claiming its source was written by the source GPU's first vertex
         r = v.ins[0]
@@ -73,7 +83,7 @@ def test_sanitizer_checks_transfer_reads_on_the_source_worker(pool):  # noqa: F8
 
 def test_sanitizer_on_a_kernel_read_under_ray(pool):  # noqa: F811
     tg = random_taskgraph(13, n=20, gpus=2)
-    mg = trivial_memgraph(tg, offload_all=True)
+    mg = plan(tg, "tight")
     bad, reader = _corrupt_read(
         mg, lambda mg, v: Read(v.ins[0].value, 0 if v.ins[0].src else 1, v.ins[0].loc)
     )
@@ -84,7 +94,7 @@ def test_sanitizer_on_a_kernel_read_under_ray(pool):  # noqa: F811
 def test_bfloat16_outputs_come_back(pool):  # noqa: F811
     tg = random_taskgraph(14, n=15, gpus=2, dtype="bfloat16")
     inputs = random_inputs(tg, 0)
-    with Program(tg, plan(tg, "offload"), engine="ray", pool=pool) as prog:
+    with Program(tg, plan(tg, "tight"), engine="ray", pool=pool) as prog:
         out = prog.run(inputs, timeout=120)
     assert all(t.dtype == torch.bfloat16 for t in out.values())
     assert_same(out, evaluate(tg, inputs))
