@@ -61,7 +61,7 @@ def test_both_nodes_joined(cluster):
 def test_graph_spanning_two_nodes_matches_reference_and_links_are_measured(cluster):
     seed = 301
     tg = random_taskgraph(seed, n=40, gpus=4)
-    with Program(tg, plan(tg, "offload"), engine="ray", streams=2, placement=PlacementConfig("pack")) as prog:
+    with Program(tg, plan(tg, "tight"), engine="ray", streams=2, placement=PlacementConfig("pack")) as prog:
         for run in range(2):
             inputs = random_inputs(tg, run)
             out = prog.run(inputs, check=True, timeout=120)
@@ -86,7 +86,7 @@ def test_graph_spanning_two_nodes_matches_reference_and_links_are_measured(clust
 
 def test_spread_uses_both_nodes_pack_and_fractions_use_one(cluster):
     tg = random_taskgraph(302, n=20, gpus=2)
-    mg = plan(tg, "offload")
+    mg = plan(tg, "tight")
     inputs = random_inputs(tg, 0)
     ref = evaluate(tg, inputs)
     where = {}
@@ -104,7 +104,7 @@ def test_spread_uses_both_nodes_pack_and_fractions_use_one(cluster):
 def test_losing_a_node_mid_run_names_the_lost_worker(cluster):
     """Runs last in this module: node_b is gone afterwards."""
     tg = random_taskgraph(303, n=120, gpus=4)
-    prog = Program(tg, plan(tg, "offload"), engine="ray", streams=1)
+    prog = Program(tg, plan(tg, "tight"), engine="ray", streams=1)
     node_b = _nodes(cluster)["node_b"]
     try:
         on_b = [w["gpu"] for w in prog.engine.placement_summary["workers"] if w["node_id"] == node_b]
