@@ -43,8 +43,16 @@ class RayTransport:
 
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
         import ray
+        from ray.exceptions import RayActorError
 
-        data = ray.get(self.handles[src_gpu].read_range.remote(loc, reader, expect))
+        from disco_ray.errors import RunError
+
+        try:
+            data = ray.get(self.handles[src_gpu].read_range.remote(loc, reader, expect))
+        except RayActorError as e:  # its process or node is gone: name the lost worker, not just the reader
+            raise RunError(
+                f"transfer source gpu:{src_gpu} is lost: its worker died ({type(e).__name__})"
+            ) from None
         if dst.device.type == "cpu":
             dst.numpy()[...] = data  # the object store hands back a read-only array: copy, don't wrap
         else:

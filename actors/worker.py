@@ -121,6 +121,10 @@ class GpuWorker:
             out["transport"] = self.transport.statistics()
         return out
 
+    def call(self, fn, *args):
+        """Runs `fn(self, *args)` in this actor (link probes and diagnostics: disco_ray/cluster.py)."""
+        return fn(self, *args)
+
     def _ex(self) -> Executor:
         if self.ex is None:
             raise RunError("this worker has no graph loaded")
