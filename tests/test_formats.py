@@ -6,12 +6,12 @@ import json
 
 import msgpack
 import pytest
-from conftest import sample_memgraph
 
 from disco_ray import formats
 from disco_ray.errors import FormatError, GraphError
 from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MKind, Read
 from disco_ray.taskgraph import Kind, TaskGraph
+from tests.conftest import sample_memgraph
 
 # Verbatim from FORMATS.md.
 FORMATS_TASKGRAPH = """
