@@ -31,6 +31,8 @@ COMMANDS: dict[str, str] = {
     "verify": __name__,
     "info": __name__,
     "ops": __name__,
+    "run": "disco_ray.commands_run",
+    "demo": "disco_ray.demo",
 }
 
 
