@@ -336,3 +336,19 @@ def test_any_malformed_field_is_one_line_error(tmp_path, capsys, which):
                     value,
                     err,
                 )
+
+
+@pytest.mark.parametrize("capacity", ["1MiB", "32KiB"])
+def test_plan_and_verify_the_formats_example(cli, tmp_path, capacity):
+    """FORMATS.md's TaskGraph, verbatim; 32 KiB is the least gpu 0 can work with (x0, w0, m1 evicting one)."""
+    src = ROOT / "examples" / "formats.json"
+    out = tmp_path / "m.json"
+    r = cli("plan", src, "--capacity", capacity, "-o", out)
+    if capacity == "32KiB":  # m1 needs x0 + w0 + its own 16 KiB: 48 KiB
+        assert r.returncode == 2 and "vertex 'm1'" in r.stderr and not out.exists()
+        return
+    assert r.returncode == 0, r.stderr
+    assert cli("verify", src, out).returncode == 0
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "disco-memgraph" and [d["device"] for d in doc["devices"]] == ["gpu:0", "gpu:1"]
+    assert {v["kind"] for v in doc["vertices"]} == {"input", "kernel", "transfer"}
