@@ -35,7 +35,7 @@ def read_doc(path: str | os.PathLike) -> object:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except json.JSONDecodeError as e:
         raise FormatError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
         raise FormatError(f"{path}: malformed msgpack: {e}") from None
 
 

@@ -1,0 +1,405 @@
+"""One GPU worker's execution engine: arena, host store, streams, local counters, batched reports.
+
+Shared by the Ray actor shell (`actors.worker.GpuWorker`) and the local engine. Everything is
+allocated in `__init__` (arena, host store, a torch view per vertex operand, stream threads); a
+run only issues copies and kernels on those views (TURNIP section 5: no allocation while a graph
+runs; the host-side copy a Ray transfer returns is the one exception, see `read_range`).
+
+Launch path (hot): a completion, in the stream thread that ran the vertex, updates the local
+counters under one lock and, while a stream is free, starts the lowest-id ready vertex on it; the
+stream that just freed is reused first, so a chain on one worker never leaves its thread. The
+completion is appended to a deque that a reporter thread drains and sends as one batch to the
+coordinator: at once when the worker goes idle, else every `flush_s` (1 ms) while it is busy.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from disco_ray.dtypes import torch_dtype
+from disco_ray.errors import RunError
+from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MKind
+from disco_ray.ops import OPS
+from disco_ray.taskgraph import TaskGraph
+
+from .backend import Backend, make_backend
+from .sanitizer import Sanitizer, granule_for
+from .transport import Transport
+from .worker_core import WorkerCore
+
+K_INPUT, K_KERNEL, K_TRANSFER, K_COPY, K_RELOAD_INPUT = range(5)
+Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
+Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
+
+
+@dataclass(slots=True)
+class _Plan:
+    kind: int
+    value: str
+    out: torch.Tensor  # typed view (kernel) or uint8 view (copies)
+    ins: list[torch.Tensor]
+    op: str | None = None
+    attrs: Mapping | None = None
+    src_gpu: int = -1  # transfer: the source GPU
+    src_loc: Loc | None = None
+    src_vid: int = -1
+    out_loc: Loc | None = None
+    checks: tuple = ()  # (value, loc, expected writer) of the reads of this worker's own memory
+
+
+def describe(mg: MemGraph, vid: int) -> str:
+    try:
+        v = mg.vertex(vid)
+    except KeyError:
+        return f"vertex {vid}"
+    return f"vertex {vid} ({v.kind.value} {v.value!r})"
+
+
+class Executor:
+    """The vertices of GPU `gpu` of `mg`; `begin` starts a run, `dispatch` feeds it, `wait` ends it."""
+
+    def __init__(
+        self,
+        gpu: int,
+        mg: MemGraph,
+        tg: TaskGraph,
+        *,
+        backend: str | Backend = "cpu",
+        streams: int = 5,
+        transport: Transport | None = None,
+        report: Report | None = None,
+        fail: Fail | None = None,
+        flush_s: float = 1e-3,
+    ):
+        if streams < 1:
+            raise RunError(f"gpu:{gpu}: streams must be >= 1, got {streams}")
+        self.gpu, self.mg, self.tg = gpu, mg, tg
+        self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        self.streams = streams
+        self.transport = transport
+        self._report = report
+        self._fail_cb = fail
+        self.flush_s = flush_s
+        self.core = WorkerCore(mg, gpu)
+        mine = [mg.vertex(v) for v in self.core.mine]
+        host_need = max(
+            [v.out.end for v in mine if v.out.device == HOST]
+            + [r.loc.end for v in mine for r in v.ins if r.loc.device == HOST]
+            + [0]
+        )
+        declared = mg.host_capacity[gpu] if gpu < len(mg.host_capacity) else 0
+        self.arena = self.backend.alloc(mg.capacity[gpu], host=False)
+        self.host = self.backend.alloc(max(declared, host_need), host=True)
+        self.granule = granule_for([v.out for v in mine] + [r.loc for v in mine for r in v.ins])
+        self.plans: dict[int, _Plan] = {v.id: self._plan(v) for v in mine}
+        self.input_values = sorted(
+            {p.value for p in self.plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)}
+        )
+        # a backend with `stages_inputs` (cuda) gets the graph inputs copied, before each run, into
+        # one buffer of its own allocated here (pinned: H2D from it runs at full speed)
+        self._stage: dict[str, tuple[int, int]] = {}
+        self.staging: torch.Tensor | None = None
+        if getattr(self.backend, "stages_inputs", False):
+            top = 0
+            for name in self.input_values:
+                self._stage[name] = (top, self.tg[name].nbytes)
+                top += -(-self.tg[name].nbytes // 256) * 256
+            self.staging = self.backend.alloc(top, host=True)
+        self._lock = threading.Lock()
+        self._inputs: dict[str, torch.Tensor] = {}
+        self._sanitizer: Sanitizer | None = None
+        self._check = False
+        self._delay: tuple[float, float] | None = None
+        self._rng = random.Random(0)
+        self._done_q: collections.deque[int] = collections.deque()
+        self._wake = threading.Event()
+        self._finished = threading.Event()
+        self._closing = False
+        self._error: str | None = None
+        self._running = 0
+        self._free: list[int] = []
+        self.trace: list[tuple[int, int, int, int]] = []
+        self.reports = 0
+        self.backend.open(streams, self._work, self._done)
+        self._reporter = threading.Thread(target=self._report_loop, daemon=True, name=f"reporter-{gpu}")
+        self._reporter.start()
+
+    # ---- planning: one view per operand, built once --------------------------------------------
+    def _buf(self, loc: Loc, vid: int) -> torch.Tensor:
+        buf = self.arena if loc.device == self.gpu else self.host if loc.device == HOST else None
+        if buf is None:
+            raise RunError(f"gpu:{self.gpu} {describe(self.mg, vid)} uses memory of device {loc.device}")
+        if loc.end > buf.numel():
+            where = "host store" if loc.device == HOST else "arena"
+            raise RunError(
+                f"gpu:{self.gpu} {describe(self.mg, vid)}: range [{loc.offset}, {loc.end}) lies "
+                f"outside the {where} of {buf.numel()} bytes"
+            )
+        return buf[loc.offset : loc.end]
+
+    def _typed(self, loc: Loc, value: str, vid: int) -> torch.Tensor:
+        tv = self.tg[value]
+        if loc.nbytes != tv.nbytes:
+            raise RunError(
+                f"gpu:{self.gpu} {describe(self.mg, vid)}: range of {value!r} has {loc.nbytes} "
+                f"bytes, the value needs {tv.nbytes}"
+            )
+        return self._buf(loc, vid).view(torch_dtype(tv.dtype)).view(tv.shape)
+
+    def _plan(self, v) -> _Plan:
+        local = tuple((r.value, r.loc, r.src) for r in v.ins if r.loc.device in (self.gpu, HOST))
+        if v.kind is MKind.KERNEL:
+            tv = self.tg[v.value]
+            return _Plan(
+                K_KERNEL,
+                v.value,
+                self._typed(v.out, v.value, v.id),
+                [self._typed(r.loc, r.value, v.id) for r in v.ins],
+                tv.op,
+                OPS[tv.op].full_attrs(tv.attrs),
+                out_loc=v.out,
+                checks=local,
+            )
+        out = self._buf(v.out, v.id)
+        if v.kind is MKind.INPUT:
+            return _Plan(K_INPUT, v.value, out, [], out_loc=v.out)
+        r = v.ins[0]
+        if r.loc.nbytes != v.out.nbytes:
+            raise RunError(
+                f"gpu:{self.gpu} {describe(self.mg, v.id)} moves {r.loc.nbytes} bytes into a range "
+                f"of {v.out.nbytes}"
+            )
+        if v.kind is MKind.TRANSFER:
+            return _Plan(
+                K_TRANSFER,
+                v.value,
+                out,
+                [],
+                src_gpu=r.loc.device,
+                src_loc=r.loc,
+                src_vid=-1 if r.src is None else r.src,
+                out_loc=v.out,
+            )
+        if v.kind is MKind.RELOAD and (r.src is None or r.loc.device == INPUT):
+            return _Plan(K_RELOAD_INPUT, v.value, out, [], out_loc=v.out)
+        return _Plan(K_COPY, v.value, out, [self._buf(r.loc, v.id)], out_loc=v.out, checks=local)
+
+    # ---- a run ---------------------------------------------------------------------------------
+    def begin(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Resets the counters for a new run on `inputs` (the caller's tensors this GPU reads)."""
+        with self._lock:
+            if self._running:
+                raise RunError(f"gpu:{self.gpu}: a run is still in progress")
+            self._inputs = {}
+            for name in self.input_values:
+                if name not in inputs:
+                    raise RunError(f"gpu:{self.gpu}: input {name!r} was not handed to this worker")
+                t = torch.as_tensor(inputs[name])
+                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                if self.staging is not None:
+                    off, nb = self._stage[name]
+                    if flat.numel() != nb:
+                        raise RunError(f"gpu:{self.gpu}: input {name!r} has {flat.numel()} bytes, not {nb}")
+                    flat = self.staging[off : off + nb].copy_(flat)
+                self._inputs[name] = flat
+            if check:
+                if self._sanitizer is None:
+                    self._sanitizer = Sanitizer(
+                        self.gpu,
+                        self.arena.numel(),
+                        self.host.numel(),
+                        self.granule,
+                        lambda vid: describe(self.mg, vid),
+                    )
+                self._sanitizer.reset()
+            self._check = check
+            self._delay = delay
+            self._rng = random.Random(seed * 7919 + self.gpu)
+            self.core.start()
+            self.trace = []
+            self._done_q.clear()
+            self._error = None
+            self._free = list(range(self.streams - 1, -1, -1))  # pop() takes stream 0 first
+            self._finished.clear()
+            if self.core.finished:
+                self._finished.set()
+
+    def dispatch(self, vids: list[int]) -> None:
+        """The coordinator hands over vertices whose remote predecessors are done."""
+        try:
+            with self._lock:
+                if self._error is not None:
+                    return
+                self.core.dispatch(vids)
+                self._pump()
+        except RunError as e:
+            self._fail(None, e)
+
+    def _pump(self) -> None:
+        # caller holds the lock
+        core, free = self.core, self._free
+        while free and core.ready and self._error is None:
+            vid = core.pop()
+            s = free.pop()
+            self._running += 1
+            self.backend.submit(s, vid)
+
+    def _work(self, vid: int, s: int) -> None:
+        p = self.plans[vid]
+        if self._delay is not None:
+            time.sleep(self._rng.uniform(*self._delay))
+        san = self._sanitizer if self._check else None
+        if san is not None:
+            for value, loc, src in p.checks:
+                san.check_read(vid, value, loc, src, "before it ran")
+            san.begin_write(p.out_loc, vid)
+        k = p.kind
+        if k == K_KERNEL:
+            self.backend.kernel(p.op, p.out, p.ins, p.attrs)
+        elif k == K_COPY:
+            self.backend.copy(p.out, p.ins[0])
+        elif k == K_TRANSFER:
+            if self.transport is None:
+                raise RunError(f"gpu:{self.gpu}: no transport for {describe(self.mg, vid)}")
+            self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
+        else:
+            src = self._inputs[p.value]
+            if src.numel() != p.out.numel():
+                raise RunError(
+                    f"gpu:{self.gpu} {describe(self.mg, vid)}: input has {src.numel()} bytes, "
+                    f"the range {p.out.numel()}"
+                )
+            self.backend.copy(p.out, src)
+
+    def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
+        if exc is None and self._check and self._sanitizer is not None:
+            p = self.plans[vid]
+            try:
+                for value, loc, src in p.checks:
+                    self._sanitizer.check_read(vid, value, loc, src, "after it ran")
+                self._sanitizer.end_write(p.out_loc, vid)
+            except RunError as e:
+                exc = e
+        if exc is not None:
+            with self._lock:
+                self._running -= 1
+            self._fail(vid, exc)
+            return
+        self.trace.append((vid, s, t0, t1))
+        with self._lock:
+            self.core.complete(vid)
+            self._free.append(s)
+            self._running -= 1
+            self._pump()
+            if self.core.finished:
+                self._finished.set()
+        self._done_q.append(vid)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _fail(self, vid: int | None, exc: BaseException) -> None:
+        if isinstance(exc, RunError):
+            msg = str(exc) if str(exc).startswith(f"gpu:{self.gpu}") else f"gpu:{self.gpu}: {exc}"
+        else:
+            msg = (
+                f"gpu:{self.gpu} {describe(self.mg, vid) if vid is not None else ''} raised "
+                f"{type(exc).__name__}: {exc}"
+            )
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = msg
+        self._finished.set()
+        if self._fail_cb is not None:
+            self._fail_cb(self.gpu, vid, msg)
+
+    def _report_loop(self) -> None:
+        q = self._done_q
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closing:
+                return
+            while True:
+                n = len(q)
+                if n:
+                    batch = [q.popleft() for _ in range(n)]
+                    self.reports += 1
+                    try:
+                        if self._report is not None:
+                            self._report(self.gpu, batch)
+                    except Exception as e:
+                        self._fail(None, RunError(f"gpu:{self.gpu}: reporting completions failed: {e}"))
+                if not self._running or self._error is not None:
+                    break
+                time.sleep(self.flush_s)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every vertex of this GPU completed or the run failed."""
+        return self._finished.wait(timeout)
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def read_range(self, loc: Loc, reader: int, expect: int, into: torch.Tensor | None = None):
+        """Bytes of `loc` (this GPU's arena or host store), checked by the sanitizer when it is on.
+
+        Copies into `into` when given; otherwise returns a fresh numpy copy (what a Ray call
+        ships; the only allocation during a run, on the cpu transport).
+        """
+        src = self._buf(loc, reader)
+        san = self._sanitizer if self._check else None
+        value = self.mg.vertex(expect).value if expect >= 0 else "?"
+        if san is not None and expect >= 0:
+            san.check_read(reader, value, loc, expect, "before it ran")
+        if into is not None:
+            into.copy_(src)
+            out = None
+        else:
+            out = src.to("cpu", copy=True).numpy()
+        if san is not None and expect >= 0:
+            san.check_read(reader, value, loc, expect, "after it ran")
+        return out
+
+    def output(self, value: str, vid: int) -> torch.Tensor:
+        """A copy of output `value`, held by vertex `vid` of this GPU, as a typed CPU tensor."""
+        v = self.mg.vertex(vid)
+        tv = self.tg[value]
+        data = self.read_range(v.out, vid, vid)
+        t = torch.from_numpy(np.ascontiguousarray(data))
+        return t.view(torch_dtype(tv.dtype)).view(tv.shape)
+
+    def statistics(self) -> dict:
+        return {
+            "gpu": self.gpu,
+            "vertices": len(self.plans),
+            "done": self.core.done,
+            "reports": self.reports,
+            "streams": self.streams,
+            "arena_bytes": self.arena.numel(),
+            "host_bytes": self.host.numel(),
+            "granule": self.granule,
+            "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
+        }
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        self.backend.close()
+        self._reporter.join(timeout=5)

@@ -1,0 +1,84 @@
+"""Run-time sanitizer (`check=True`): every read must see the writer the MemGraph names.
+
+Each arena and host-store granule remembers the MemGraph vertex that last wrote it (-1: never;
+`-2 - v`: vertex v is writing it right now). A reader checks its ranges before and after it
+runs, so both a wrong plan (another value lies there) and a race (a writer overlapping the read
+in time, which random delays make likely) stop the run with a RunError naming the reader, the
+expected and the found writer. Granules are the gcd of every offset and size of the worker's
+ranges (at most 256 bytes), so two tensors never share one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from disco_ray.errors import RunError
+from disco_ray.memgraph import HOST, Loc
+
+NEVER = -1
+
+
+def granule_for(locs: Iterable[Loc], cap: int = 256) -> int:
+    g = cap
+    for loc in locs:
+        g = math.gcd(g, loc.offset, loc.nbytes)
+        if g == 1:
+            break
+    return max(g, 1)
+
+
+class Sanitizer:
+    """Shadow writers of one worker's arena (device `gpu`) and host store."""
+
+    def __init__(
+        self, gpu: int, arena_bytes: int, host_bytes: int, granule: int, describe: Callable[[int], str]
+    ):
+        self.gpu = gpu
+        self.granule = granule
+        self.describe = describe
+        self._shadow = {
+            gpu: np.full(-(-arena_bytes // granule), NEVER, np.int32),
+            HOST: np.full(-(-host_bytes // granule), NEVER, np.int32),
+        }
+        self.checks = 0
+
+    def reset(self) -> None:
+        for a in self._shadow.values():
+            a.fill(NEVER)
+
+    def _slice(self, loc: Loc) -> np.ndarray:
+        g = self.granule
+        return self._shadow[loc.device][loc.offset // g : -(-loc.end // g)]
+
+    def begin_write(self, loc: Loc, vid: int) -> None:
+        self._slice(loc)[:] = -2 - vid
+
+    def end_write(self, loc: Loc, vid: int) -> None:
+        self._slice(loc)[:] = vid
+
+    def check_read(self, reader: int, value: str, loc: Loc, expect: int, when: str) -> None:
+        """Raises RunError unless every granule of `loc` was last written, completely, by `expect`."""
+        self.checks += 1
+        s = self._slice(loc)
+        if s.size == 0:
+            return
+        bad = np.flatnonzero(s != expect)
+        if bad.size == 0:
+            return
+        found = int(s[bad[0]])
+        at = loc.offset + int(bad[0]) * self.granule
+        where = "host" if loc.device == HOST else f"gpu:{loc.device}"
+        if found == NEVER:
+            what = "nothing (never written)"
+        elif found <= -2:
+            what = f"{self.describe(-2 - found)} while it was still writing"
+        else:
+            what = self.describe(found)
+        raise RunError(
+            f"sanitizer: {self.describe(reader)} on gpu:{self.gpu} reads {value!r} at {where} "
+            f"byte {at} ({when}) and expected the write of {self.describe(expect)}, "
+            f"found {what}"
+        )

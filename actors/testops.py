@@ -1,0 +1,36 @@
+"""Test and benchmark ops, registered on import (not part of the op set of FORMATS.md).
+
+- `noop(*xs, shape, dtype="float32", fail=False)`: does nothing and leaves its output as it was
+  (so its value is undefined: never compare it); with `fail=True` it raises RuntimeError, for
+  fault tests. It measures the runtime's per-vertex cost with no kernel work.
+
+Workers in other processes import this module when it is named in `op_modules` (the runtime's
+option to load extra op modules before a graph is loaded).
+"""
+
+from __future__ import annotations
+
+from disco_ray import kernels, ops
+
+
+def _infer_noop(shapes, dtypes, attrs):
+    return tuple(int(d) for d in attrs["shape"]), str(attrs["dtype"])
+
+
+ops.register(
+    ops.OpSpec(
+        "noop",
+        0,
+        None,
+        _infer_noop,
+        attrs={"shape": ops.REQUIRED, "dtype": "float32", "fail": False},
+        flops=lambda s, o, a: 0.0,
+        doc="does nothing (test/benchmark op); fail=True raises",
+    )
+)
+
+
+@kernels.impl("noop")
+def _noop(out, ins, attrs):
+    if attrs["fail"]:
+        raise RuntimeError("noop kernel told to fail")

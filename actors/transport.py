@@ -1,0 +1,59 @@
+"""Transports: how a transfer vertex gets its source range from another worker's arena.
+
+A transfer runs on its destination GPU once its source vertex (on the source GPU) has completed;
+the MemGraph keeps the source range intact until the transfer completes, so the destination
+simply pulls it. `pull(src_gpu, loc, dst, reader, expect)` copies the bytes of `loc` in worker
+`src_gpu`'s arena into the uint8 view `dst`; `reader` (the transfer vertex) and `expect` (the
+vertex that wrote the range) let the source's sanitizer check the read.
+
+Implemented here: `LocalTransport` (workers in one process: a direct copy) and `RayTransport`
+(the destination calls the source actor's `read_range` and copies the returned bytes). A CUDA
+build adds peer copies through CUDA IPC handles and NCCL send/recv behind the same method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from disco_ray.memgraph import Loc
+
+
+class Transport(Protocol):
+    def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None: ...
+
+
+class LocalTransport:
+    """Peers are `actors.executor.Executor` objects of this process."""
+
+    def __init__(self, executors: Sequence[Any]):
+        self.executors = executors
+
+    def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
+        self.executors[src_gpu].read_range(loc, reader, expect, into=dst)
+
+
+class RayTransport:
+    """Peers are GpuWorker actor handles; one Ray call per transfer, made from the stream thread."""
+
+    def __init__(self, handles: Sequence[Any]):
+        self.handles = handles
+
+    def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        from disco_ray.errors import RunError
+
+        try:
+            data = ray.get(self.handles[src_gpu].read_range.remote(loc, reader, expect))
+        except RayActorError as e:  # its process or node is gone: name the lost worker, not just the reader
+            raise RunError(
+                f"transfer source gpu:{src_gpu} is lost: its worker died ({type(e).__name__})"
+            ) from None
+        if dst.device.type == "cpu":
+            dst.numpy()[...] = data  # the object store hands back a read-only array: copy, don't wrap
+        else:
+            dst.copy_(torch.from_numpy(data.copy()))

@@ -1,0 +1,70 @@
+"""A worker's local dependency core: counters over its own GPU's edges and the ready heap (pure).
+
+A vertex of this GPU is ready when (a) the coordinator has dispatched it (its predecessors on
+other GPUs are done, see `actors.scheduler`) and (b) its predecessors on this GPU are done; the
+worker counts (b) itself, so a chain of vertices on one GPU runs without any round trip.
+
+Priority: when a stream frees, the worker starts the ready vertex with the LOWEST MemGraph id.
+The planner numbers vertices in its serial order (the simulated execution BUILDMEMGRAPH followed,
+TURNIP section 6), so lowest-id-first follows that plan where it can and deviates only when the
+planned next vertex is not ready yet (work conservation, TURNIP section 5).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from disco_ray.errors import RunError
+from disco_ray.memgraph import MemGraph
+
+
+class WorkerCore:
+    """Local counters of the vertices of `gpu`; `start` resets them for a new run."""
+
+    def __init__(self, mg: MemGraph, gpu: int):
+        self.gpu = gpu
+        gpu_of = {v.id: v.gpu for v in mg.vertices}
+        self.mine = [v.id for v in mg.vertices if v.gpu == gpu]
+        preds: dict[int, int] = dict.fromkeys(self.mine, 0)
+        self.local_succs: dict[int, list[int]] = {}
+        for u, w in dict.fromkeys((e[0], e[1]) for e in mg.edges):
+            if gpu_of[w] == gpu and gpu_of[u] == gpu:
+                preds[w] += 1
+                self.local_succs.setdefault(u, []).append(w)
+        self._preds0 = preds
+        self.start()
+
+    def start(self) -> None:
+        self.left = dict(self._preds0)
+        self.dispatched: set[int] = set()
+        self.ready: list[int] = []  # heap of ids
+        self.done = 0
+
+    def dispatch(self, vids: Iterable[int]) -> None:
+        """The coordinator hands over `vids`; those whose local predecessors are done become ready."""
+        for v in vids:
+            if v not in self.left:
+                raise RunError(f"gpu:{self.gpu} was handed vertex {v}, which is not one of its vertices")
+            if v in self.dispatched:
+                raise RunError(f"gpu:{self.gpu} was handed vertex {v} twice")
+            self.dispatched.add(v)
+            if self.left[v] == 0:
+                heapq.heappush(self.ready, v)
+
+    def complete(self, vid: int) -> None:
+        """`vid` finished; its local successors that are dispatched and unblocked become ready."""
+        self.done += 1
+        for w in self.local_succs.get(vid, ()):
+            k = self.left[w] - 1
+            self.left[w] = k
+            if k == 0 and w in self.dispatched:
+                heapq.heappush(self.ready, w)
+
+    def pop(self) -> int | None:
+        """The ready vertex with the lowest id (the planner's order), or None."""
+        return heapq.heappop(self.ready) if self.ready else None
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.mine)

@@ -1,0 +1,135 @@
+"""The `local` engine: the coordinator core and one Executor per GPU in this process, as threads.
+
+Same cores as the `ray` engine (`actors.scheduler.Scheduler`, `actors.executor.Executor`), with
+direct calls instead of actor calls: for debugging, and to measure what Ray costs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from actors.executor import Executor
+from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
+from actors.transport import LocalTransport
+
+from .errors import RunError
+from .memgraph import MemGraph
+from .taskgraph import TaskGraph
+
+
+class LocalEngine:
+    """Runs a MemGraph with threads; reusable for many runs until `close`."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        tg: TaskGraph,
+        mg: MemGraph,
+        *,
+        backend: str = "cpu",
+        streams: int = 5,
+        flush_s: float = 1e-3,
+        **_: object,
+    ):
+        self.tg, self.mg = tg, mg
+        self.sched = Scheduler(mg)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: str | None = None
+        self.execs: list[Executor] = []
+        n = mg.gpus
+        self.transports = {f"{i}-{j}": "local" for i in range(n) for j in range(i + 1, n)}
+        transport = LocalTransport(self.execs)
+        try:
+            for g in range(mg.gpus):
+                self.execs.append(
+                    Executor(
+                        g,
+                        mg,
+                        tg,
+                        backend=backend,
+                        streams=streams,
+                        transport=transport,
+                        report=self._report,
+                        fail=self._fail,
+                        flush_s=flush_s,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def _report(self, gpu: int, vids: list[int]) -> None:
+        with self._lock:
+            instrs = self.sched.handle(Completed(gpu, vids))
+        self._apply(instrs)
+
+    def _fail(self, gpu: int, vid: int | None, message: str) -> None:
+        with self._lock:
+            instrs = self.sched.handle(WorkerFailed(gpu, vid, message))
+        self._apply(instrs)
+
+    def _apply(self, instrs: list[Instruction]) -> None:
+        for i in instrs:
+            if isinstance(i, Dispatch):
+                self.execs[i.gpu].dispatch(i.vids)
+            elif isinstance(i, Finished):
+                self._done.set()
+            elif isinstance(i, Abort):
+                self._error = i.message
+                self._done.set()
+
+    def run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+        timeout: float | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
+        """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
+        for ex in self.execs:
+            ex.begin({k: inputs[k] for k in ex.input_values}, check=check, delay=delay, seed=seed)
+        self._error = None
+        self._done.clear()
+        with self._lock:
+            instrs = self.sched.start()
+        self._apply(instrs)
+        t_end = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(0.1):
+            if progress is not None:
+                progress(self.sched.completed)
+            if t_end is not None and time.monotonic() > t_end:
+                raise RunError(
+                    f"run did not finish within {timeout} s "
+                    f"({self.sched.completed} of {self.sched.n} vertices done)"
+                )
+        if self._error is not None:
+            raise RunError(self._error)
+        if progress is not None:
+            progress(self.sched.completed)
+        for ex in self.execs:  # every vertex reported done, so each worker has finished too
+            ex.wait()
+        outs = {
+            value: self.execs[self.mg.vertex(vid).gpu].output(value, vid)
+            for value, vid in self.mg.outputs.items()
+        }
+        return outs, [list(ex.trace) for ex in self.execs]
+
+    def statistics(self) -> dict:
+        return {
+            "engine": self.name,
+            "scheduler": self.sched.statistics(),
+            "workers": [ex.statistics() for ex in self.execs],
+        }
+
+    def close(self) -> None:
+        for ex in self.execs:
+            ex.close()

@@ -1,0 +1,325 @@
+"""The `ray` engine: one GpuWorker actor per GPU and a Coordinator actor (driver side).
+
+Starts a local Ray (with `num_gpus` logical GPUs) when none is running and shuts it down on
+`close`; otherwise uses the running one. Each worker asks for one GPU, or an equal fraction when
+the cluster has fewer GPUs than the graph, or none when it has none (cpu backend only).
+
+End detection: the driver `ray.wait`s on the coordinator's `wait` and every worker's long-lived
+`serve` together, so a kernel that raises (reported by its worker) and a worker that dies
+(its `serve` ref raises ActorDiedError) both end the run within a poll interval, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from .cluster import connect
+from .errors import RunError
+from .memgraph import MemGraph
+from .placement import Placed, PlacementConfig, describe, place, remove
+from .taskgraph import TaskGraph
+
+POLL_S = 0.2
+MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
+
+
+class RayPool:
+    """Long-lived actors (a coordinator and one GpuWorker per GPU) that load one graph after another.
+
+    Starting an actor process costs seconds (Ray worker start + torch import), so a pool can be
+    shared by many Programs (tests do); an engine without one makes a private pool and kills it
+    on close. A pool whose run failed is discarded: its actors are killed and remade on next use.
+    """
+
+    def __init__(
+        self,
+        *,
+        op_modules: Sequence[str] = (),
+        num_cpus: int | None = None,
+        placement: PlacementConfig | None = None,
+        address: str | None = None,
+    ):
+        self.op_modules = tuple(op_modules)
+        self.num_cpus = num_cpus
+        self.placement = placement or PlacementConfig()
+        self.address = address  # an existing cluster to connect to (disco_ray.cluster.connect)
+        self.started_ray = False
+        self.coord = None
+        self.workers: list = []
+        self.placed: Placed | None = None
+
+    def acquire(self, gpus: int, backend: str = "cpu", op_modules: Sequence[str] = ()):
+        """(coordinator, workers[:gpus]), starting Ray and actors as needed."""
+        import ray
+
+        from actors.coordinator import Coordinator
+        from actors.worker import GpuWorker
+
+        if not ray.is_initialized() and self.address:
+            self.coord, self.workers = None, []
+            connect(self.address)
+            self.started_ray = True  # close() then only disconnects: the cluster is not ours to stop
+        elif not ray.is_initialized():
+            self.coord, self.workers = None, []
+            ray.init(
+                address="local",
+                num_cpus=self.num_cpus or os.cpu_count(),
+                num_gpus=gpus,
+                include_dashboard=False,
+                logging_level="WARNING",
+            )
+            self.started_ray = True
+        mods = tuple(dict.fromkeys((*self.op_modules, *op_modules)))
+        if len(self.workers) < gpus or mods != self.op_modules:
+            self.discard()
+            self.op_modules = mods
+        if self.coord is None or not self.workers:
+            self.discard()
+            # one placement-group bundle per GPU; the coordinator on the driver's node (placement.py)
+            self.placed = place(
+                gpus,
+                backend,
+                self.placement,
+                GpuWorker,
+                Coordinator,
+                (self.op_modules,),
+                max_concurrency=MAX_CONCURRENCY,
+            )
+            self.coord, self.workers = self.placed.coord, self.placed.workers
+        return self.coord, self.workers[:gpus]
+
+    def discard(self) -> None:
+        """Kills the actors (after a failure, or to remake them)."""
+        import ray
+
+        if ray.is_initialized():
+            for a in [*self.workers, *([self.coord] if self.coord is not None else [])]:
+                with contextlib.suppress(Exception):  # already dead: nothing to kill
+                    ray.kill(a)
+            remove(self.placed)
+        self.coord, self.workers, self.placed = None, [], None
+
+    def close(self) -> None:
+        """Kills the actors, and shuts Ray down if this pool started it."""
+        import ray
+
+        self.discard()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        self.started_ray = False
+
+
+class RayEngine:
+    """One MemGraph loaded into a pool's actors; reusable for many runs until `close`."""
+
+    name = "ray"
+
+    def __init__(
+        self,
+        tg: TaskGraph,
+        mg: MemGraph,
+        *,
+        backend: str = "cpu",
+        streams: int = 5,
+        flush_s: float = 1e-3,
+        op_modules: Sequence[str] = (),
+        num_cpus: int | None = None,
+        pool: RayPool | None = None,
+        placement: PlacementConfig | None = None,
+        address: str | None = None,
+        **_: object,
+    ):
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        self.tg, self.mg = tg, mg
+        self.own_pool = pool is None
+        self.pool = RayPool(num_cpus=num_cpus, placement=placement, address=address) if pool is None else pool
+        self.placement_summary: dict | None = None
+        self.broken = False
+        self.workers: list = []
+        self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
+        try:
+            self.coord, self.workers = self.pool.acquire(mg.gpus, backend, op_modules)
+            if self.pool.placed is not None:
+                self.placement_summary = describe(self.pool.placed.info, mg, backend)
+            mg_ref, tg_ref = ray.put(mg), ray.put(tg)
+            ray.get(
+                [
+                    self.coord.load.remote(mg_ref, self.workers),
+                    *[
+                        w.load.remote(
+                            g,
+                            mg_ref,
+                            tg_ref,
+                            self.coord,
+                            self.workers,
+                            backend=backend,
+                            streams=streams,
+                            flush_s=flush_s,
+                        )
+                        for g, w in enumerate(self.workers)
+                    ],
+                ]
+            )
+            n = len(self.workers)
+            self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
+            if backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
+                from actors.transport_cuda import connect_workers
+
+                self.transports = connect_workers(self.workers)
+        except (RayActorError, RayTaskError) as e:
+            self.broken = True
+            self.close()
+            raise RunError(f"loading the graph into the workers failed: {_cause(e)}") from None
+        except BaseException:
+            self.broken = True
+            self.close()
+            raise
+
+    def run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+        timeout: float | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
+        """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
+        try:
+            return self._run(inputs, check=check, delay=delay, seed=seed, timeout=timeout, progress=progress)
+        except BaseException:
+            self.broken = True  # actors may hold a half-done run: the pool remakes them
+            raise
+
+    def _run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+        timeout: float | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
+        """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        wants: list[list[str]] = [[] for _ in self.workers]
+        for v in self.mg.vertices:
+            if v.kind.value == "input" or (v.kind.value == "reload" and v.ins and v.ins[0].src is None):
+                wants[v.gpu].append(v.value)
+        try:
+            ray.get(
+                [
+                    w.begin.remote({k: inputs[k] for k in sorted(set(wants[g]))}, check, delay, seed)
+                    for g, w in enumerate(self.workers)
+                ]
+            )
+            ray.get(self.coord.start.remote())
+        except (RayActorError, RayTaskError) as e:
+            raise RunError(f"starting the run failed: {_cause(e)}") from None
+        done_ref = self.coord.wait.remote()
+        serving = {w.serve.remote(): g for g, w in enumerate(self.workers)}
+        pending = [done_ref, *serving]
+        t_end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ready, _ = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            if progress is not None:
+                progress(ray.get(self.coord.progress.remote()))
+            if done_ref in ready:
+                try:
+                    _, err = ray.get(done_ref)
+                except RayActorError:
+                    raise RunError("the coordinator died during the run") from None
+                if err is not None:
+                    raise RunError(err)
+                break
+            for r in ready:
+                g = serving[r]
+                try:
+                    err = ray.get(r)
+                except RayActorError:
+                    raise RunError(self._died(g)) from None
+                if err is not None:
+                    raise RunError(err)
+                pending.remove(r)
+            if t_end is not None and time.monotonic() > t_end:
+                raise RunError(
+                    f"run did not finish within {timeout} s "
+                    f"({ray.get(self.coord.progress.remote())} of {len(self.mg)} vertices done)"
+                )
+        by_gpu: dict[int, list[tuple[str, int]]] = {}
+        for value, vid in self.mg.outputs.items():
+            by_gpu.setdefault(self.mg.vertex(vid).gpu, []).append((value, vid))
+        try:
+            outs: dict[str, torch.Tensor] = {}
+            for part in ray.get([self.workers[g].outputs.remote(w) for g, w in by_gpu.items()]):
+                outs.update(part)
+            traces = ray.get([w.trace.remote() for w in self.workers])
+        except RayTaskError as e:
+            raise RunError(_cause(e)) from None
+        except RayActorError as e:
+            raise RunError(f"a worker died while handing back outputs: {e}") from None
+        return outs, traces
+
+    def _died(self, g: int) -> str:
+        self.broken = True
+        import ray
+
+        try:
+            held = ray.get(self.coord.held_by.remote(g), timeout=5)
+        except Exception:
+            held = None
+        what = (
+            "unknown vertices"
+            if held is None
+            else f"{len(held)} vertices"
+            + (f": {held[:20]}{' ...' if len(held) > 20 else ''}" if held else "")
+        )
+        return f"gpu:{g} worker{self._node_of(g)} died during the run while holding {what}"
+
+    def _node_of(self, g: int) -> str:
+        """The text " on node ID (IP)" when the placement is known."""
+        if self.placement_summary is None or g >= len(self.placement_summary["workers"]):
+            return ""
+        w = self.placement_summary["workers"][g]
+        return f" on node {w['node_id'][:12]} ({w['ip']})"
+
+    def statistics(self) -> dict:
+        import ray
+
+        return {
+            "engine": self.name,
+            "scheduler": ray.get(self.coord.statistics.remote()),
+            "workers": ray.get([w.statistics.remote() for w in self.workers]),
+        }
+
+    def close(self) -> None:
+        """Unloads the graph from a shared pool's actors; kills them if that fails (a dead or stuck
+        worker), and always kills a private pool's."""
+        import ray
+
+        if self.own_pool:
+            self.pool.close()
+            return
+        if not ray.is_initialized():
+            return
+        try:
+            ray.get([w.unload.remote() for w in self.workers], timeout=30)
+        except Exception:
+            self.pool.discard()
+
+
+def _cause(e: Exception) -> str:
+    """The message of the exception a Ray task raised (our RunErrors name worker and vertex)."""
+    cause = getattr(e, "cause", None)
+    return str(cause) if cause is not None else str(e).strip().splitlines()[-1]

@@ -1,0 +1,257 @@
+"""Driver API: plan a TaskGraph once, run it many times on the `ray` or `local` engine.
+
+    out = disco_ray.runtime.run(tg, inputs, capacity=64 << 20)              # plan + run + clean up
+    prog = disco_ray.runtime.compile(tg, capacity=64 << 20, engine="ray")  # plan once ...
+    out = prog.run(inputs); out2 = prog.run(other_inputs); prog.close()    # ... run many times
+    out = disco_ray.runtime.run_memgraph(tg, mg, inputs)                   # a given plan
+
+Outputs are CPU tensors keyed by TaskGraph ids. Inputs are refused before anything runs when one
+is missing or has the wrong shape or dtype (`disco_ray.reference.check_inputs`). Any failure
+during a run (a kernel raising, a worker dying, the sanitizer firing) raises RunError naming the
+worker and the vertex; the Program then tears its engine down (a later run starts a fresh one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from .errors import GraphError, RunError, UsageError
+from .memgraph import MemGraph
+from .reference import check_inputs
+from .taskgraph import TaskGraph
+from .trace import summarize, write_trace
+
+ENGINES = ("ray", "local")
+Progress = bool | Callable[[int], None] | None
+
+
+def _make_engine(name: str, tg: TaskGraph, mg: MemGraph, **kw):
+    if name == "ray":
+        from .engine_ray import RayEngine
+
+        return RayEngine(tg, mg, **kw)
+    if name == "local":
+        from .engine_local import LocalEngine
+
+        return LocalEngine(tg, mg, **kw)
+    raise UsageError(f"unknown engine {name!r} (one of {', '.join(ENGINES)})")
+
+
+class Program:
+    """A TaskGraph with its MemGraph; the engine (Ray actors and their arenas) is made on the first run.
+
+    Args:
+        tg, mg: the graph and its plan (mg.gpus must equal tg.gpus).
+        engine: "ray" (actors; starts a local Ray when none runs) or "local" (threads, one process).
+        backend: "cpu" (arena in host memory, streams are threads) or "cuda" once available.
+        streams: streams per GPU (TURNIP appendix A uses 5).
+        op_modules: modules the workers import before loading (extra ops, e.g. "actors.testops").
+        flush_s: longest a worker holds back a completion report while busy.
+        num_cpus: CPUs of a Ray the engine starts (default: all).
+        pool: a `disco_ray.engine_ray.RayPool` whose actors to use (and keep) instead of fresh ones.
+        placement: a `disco_ray.placement.PlacementConfig` (pack/spread, GPU share per worker).
+        address: connect to this Ray cluster ("auto", "HOST:PORT") instead of starting a local one.
+    """
+
+    def __init__(
+        self,
+        tg: TaskGraph,
+        mg: MemGraph,
+        *,
+        engine: str = "ray",
+        backend: str = "cpu",
+        streams: int = 5,
+        op_modules: Sequence[str] = (),
+        flush_s: float = 1e-3,
+        num_cpus: int | None = None,
+        pool: object | None = None,
+        placement: object | None = None,
+        address: str | None = None,
+    ):
+        if engine not in ENGINES:
+            raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+        if mg.gpus != tg.gpus:
+            raise GraphError(f"the MemGraph has {mg.gpus} GPUs, the TaskGraph {tg.gpus}")
+        missing = [o for o in tg.outputs if o not in mg.outputs]
+        if missing:
+            raise GraphError(f"the MemGraph holds no final vertex for outputs {missing}")
+        self.tg, self.mg = tg, mg
+        self.engine_name, self.backend, self.streams = engine, backend, streams
+        self._kw = {
+            "backend": backend,
+            "streams": streams,
+            "op_modules": tuple(op_modules),
+            "flush_s": flush_s,
+            "num_cpus": num_cpus,
+            "pool": pool,
+            "placement": placement,
+            "address": address,
+        }
+        self._engine = None
+        self.last_summary: dict | None = None
+        self.last_records: list[list] | None = None
+
+    @property
+    def engine(self):
+        """The engine object (created on first use): LocalEngine or RayEngine."""
+        if self._engine is None:
+            for m in self._kw["op_modules"]:
+                __import__(m)
+            self._engine = _make_engine(self.engine_name, self.tg, self.mg, **self._kw)
+        return self._engine
+
+    def run(
+        self,
+        inputs: Mapping[str, object],
+        *,
+        check: bool = False,
+        trace: str | None = None,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+        timeout: float | None = None,
+        progress: Progress = None,
+    ) -> dict[str, torch.Tensor]:
+        """Runs once; returns the outputs keyed by TaskGraph id.
+
+        Args:
+            inputs: a tensor (or numpy array) for every graph input.
+            check: run the sanitizer (every read checks its writer; see actors/sanitizer.py).
+            trace: path of a Chrome/Perfetto trace-event JSON to write.
+            delay: debug: sleep uniform(lo, hi) seconds before each vertex (seeded by `seed`),
+                so that many execution orders occur.
+            timeout: give up (RunError) after this many seconds; None waits for ever.
+            progress: True for a tqdm bar, or a callable taking the number of vertices done.
+
+        Raises:
+            RunError: a bad input (before anything runs), a kernel that raised, a dead worker,
+                the sanitizer, or the timeout.
+        """
+        check_inputs(self.tg, inputs)
+        tensors = {k: torch.as_tensor(v) for k, v in inputs.items()}
+        bar = None
+        if progress is True:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(self.mg), unit="v", desc="run", leave=False)
+            progress = lambda n: bar.update(n - bar.n)  # noqa: E731
+        eng = self.engine
+        t = time.perf_counter()
+        try:
+            outs, records = eng.run(
+                tensors, check=check, delay=delay, seed=seed, timeout=timeout, progress=progress or None
+            )
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t
+        self.last_records = records
+        self.last_summary = summarize(self.mg, records, wall)
+        self.last_summary["transports"] = dict(getattr(eng, "transports", {}))  # "i-j" -> path
+        if getattr(eng, "placement_summary", None) is not None:  # ray engine: node of each worker, paths
+            self.last_summary["placement"] = eng.placement_summary
+        if trace:
+            write_trace(trace, self.mg, records, self.last_summary)
+        return outs
+
+    def statistics(self) -> dict:
+        out = {"memgraph": self.mg.statistics(), "last_run": self.last_summary}
+        if self._engine is not None:
+            out["engine"] = self._engine.statistics()
+        return out
+
+    def close(self) -> None:
+        """Kills the engine's actors (and the Ray it started); the Program stays usable."""
+        if self._engine is not None:
+            eng, self._engine = self._engine, None
+            eng.close()
+
+    def __enter__(self) -> Program:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def default_capacity(tg: TaskGraph, alignment: int = 256) -> list[int]:
+    """Per GPU, enough bytes to hold every tensor of that GPU at once (no offload needed)."""
+    cap = [0] * tg.gpus
+    for v in tg:
+        cap[v.gpu] += -(-max(v.nbytes, 1) // alignment) * alignment
+    return cap
+
+
+def compile(
+    tg: TaskGraph,
+    capacity: int | Sequence[int] | Mapping[int, int] | None = None,
+    *,
+    order: Sequence[str] | None = None,
+    alignment: int = 256,
+    **kw,
+) -> Program:
+    """Plans `tg` with planner.build_memgraph for `capacity` bytes per GPU; `kw` go to Program."""
+    try:
+        from planner import build_memgraph  # type: ignore[attr-defined]
+    except ImportError:
+        raise RunError("planner.build_memgraph is not available in this build") from None
+    if capacity is None:
+        capacity = default_capacity(tg, alignment)
+    mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
+    return Program(tg, mg, **kw)
+
+
+def run_memgraph(
+    tg: TaskGraph,
+    mg: MemGraph,
+    inputs: Mapping[str, object],
+    *,
+    check: bool = False,
+    trace: str | None = None,
+    delay: tuple[float, float] | None = None,
+    seed: int = 0,
+    timeout: float | None = None,
+    progress: Progress = None,
+    **kw,
+) -> dict[str, torch.Tensor]:
+    """Runs a given plan once and cleans up; `kw` go to Program (engine, backend, streams, ...)."""
+    with Program(tg, mg, **kw) as prog:
+        return prog.run(
+            inputs, check=check, trace=trace, delay=delay, seed=seed, timeout=timeout, progress=progress
+        )
+
+
+def run(
+    tg: TaskGraph,
+    inputs: Mapping[str, object],
+    capacity: int | Sequence[int] | None = None,
+    *,
+    engine: str = "ray",
+    backend: str = "cpu",
+    streams: int = 5,
+    check: bool = False,
+    trace: str | None = None,
+    order: Sequence[str] | None = None,
+    alignment: int = 256,
+    delay: tuple[float, float] | None = None,
+    seed: int = 0,
+    timeout: float | None = None,
+    progress: Progress = None,
+    **kw,
+) -> dict[str, torch.Tensor]:
+    """Plans `tg` for `capacity` bytes per GPU (default: everything fits) and runs it once.
+
+    Inputs are checked before planning, so a bad input costs nothing.
+    """
+    check_inputs(tg, inputs)
+    prog = compile(
+        tg, capacity, order=order, alignment=alignment, engine=engine, backend=backend, streams=streams, **kw
+    )
+    with prog:
+        return prog.run(
+            inputs, check=check, trace=trace, delay=delay, seed=seed, timeout=timeout, progress=progress
+        )

@@ -1,0 +1,136 @@
+"""Run traces and statistics: Chrome/Perfetto trace-event JSON and a summary of one run.
+
+A record is (vertex id, stream, start ns, end ns) as a worker measured it (wall clock, time.time_ns
+base, so records of workers in different processes of one node line up). In the trace, pid is the
+GPU and tid the stream; each vertex is a complete event ("ph": "X", ts/dur in us) whose args give
+the vertex id, kind, value and bytes written. Open the file in https://ui.perfetto.dev or
+chrome://tracing.
+
+Busy fractions are the union of a GPU's intervals of one class divided by the makespan:
+compute = kernel, h2d = input + reload, d2h = offload, transfer = GPU-to-GPU pulls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from .formats import write_doc
+from .memgraph import MemGraph
+
+Record = tuple[int, int, int, int]
+CLASS = {"kernel": "compute", "input": "h2d", "reload": "h2d", "offload": "d2h", "transfer": "transfer"}
+
+
+def chrome_trace(mg: MemGraph, records: Sequence[Sequence[Record]]) -> dict:
+    """The trace-event document of one run (records per GPU)."""
+    t0 = min((r[2] for recs in records for r in recs), default=0)
+    events: list[dict] = []
+    for g, recs in enumerate(records):
+        events.append({"name": "process_name", "ph": "M", "pid": g, "tid": 0, "args": {"name": f"gpu:{g}"}})
+        for s in sorted({r[1] for r in recs}):
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": g, "tid": s, "args": {"name": f"stream {s}"}}
+            )
+        for vid, s, a, b in recs:
+            v = mg.vertex(vid)
+            events.append(
+                {
+                    "name": f"{v.kind.value} {v.value}",
+                    "cat": v.kind.value,
+                    "ph": "X",
+                    "pid": g,
+                    "tid": s,
+                    "ts": (a - t0) / 1e3,
+                    "dur": (b - a) / 1e3,
+                    "args": {"vertex": vid, "kind": v.kind.value, "value": v.value, "bytes": v.out.nbytes},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def summarize(mg: MemGraph, records: Sequence[Sequence[Record]], wall_s: float | None = None) -> dict:
+    """Makespan, per-GPU busy fractions by class, bytes moved by kind, vertices per second."""
+    flat = [r for recs in records for r in recs]
+    if not flat:
+        return {
+            "vertices": 0,
+            "makespan_s": 0.0,
+            "wall_s": wall_s,
+            "gpus": [],
+            "bytes": {},
+            "vertices_per_s": 0.0,
+        }
+    t0 = min(r[2] for r in flat)
+    t1 = max(r[3] for r in flat)
+    span = max(t1 - t0, 1)
+    moved: dict[str, int] = {}
+    gpus = []
+    for g, recs in enumerate(records):
+        by_class: dict[str, list[tuple[int, int]]] = {c: [] for c in ("compute", "h2d", "d2h", "transfer")}
+        for vid, _, a, b in recs:
+            v = mg.vertex(vid)
+            by_class[CLASS[v.kind.value]].append((a, b))
+            if v.kind.value != "kernel":
+                moved[v.kind.value] = moved.get(v.kind.value, 0) + v.out.nbytes
+        gpus.append(
+            {
+                "gpu": g,
+                "vertices": len(recs),
+                **{f"busy_{c}": round(_union_ns(iv) / span, 4) for c, iv in by_class.items()},
+            }
+        )
+    makespan = span / 1e9
+    return {
+        "vertices": len(flat),
+        "makespan_s": makespan,
+        "wall_s": wall_s,
+        "gpus": gpus,
+        "bytes": moved,
+        "vertices_per_s": len(flat) / (wall_s if wall_s else makespan),
+    }
+
+
+def write_trace(
+    path: str, mg: MemGraph, records: Sequence[Sequence[Record]], summary: dict | None = None
+) -> None:
+    """Writes the trace-event JSON (atomically), with the summary under "otherData"."""
+    doc = chrome_trace(mg, records)
+    if summary is not None:
+        doc["otherData"] = summary
+    if str(path).endswith(".json"):
+        write_doc(doc, path)
+    else:
+        with open(path, "w") as f:
+            json.dump(doc, f)
+
+
+def format_summary(s: dict) -> str:
+    """A few human-readable lines."""
+    lines = [
+        f"{s['vertices']} vertices in {s['makespan_s'] * 1e3:.2f} ms ({s['vertices_per_s']:.0f} vertices/s)"
+    ]
+    for g in s["gpus"]:
+        lines.append(
+            f"  gpu:{g['gpu']}: {g['vertices']} vertices, busy compute {g['busy_compute']:.0%} "
+            f"h2d {g['busy_h2d']:.0%} d2h {g['busy_d2h']:.0%} transfer {g['busy_transfer']:.0%}"
+        )
+    if s["bytes"]:
+        lines.append("  bytes moved: " + ", ".join(f"{k} {v}" for k, v in sorted(s["bytes"].items())))
+    if s.get("placement"):
+        from .placement import format_placement
+
+        lines.extend(format_placement(s["placement"]))
+    return "\n".join(lines)

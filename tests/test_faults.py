@@ -1,0 +1,87 @@
+"""Faults under the ray engine: a kernel that raises, a worker killed mid-run, bad inputs.
+
+Each must stop the run within seconds with a RunError naming the worker (and the vertex where
+known), never hang; `timeout=` below only turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import actors.testops  # noqa: F401  (registers the noop test op)
+from disco_ray.errors import RunError
+from disco_ray.reference import evaluate, random_inputs
+from disco_ray.runtime import Program, run_memgraph
+from tests.runtime_helpers import plan, random_taskgraph
+from tests.test_runtime_local import assert_same, noop_graph
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+
+@pytest.mark.slow
+def test_run_starts_and_shuts_down_its_own_ray():
+    """Runs first in this module, before the fixture starts a shared Ray."""
+    if ray.is_initialized():
+        pytest.skip("a Ray session is already running")
+    tg = random_taskgraph(21, n=10, gpus=2)
+    inputs = random_inputs(tg, 0)
+    out = run_memgraph(tg, plan(tg, "tight"), inputs, engine="ray", num_cpus=2, timeout=120)
+    assert_same(out, evaluate(tg, inputs))
+    assert not ray.is_initialized()
+
+
+from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture)
+
+
+def test_kernel_that_raises_names_worker_and_vertex(pool):  # noqa: F811
+    tg = noop_graph(fail_at="n5", gpus=2, n=8)
+    mg = plan(tg)
+    vid = next(v.id for v in mg.vertices if v.value == "n5")
+    t = time.monotonic()
+    with (
+        Program(tg, mg, engine="ray", pool=pool) as prog,
+        pytest.raises(RunError, match=rf"gpu:1 vertex {vid} \(kernel 'n5'\) raised RuntimeError"),
+    ):
+        prog.run({}, timeout=60)
+    assert time.monotonic() - t < 30
+
+
+def test_killed_worker_stops_the_run_naming_it(pool):  # noqa: F811
+    tg = noop_graph(gpus=2, n=60)
+    mg = plan(tg)
+    with Program(tg, mg, engine="ray", pool=pool) as prog:
+        victim = prog.engine.workers[1]
+        timer = threading.Timer(0.5, ray.kill, [victim])
+        timer.start()
+        t = time.monotonic()
+        try:
+            with pytest.raises(RunError, match=r"gpu:1 worker died during the run while holding"):
+                prog.run({}, delay=(0.02, 0.03), timeout=60)  # ~2 s of work: killed halfway
+        finally:
+            timer.join()
+        assert time.monotonic() - t < 30
+
+
+def test_the_pool_recovers_after_a_fault(pool):  # noqa: F811
+    tg = random_taskgraph(22, n=20, gpus=2)
+    inputs = random_inputs(tg, 0)
+    with Program(tg, plan(tg, "tight"), engine="ray", pool=pool) as prog:
+        assert_same(prog.run(inputs, check=True, timeout=120), evaluate(tg, inputs))
+
+
+def test_bad_inputs_are_refused_before_anything_runs(pool):  # noqa: F811
+    tg = random_taskgraph(23, n=10, gpus=2)
+    prog = Program(tg, plan(tg), engine="ray", pool=pool)
+    good = random_inputs(tg, 0)
+    name = sorted(good)[0]
+    with pytest.raises(RunError, match=f"input {name!r} is missing"):
+        prog.run({k: v for k, v in good.items() if k != name})
+    with pytest.raises(RunError, match=f"input {name!r} has shape"):
+        prog.run({**good, name: good[name].T[:2]})
+    with pytest.raises(RunError, match=f"input {name!r} has dtype"):
+        prog.run({**good, name: good[name].half()})
+    assert prog._engine is None

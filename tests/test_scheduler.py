@@ -1,0 +1,185 @@
+"""The pure cores (actors.scheduler.Scheduler, actors.worker_core.WorkerCore) driven by events."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.scheduler import Abort, Completed, Dispatch, Finished, Scheduler, WorkerFailed
+from actors.worker_core import WorkerCore
+from disco_ray.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
+
+
+def mgraph(gpus: list[int], edges: list[tuple[int, int]], kinds: dict[int, MKind] | None = None) -> MemGraph:
+    """Vertex i runs on gpus[i]; locations are dummies (the cores only read ids, GPUs and edges)."""
+    kinds = kinds or {}
+    verts = [
+        MemVertex(i, kinds.get(i, MKind.KERNEL), f"v{i}", g, (), Loc(g, 256 * i, 256))
+        for i, g in enumerate(gpus)
+    ]
+    return MemGraph([1 << 20] * (max(gpus) + 1), verts, [(u, w, "data") for u, w in edges], {})
+
+
+def fig3_memgraph() -> MemGraph:
+    """TURNIP Figure 5 shape: inputs on 3 GPUs, kernels, transfers and a memory edge (hand-made)."""
+    verts = [
+        MemVertex(0, MKind.INPUT, "A", 0, (), Loc(0, 0, 256)),
+        MemVertex(1, MKind.INPUT, "B", 1, (), Loc(1, 0, 256)),
+        MemVertex(2, MKind.KERNEL, "k1", 0, (Read("A", 0, Loc(0, 0, 256)),), Loc(0, 256, 256)),
+        MemVertex(3, MKind.KERNEL, "k2", 1, (Read("B", 1, Loc(1, 0, 256)),), Loc(1, 256, 256)),
+        MemVertex(4, MKind.TRANSFER, "t1", 2, (Read("k1", 2, Loc(0, 256, 256)),), Loc(2, 0, 256)),
+        MemVertex(5, MKind.TRANSFER, "t2", 2, (Read("k2", 3, Loc(1, 256, 256)),), Loc(2, 256, 256)),
+        MemVertex(
+            6,
+            MKind.KERNEL,
+            "k3",
+            2,
+            (Read("t1", 4, Loc(2, 0, 256)), Read("t2", 5, Loc(2, 256, 256))),
+            Loc(2, 512, 256),
+        ),
+        MemVertex(7, MKind.OFFLOAD, "k3", 2, (Read("k3", 6, Loc(2, 512, 256)),), Loc(HOST, 0, 256)),
+        MemVertex(8, MKind.KERNEL, "k4", 0, (Read("k1", 2, Loc(0, 256, 256)),), Loc(0, 0, 256)),
+    ]
+    edges = [
+        (0, 2, "data"),
+        (1, 3, "data"),
+        (2, 4, "data"),
+        (3, 5, "data"),
+        (4, 6, "data"),
+        (5, 6, "data"),
+        (6, 7, "data"),
+        (2, 8, "data"),
+        (4, 8, "mem"),
+    ]  # 8 overwrites A: after the transfer read k1
+    return MemGraph([4096] * 3, verts, edges, {"k3": 7, "k4": 8})
+
+
+def test_start_dispatches_vertices_without_remote_preds():
+    s = Scheduler(fig3_memgraph())
+    out = s.start()
+    # 6 and 7 depend only on vertices of their own gpu 2: handed over at once, released there locally
+    assert out == [Dispatch(0, [0, 2]), Dispatch(1, [1, 3]), Dispatch(2, [6, 7])]
+    assert s.held_by(0) == [0, 2]
+
+
+def test_cross_worker_edges_go_through_the_coordinator():
+    s = Scheduler(fig3_memgraph())
+    s.start()
+    assert s.handle(Completed(0, [0])) == []
+    assert s.handle(Completed(0, [2])) == [Dispatch(2, [4])]
+    assert s.handle(Completed(1, [1, 3])) == [Dispatch(2, [5])]
+    # 8 has a local pred (2) and a remote one (the transfer 4): it waits for 4's report
+    assert s.handle(Completed(2, [4])) == [Dispatch(0, [8])]
+    assert s.handle(Completed(2, [5, 6])) == []
+    assert s.handle(Completed(0, [8])) == []
+    assert s.handle(Completed(2, [7])) == [Finished()]
+    assert s.statistics()["cross_worker_edges"] == 3
+
+
+def test_dispatch_is_once_and_finish_is_signalled():
+    mg = fig3_memgraph()
+    s = Scheduler(mg)
+    got = {d.gpu: list(d.vids) for d in s.start()}
+    seen = [v for vs in got.values() for v in vs]
+    order = [(0, [0, 2]), (1, [1, 3]), (2, [4, 5]), (2, [6, 7]), (0, [8])]
+    out = []
+    for g, vids in order:
+        for i in s.handle(Completed(g, vids)):
+            out.append(i)
+            if isinstance(i, Dispatch):
+                seen += i.vids
+    assert sorted(seen) == list(range(9))
+    assert isinstance(out[-1], Finished)
+    assert s.state == "finished"
+
+
+def test_unheld_report_and_failure_abort():
+    s = Scheduler(fig3_memgraph())
+    s.start()
+    out = s.handle(Completed(0, [4]))  # vertex 4 belongs to gpu 2 and was never handed out
+    assert len(out) == 1 and isinstance(out[0], Abort) and "gpu:0" in out[0].message
+    s.start()
+    out = s.handle(WorkerFailed(1, 3, "gpu:1 vertex 3 raised"))
+    assert out == [Abort("gpu:1 vertex 3 raised")]
+    assert s.handle(Completed(0, [0])) == []  # nothing after a failure
+
+
+def test_worker_core_runs_a_chain_locally_lowest_id_first():
+    mg = mgraph([0, 0, 0, 0, 0], [(0, 2), (1, 2), (2, 3)])
+    w = WorkerCore(mg, 0)
+    w.dispatch([4, 3, 2, 1, 0])
+    assert [w.pop(), w.pop(), w.pop()] == [0, 1, 4]
+    assert w.pop() is None
+    w.complete(0)
+    assert w.pop() is None
+    w.complete(1)
+    assert w.pop() == 2
+    w.complete(2)
+    assert w.pop() == 3
+
+
+def test_worker_core_waits_for_dispatch_of_remote_ready_vertices():
+    mg = mgraph([0, 1, 0], [(0, 2), (1, 2)])
+    w = WorkerCore(mg, 0)
+    w.dispatch([0])
+    assert w.pop() == 0
+    w.complete(0)
+    assert w.pop() is None  # 2 still needs the coordinator (its pred 1 is on gpu 1)
+    w.dispatch([2])
+    assert w.pop() == 2
+
+
+def simulate(mg: MemGraph, rng: random.Random, streams: int = 2) -> list[int]:
+    """Cores + a random message schedule: reports and dispatches are delayed and batched at random."""
+    s = Scheduler(mg)
+    cores = [WorkerCore(mg, g) for g in range(mg.gpus)]
+    preds: dict[int, set[int]] = {v.id: set() for v in mg}
+    for u, w, _ in mg.edges:
+        preds[w].add(u)
+    inbox: list[Dispatch] = [i for i in s.start() if isinstance(i, Dispatch)]
+    running: list[list[int]] = [[] for _ in cores]
+    unreported: list[list[int]] = [[] for _ in cores]
+    done: list[int] = []
+    finished = False
+    for _ in range(100 * len(mg) + 100):
+        if finished:
+            break
+        choice = rng.random()
+        g = rng.randrange(mg.gpus)
+        if choice < 0.3 and inbox:
+            d = inbox.pop(rng.randrange(len(inbox)))
+            cores[d.gpu].dispatch(d.vids)
+        elif choice < 0.6:
+            while len(running[g]) < streams and (v := cores[g].pop()) is not None:
+                assert preds[v] <= set(done), f"vertex {v} started before its preds {preds[v] - set(done)}"
+                running[g].append(v)
+        elif choice < 0.85 and running[g]:
+            v = running[g].pop(rng.randrange(len(running[g])))
+            done.append(v)
+            cores[g].complete(v)
+            unreported[g].append(v)
+        elif unreported[g]:
+            for i in s.handle(Completed(g, unreported[g])):
+                if isinstance(i, Dispatch):
+                    inbox.append(i)
+                elif isinstance(i, Finished):
+                    finished = True
+            unreported[g] = []
+    assert finished, f"not finished: {len(done)} of {len(mg)} done"
+    return done
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6))
+def test_random_dags_complete_in_dependency_order(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    gpus = [rng.randrange(3) for _ in range(n)]
+    gpus[0] = 0
+    gpus[-1] = max(gpus[-1], 2) if n > 1 else 0
+    edges = [(u, w) for w in range(n) for u in range(w) if rng.random() < 0.15]
+    mg = mgraph(gpus, edges)
+    done = simulate(mg, rng)
+    assert sorted(done) == list(range(n)), f"seed {seed}"
