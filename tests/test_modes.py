@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-from memgraph_helpers import execute_random_order, naive_memgraph
 
 import workloads
 from disco_ray import modes
@@ -14,6 +13,7 @@ from disco_ray.errors import UsageError
 from disco_ray.memgraph import MKind
 from disco_ray.profiles import UnitCost, h100, lane
 from disco_ray.simulate import simulate
+from tests.memgraph_helpers import execute_random_order, naive_memgraph
 
 
 def _planner():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from memgraph_helpers import naive_memgraph
 
 import workloads
 from disco_ray import modes
@@ -14,6 +13,7 @@ from disco_ray.memgraph import MKind
 from disco_ray.profiles import LANES, Profile, UnitCost, a100, h100, lane, p100, unit
 from disco_ray.simulate import plot_timeline, simulate
 from disco_ray.taskgraph import TaskGraph
+from tests.memgraph_helpers import naive_memgraph
 
 
 def _example(n: int, gpus: int = 2, hidden: int = 128):
