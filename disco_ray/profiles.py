@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import ops
+from .errors import UsageError
 from .memgraph import MemVertex, MKind
 from .taskgraph import Vertex
 
@@ -142,7 +143,7 @@ PROFILES: dict[str, Profile | UnitCost] = {"h100": h100, "a100": a100, "p100": p
 
 
 def get(name: str) -> Profile | UnitCost:
-    """The profile called `name`; ValueError names the known ones."""
+    """The profile called `name`; UsageError names the known ones."""
     if name not in PROFILES:
-        raise ValueError(f"unknown device profile {name!r} (one of {', '.join(PROFILES)})")
+        raise UsageError(f"unknown device profile {name!r} (one of {', '.join(PROFILES)})")
     return PROFILES[name]
