@@ -104,7 +104,15 @@ def test_llama_lookahead_reorders_only():
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(lookahead=-1), dict(heads=3), dict(gpus=3), dict(seq=60), dict(layers=0), dict(preset="13b"), dict(dim=36, heads=4)],
+    [
+        dict(lookahead=-1),
+        dict(heads=3),
+        dict(gpus=3),
+        dict(seq=60),
+        dict(layers=0),
+        dict(preset="13b"),
+        dict(dim=36, heads=4),
+    ],
 )
 def test_llama_refuses_bad_parameters(kw):
     with pytest.raises(UsageError):
