@@ -98,15 +98,11 @@ def test_info_memgraph(cli, tmp_path):
 
 
 def test_ops_doc_is_up_to_date(cli):
-    from disco_ray import ops
-
-    doc = (ROOT / "docs" / "OPS.md").read_text()
-    for name in ops.OPS:
-        assert f"| `{name}` |" in doc, (
-            f"op {name} is not in docs/OPS.md: run python -m disco_ray ops --markdown"
-        )
+    # a fresh process: tests may register test-only ops (actors.testops) in this one
     r = cli("ops", "--markdown")
-    assert r.returncode == 0 and all(f"| `{name}` |" in r.stdout for name in ops.OPS)
+    assert r.returncode == 0
+    doc = (ROOT / "docs" / "OPS.md").read_text()
+    assert r.stdout == doc, "docs/OPS.md is stale: run python -m disco_ray ops --markdown > docs/OPS.md"
 
 
 def test_help(cli):
