@@ -25,21 +25,16 @@ _FAR = 1e300  # the distance of an owner nobody reads again: farthest, yet evict
 
 def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """min(a[lo[k]:hi[k]]) for every k (hi > lo), by a sparse table: O(n log n) in numpy."""
-    table = [a]
-    span = 1
-    longest = int((hi - lo).max())
-    while span * 2 <= longest:
-        prev = table[-1]
-        table.append(np.minimum(prev[:-span], prev[span:]))
-        span *= 2
+    n = len(a)
     length = hi - lo
+    levels = int(length.max()).bit_length()
+    table = np.full((levels, n), _INF)
+    table[0] = a
+    for k in range(1, levels):
+        span = 1 << (k - 1)
+        table[k, : n - span] = np.minimum(table[k - 1, : n - span], table[k - 1, span:])
     level = np.log2(length).astype(np.int64)
-    out = np.empty(len(lo))
-    for k in np.unique(level):
-        sel = level == k
-        row = table[k]
-        out[sel] = np.minimum(row[lo[sel]], row[hi[sel] - (1 << int(k))])
-    return out
+    return np.minimum(table[level, lo], table[level, hi - (1 << level)])
 
 
 class Block:
@@ -189,7 +184,7 @@ class Arena:
         move (`pinned` maps id() to owner). Ties go to
         fewer evicted bytes, then the lower offset. `at` forces the window's offset. Returns
         (offset, owner blocks to evict) or None when every window holds an owner that may not move.
-        Windows start at block starts; two pointers and a monotonic deque make this O(blocks).
+        Windows start at block starts; numpy does every window at once (a sparse-table range minimum).
         """
         blocks = self.blocks
         if at is not None:
@@ -213,7 +208,10 @@ class Arena:
             i = bisect_right(self.offs, o.off) - 1
             if self.owner_at[i] is o:
                 keys[i] = -1.0
-        moves = np.diff(offs, append=self.top) * owned
+        moves = np.empty_like(offs)
+        moves[:-1] = offs[1:] - offs[:-1]
+        moves[-1] = self.top - offs[-1]
+        moves *= owned
         starts = np.flatnonzero(offs + size <= self.capacity)
         if not len(starts):
             return None
@@ -226,7 +224,9 @@ class Arena:
         kmin = _range_min(keys, starts, ends)
         moved = np.concatenate(([0], np.cumsum(moves)))
         moved = moved[ends] - moved[starts]
-        best = np.lexsort((offs[starts], moved, -kmin))[0]  # max distance, then fewest bytes, then lowest
+        # the farthest minimum distance, then the fewest bytes moved, then the lowest offset
+        far = np.flatnonzero(kmin == kmin.max())
+        best = far[np.argmin(moved[far])]
         i, j = int(starts[best]), int(ends[best])
         return self.offs[i], [b for b in blocks[i:j] if b.owner is not None]
 
