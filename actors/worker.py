@@ -89,8 +89,9 @@ class GpuWorker:
     def read_range(self, loc: Loc, reader: int, expect: int):
         return self._ex().read_range(loc, reader, expect)
 
-    def outputs(self, wanted: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        return {value: self._ex().output(value, vid) for value, vid in wanted}
+    def outputs(self, wanted: list[tuple[str, int]]) -> dict[str, Any]:
+        """Raw bytes (numpy uint8) of each wanted output: cheaper to ship than tensors."""
+        return {value: self._ex().output_bytes(vid) for value, vid in wanted}
 
     def trace(self) -> list[tuple[int, int, int, int]]:
         return self._ex().trace

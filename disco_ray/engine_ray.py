@@ -180,6 +180,8 @@ class RayEngine:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
+        from actors.executor import as_tensor
+
         wants: list[list[str]] = [[] for _ in self.workers]
         for v in self.mg.vertices:
             if v.kind.value == "input" or (v.kind.value == "reload" and v.ins and v.ins[0].src is None):
@@ -230,7 +232,7 @@ class RayEngine:
         try:
             outs: dict[str, torch.Tensor] = {}
             for part in ray.get([self.workers[g].outputs.remote(w) for g, w in by_gpu.items()]):
-                outs.update(part)
+                outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
             traces = ray.get([w.trace.remote() for w in self.workers])
         except RayTaskError as e:
             raise RunError(_cause(e)) from None
