@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import actors.testops  # noqa: F401  (registers the noop test op)
 from disco_ray.commands_run import add_run, load_npz, save_npz
 from disco_ray.errors import RunError
 from disco_ray.formats import save
@@ -18,7 +17,7 @@ from disco_ray.memgraph import Loc, MKind, Read
 from disco_ray.reference import evaluate, random_inputs
 from disco_ray.runtime import Program, run_memgraph
 from disco_ray.taskgraph import TaskGraph
-from tests.runtime_helpers import MODES, plan, random_taskgraph
+from tests.runtime_helpers import MODES, noop_op, plan, random_taskgraph  # noqa: F401
 from workloads.random_dag import random_dag
 
 ENGINE = "local"
@@ -148,7 +147,7 @@ def noop_graph(fail_at: str | None = None, gpus: int = 2, n: int = 8) -> TaskGra
     return g
 
 
-def test_a_kernel_that_raises_stops_the_run_naming_worker_and_vertex():
+def test_a_kernel_that_raises_stops_the_run_naming_worker_and_vertex(noop_op):  # noqa: F811
     tg = noop_graph(fail_at="n5")
     mg = plan(tg)
     vid = next(v.id for v in mg.vertices if v.value == "n5")
