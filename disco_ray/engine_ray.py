@@ -195,7 +195,8 @@ class RayEngine:
             )
             ray.get(self.coord.start.remote())
         except (RayActorError, RayTaskError) as e:
-            raise RunError(f"starting the run failed: {_cause(e)}") from None
+            pings = {w.ping.remote(): g for g, w in enumerate(self.workers)}
+            raise RunError(self._dead_worker(pings) or f"starting the run failed: {_cause(e)}") from None
         done_ref = self.coord.wait.remote()
         serving = {w.serve.remote(): g for g, w in enumerate(self.workers)}
         pending = [done_ref, *serving]
@@ -210,7 +211,8 @@ class RayEngine:
                 except RayActorError:
                     raise RunError("the coordinator died during the run") from None
                 if err is not None:
-                    raise RunError(err)
+                    # a dead worker also makes its peers' transfers fail: name the root cause
+                    raise RunError(self._dead_worker(serving) or err)
                 break
             for r in ready:
                 g = serving[r]
@@ -239,6 +241,20 @@ class RayEngine:
         except RayActorError as e:
             raise RunError(f"a worker died while handing back outputs: {e}") from None
         return outs, traces
+
+    def _dead_worker(self, serving: dict) -> str | None:
+        """The death message of the first worker whose ref (in `serving`: ref -> gpu) raises
+        ActorDiedError, if any; waits up to 1 s for Ray to tell."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        ready, _ = ray.wait(list(serving), num_returns=len(serving), timeout=1.0)
+        for r in ready:
+            try:
+                ray.get(r)
+            except RayActorError:
+                return self._died(serving[r])
+        return None
 
     def _died(self, g: int) -> str:
         self.broken = True
