@@ -17,7 +17,7 @@ from disco_ray.memgraph import Loc, MKind, Read
 from disco_ray.reference import evaluate, random_inputs
 from disco_ray.runtime import Program, run_memgraph
 from disco_ray.taskgraph import TaskGraph
-from tests.runtime_helpers import MODES, noop_op, plan, random_taskgraph  # noqa: F401
+from tests.runtime_helpers import MODES, noop_op, plan, random_taskgraph, tight_capacity  # noqa: F401
 from workloads.random_dag import random_dag
 
 ENGINE = "local"
@@ -222,3 +222,18 @@ def test_out_of_arena_plan_is_refused():
         run_memgraph(
             tg, dataclasses.replace(mg, vertices=verts, _index=None), random_inputs(tg, 0), engine=ENGINE
         )
+
+
+def test_top_level_run_and_compile_plan_with_the_real_planner():
+    import disco_ray
+
+    tg = random_dag(50, 2, 9)
+    inputs = random_inputs(tg, 9)
+    ref = evaluate(tg, inputs)
+    assert_same(disco_ray.run(tg, inputs, capacity=tight_capacity(tg), engine=ENGINE, check=True), ref)
+    with disco_ray.compile(tg, capacity=tight_capacity(tg), engine=ENGINE) as prog:
+        assert prog.mg.statistics()["by_kind"]["offload"] > 0
+        for seed in range(2):
+            assert_same(prog.run(inputs, delay=(0, 2e-4), seed=seed, check=True), ref)
+    with pytest.raises(RunError, match="missing"):
+        disco_ray.run(tg, {}, engine=ENGINE)
