@@ -8,8 +8,11 @@ calls. `wait` blocks (one actor thread) until the run finished or failed.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
+
+import ray
 
 from disco_ray.errors import RunError
 from disco_ray.memgraph import MemGraph
@@ -24,6 +27,8 @@ class Coordinator:
         self._done = threading.Event()
         self._error: str | None = None
         self.workers: Sequence[Any] = ()
+        self._handle_s = self._apply_s = 0.0
+        self._reports = 0
 
     def _core(self) -> Scheduler:
         if self.sched is None:
@@ -40,17 +45,26 @@ class Coordinator:
 
     def start(self) -> None:
         """Resets the counters and hands every worker its vertices without remote predecessors."""
+        self._handle_s = self._apply_s = 0.0
+        self._reports = 0
         self._done.clear()
         self._error = None
         with self._lock:
             instrs = self._core().start()
         self._apply(instrs)
 
+    @ray.method(num_returns=0)  # fire and forget: no return object to make
     def report(self, gpu: int, vids: list[int]) -> None:
+        t = time.perf_counter()
         with self._lock:
             instrs = self._core().handle(Completed(gpu, vids))
+            t1 = time.perf_counter()
         self._apply(instrs)
+        self._handle_s += t1 - t
+        self._apply_s += time.perf_counter() - t1
+        self._reports += 1
 
+    @ray.method(num_returns=0)
     def fail(self, gpu: int, vid: int | None, message: str) -> None:
         with self._lock:
             instrs = self._core().handle(WorkerFailed(gpu, vid, message))
@@ -79,4 +93,10 @@ class Coordinator:
             return self._core().held_by(gpu)
 
     def statistics(self) -> dict:
-        return self._core().statistics()
+        """The core's counters plus the time this shell spent in the core and sending dispatches."""
+        return {
+            **self._core().statistics(),
+            "reports": self._reports,
+            "handle_s": round(self._handle_s, 6),
+            "send_s": round(self._apply_s, 6),
+        }

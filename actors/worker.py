@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ray
 import torch
 
 from disco_ray.errors import RunError
@@ -77,6 +78,7 @@ class GpuWorker:
     def begin(self, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int) -> None:
         self._ex().begin(inputs, check=check, delay=delay, seed=seed)
 
+    @ray.method(num_returns=0)  # fire and forget: no return object to make
     def dispatch(self, vids: list[int]) -> None:
         self._ex().dispatch(vids)
 
