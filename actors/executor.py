@@ -207,8 +207,7 @@ class Executor:
             for name in self.input_values:
                 if name not in inputs:
                     raise RunError(f"gpu:{self.gpu}: input {name!r} was not handed to this worker")
-                t = torch.as_tensor(inputs[name])
-                self._inputs[name] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                self._inputs[name] = self.backend.stage_input(torch.as_tensor(inputs[name]))
             if check:
                 if self._sanitizer is None:
                     self._sanitizer = Sanitizer(

@@ -56,3 +56,18 @@ class RayTransport:
             dst.numpy()[...] = data  # the object store hands back a read-only array: copy, don't wrap
         else:
             dst.copy_(torch.from_numpy(data.copy()))
+
+
+def make_ray_transport(backend: str, workers: Sequence[Any], gpu: int) -> Transport:
+    """The transport a Ray worker of GPU `gpu` uses for `backend` (cpu: pulls through actor calls).
+
+    A CUDA build returns a peer-copy transport here (CUDA IPC handles exchanged at load, NCCL
+    between distinct GPUs), keeping `RayTransport` as the fallback.
+    """
+    if backend == "cuda":
+        try:
+            from actors.transport_cuda import make_cuda_transport  # type: ignore[import-not-found]
+        except ImportError:
+            return RayTransport(workers)
+        return make_cuda_transport(workers, gpu)
+    return RayTransport(workers)

@@ -19,7 +19,7 @@ from disco_ray.memgraph import Loc, MemGraph
 from disco_ray.taskgraph import TaskGraph
 
 from .executor import Executor
-from .transport import RayTransport
+from .transport import make_ray_transport
 
 
 class GpuWorker:
@@ -57,7 +57,7 @@ class GpuWorker:
             tg,
             backend=backend,
             streams=streams,
-            transport=RayTransport(workers),
+            transport=make_ray_transport(backend, workers, gpu),
             report=self._report,
             fail=self._fail,
             flush_s=flush_s,
