@@ -15,8 +15,6 @@ on those views (`copy`, `kernel`). A backend supplies:
 - `copy(dst, src)`: an asynchronous-on-the-current-stream byte copy between two views.
 - `kernel(op, out, ins, attrs)`: `disco_ray.kernels` implementation of `op` writing `out`
   (attrs already completed with defaults).
-- `stage_input(t)`: the caller's input tensor as the uint8 bytes `copy` reads for input vertices
-  and reloads from the caller's copy (cpu: a flat byte view; CUDA: may pin it once per run).
 - `device`: the torch device of the arena; `close()`.
 
 A CUDA backend would: allocate the arena with torch.empty(..., device="cuda"), the host store
@@ -54,8 +52,6 @@ class Backend(Protocol):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
     def kernel(self, op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None: ...
-
-    def stage_input(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def close(self) -> None: ...
 
@@ -113,9 +109,6 @@ class CpuBackend:
 
     def kernel(self, op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
         IMPLS[op](out, ins, attrs)
-
-    def stage_input(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
     def close(self) -> None:
         for q in self._queues:

@@ -48,26 +48,13 @@ class RayTransport:
 
         try:
             data = ray.get(self.handles[src_gpu].read_range.remote(loc, reader, expect))
-        except RayActorError:
-            raise RunError(f"vertex {reader} (transfer): its source worker gpu:{src_gpu} died") from None
+        except RayActorError as e:  # its process or node is gone: name the lost worker, not just the reader
+            raise RunError(
+                f"transfer source gpu:{src_gpu} is lost: its worker died ({type(e).__name__})"
+            ) from None
         except RayTaskError as e:  # e.g. the source's sanitizer: pass its message on
             raise RunError(str(e.cause) if getattr(e, "cause", None) is not None else str(e)) from None
         if dst.device.type == "cpu":
             dst.numpy()[...] = data  # the object store hands back a read-only array: copy, don't wrap
         else:
             dst.copy_(torch.from_numpy(data.copy()))
-
-
-def make_ray_transport(backend: str, workers: Sequence[Any], gpu: int) -> Transport:
-    """The transport a Ray worker of GPU `gpu` uses for `backend` (cpu: pulls through actor calls).
-
-    A CUDA build returns a peer-copy transport here (CUDA IPC handles exchanged at load, NCCL
-    between distinct GPUs), keeping `RayTransport` as the fallback.
-    """
-    if backend == "cuda":
-        try:
-            from actors.transport_cuda import make_cuda_transport  # type: ignore[import-not-found]
-        except ImportError:
-            return RayTransport(workers)
-        return make_cuda_transport(workers, gpu)
-    return RayTransport(workers)

@@ -19,7 +19,7 @@ from disco_ray.memgraph import Loc, MemGraph
 from disco_ray.taskgraph import TaskGraph
 
 from .executor import Executor
-from .transport import make_ray_transport
+from .transport import RayTransport
 
 
 class GpuWorker:
@@ -32,6 +32,7 @@ class GpuWorker:
             torch.set_num_threads(torch_threads)  # S streams x N workers share the host's cores
         self.ex: Executor | None = None
         self.coord: Any = None
+        self.transport: Any = None
 
     def ping(self) -> bool:
         return True
@@ -51,23 +52,42 @@ class GpuWorker:
         """Drops the previous graph and allocates the arena and host store of `mg` for GPU `gpu`."""
         self.unload()
         self.coord = coordinator
+        if backend == "cuda":  # IPC / NCCL peers, opened by `transport_connect` once all have loaded
+            from .transport_cuda import CudaTransport
+
+            self.transport = CudaTransport(gpu, workers)
+        else:
+            self.transport = RayTransport(workers)
         self.ex = Executor(
             gpu,
             mg,
             tg,
             backend=backend,
             streams=streams,
-            transport=make_ray_transport(backend, workers, gpu),
+            transport=self.transport,
             report=self._report,
             fail=self._fail,
             flush_s=flush_s,
         )
+        if hasattr(self.transport, "attach"):
+            self.transport.attach(self.ex)
         return self.ex.statistics()
+
+    def transport_describe(self, nccl_ids_for: list[int]) -> dict:
+        return self.transport.describe(nccl_ids_for)
+
+    def transport_connect(self, infos: list[dict], paths: dict) -> dict:
+        return self.transport.connect(infos, paths)
+
+    def nccl_send(self, dst_gpu: int, loc: Loc) -> None:
+        self.transport.send(dst_gpu, loc)
 
     def unload(self) -> None:
         if self.ex is not None:
             self.ex.close()
             self.ex = None
+        if hasattr(self.transport, "close"):
+            self.transport.close()
 
     def _report(self, gpu: int, vids: list[int]) -> None:
         self.coord.report.remote(gpu, vids)  # fire and forget: the coordinator orders nothing by it
@@ -99,7 +119,14 @@ class GpuWorker:
         return self._ex().trace
 
     def statistics(self) -> dict:
-        return self._ex().statistics()
+        out = self._ex().statistics()
+        if hasattr(self.transport, "statistics"):
+            out["transport"] = self.transport.statistics()
+        return out
+
+    def call(self, fn, *args):
+        """Runs `fn(self, *args)` in this actor (link probes and diagnostics: disco_ray/cluster.py)."""
+        return fn(self, *args)
 
     def _ex(self) -> Executor:
         if self.ex is None:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import UsageError
+from .placement import add_cluster_args, cluster_kwargs
 from .sizes import parse_size
 
 DTYPE_SUFFIX = ".__dtype__"
@@ -74,6 +75,7 @@ def add_run(sub) -> None:
         "--delay", type=delay_arg, metavar="LO,HI", help="debug: sleep uniform(LO, HI) s before each vertex"
     )
     p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds")
+    add_cluster_args(p)  # --address, --placement, --gpus-per-worker, --cpus-per-worker
     p.set_defaults(func=cmd_run)
 
 
@@ -140,6 +142,8 @@ def cmd_run(args) -> int:
     inputs = load_npz(args.inputs, tg) if args.inputs else random_inputs(tg, args.seed)
     check_inputs(tg, inputs)  # refused before anything is planned or started
     kw = {"engine": args.engine, "backend": args.backend, "streams": args.streams}
+    if args.engine == "ray":
+        kw.update(cluster_kwargs(args))
     if args.plan:
         prog = Program(tg, formats.load_memgraph(args.plan), **kw)
     else:

@@ -18,8 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from .cluster import connect
 from .errors import RunError
 from .memgraph import MemGraph
+from .placement import Placed, PlacementConfig, describe, place, remove
 from .taskgraph import TaskGraph
 
 POLL_S = 0.2
@@ -34,12 +36,22 @@ class RayPool:
     on close. A pool whose run failed is discarded: its actors are killed and remade on next use.
     """
 
-    def __init__(self, *, op_modules: Sequence[str] = (), num_cpus: int | None = None):
+    def __init__(
+        self,
+        *,
+        op_modules: Sequence[str] = (),
+        num_cpus: int | None = None,
+        placement: PlacementConfig | None = None,
+        address: str | None = None,
+    ):
         self.op_modules = tuple(op_modules)
         self.num_cpus = num_cpus
+        self.placement = placement or PlacementConfig()
+        self.address = address  # an existing cluster to connect to (disco_ray.cluster.connect)
         self.started_ray = False
         self.coord = None
         self.workers: list = []
+        self.placed: Placed | None = None
 
     def acquire(self, gpus: int, backend: str = "cpu", op_modules: Sequence[str] = ()):
         """(coordinator, workers[:gpus]), starting Ray and actors as needed."""
@@ -48,7 +60,11 @@ class RayPool:
         from actors.coordinator import Coordinator
         from actors.worker import GpuWorker
 
-        if not ray.is_initialized():
+        if not ray.is_initialized() and self.address:
+            self.coord, self.workers = None, []
+            connect(self.address)
+            self.started_ray = True  # close() then only disconnects: the cluster is not ours to stop
+        elif not ray.is_initialized():
             self.coord, self.workers = None, []
             ray.init(
                 address="local",
@@ -62,15 +78,19 @@ class RayPool:
         if len(self.workers) < gpus or mods != self.op_modules:
             self.discard()
             self.op_modules = mods
-        if self.coord is None:
-            self.coord = ray.remote(Coordinator).options(num_cpus=0, max_concurrency=MAX_CONCURRENCY).remote()
-        if not self.workers:
-            have = ray.cluster_resources().get("GPU", 0)
-            if have <= 0 and backend != "cpu":
-                raise RunError(f"the Ray cluster has no GPU for backend {backend!r}")
-            frac = 0 if have <= 0 else 1 if have >= gpus else have / gpus
-            cls = ray.remote(GpuWorker).options(num_cpus=0, num_gpus=frac, max_concurrency=MAX_CONCURRENCY)
-            self.workers = [cls.remote(self.op_modules) for _ in range(gpus)]
+        if self.coord is None or not self.workers:
+            self.discard()
+            # one placement-group bundle per GPU; the coordinator on the driver's node (placement.py)
+            self.placed = place(
+                gpus,
+                backend,
+                self.placement,
+                GpuWorker,
+                Coordinator,
+                (self.op_modules,),
+                max_concurrency=MAX_CONCURRENCY,
+            )
+            self.coord, self.workers = self.placed.coord, self.placed.workers
         return self.coord, self.workers[:gpus]
 
     def discard(self) -> None:
@@ -81,7 +101,8 @@ class RayPool:
             for a in [*self.workers, *([self.coord] if self.coord is not None else [])]:
                 with contextlib.suppress(Exception):  # already dead: nothing to kill
                     ray.kill(a)
-        self.coord, self.workers = None, []
+            remove(self.placed)
+        self.coord, self.workers, self.placed = None, [], None
 
     def close(self) -> None:
         """Kills the actors, and shuts Ray down if this pool started it."""
@@ -109,6 +130,8 @@ class RayEngine:
         op_modules: Sequence[str] = (),
         num_cpus: int | None = None,
         pool: RayPool | None = None,
+        placement: PlacementConfig | None = None,
+        address: str | None = None,
         **_: object,
     ):
         import ray
@@ -116,11 +139,15 @@ class RayEngine:
 
         self.tg, self.mg = tg, mg
         self.own_pool = pool is None
-        self.pool = RayPool(num_cpus=num_cpus) if pool is None else pool
+        self.pool = RayPool(num_cpus=num_cpus, placement=placement, address=address) if pool is None else pool
+        self.placement_summary: dict | None = None
         self.broken = False
         self.workers: list = []
+        self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, backend, op_modules)
+            if self.pool.placed is not None:
+                self.placement_summary = describe(self.pool.placed.info, mg, backend)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
             ray.get(
                 [
@@ -140,6 +167,12 @@ class RayEngine:
                     ],
                 ]
             )
+            n = len(self.workers)
+            self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
+            if backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
+                from actors.transport_cuda import connect_workers
+
+                self.transports = connect_workers(self.workers)
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()
@@ -270,7 +303,14 @@ class RayEngine:
             else f"{len(held)} vertices"
             + (f": {held[:20]}{' ...' if len(held) > 20 else ''}" if held else "")
         )
-        return f"gpu:{g} worker died during the run while holding {what}"
+        return f"gpu:{g} worker{self._node_of(g)} died during the run while holding {what}"
+
+    def _node_of(self, g: int) -> str:
+        """The text " on node ID (IP)" when the placement is known."""
+        if self.placement_summary is None or g >= len(self.placement_summary["workers"]):
+            return ""
+        w = self.placement_summary["workers"][g]
+        return f" on node {w['node_id'][:12]} ({w['ip']})"
 
     def statistics(self) -> dict:
         import ray

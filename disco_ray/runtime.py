@@ -52,6 +52,8 @@ class Program:
         flush_s: longest a worker holds back a completion report while busy.
         num_cpus: CPUs of a Ray the engine starts (default: all).
         pool: a `disco_ray.engine_ray.RayPool` whose actors to use (and keep) instead of fresh ones.
+        placement: a `disco_ray.placement.PlacementConfig` (pack/spread, GPU share per worker).
+        address: connect to this Ray cluster ("auto", "HOST:PORT") instead of starting a local one.
     """
 
     def __init__(
@@ -66,6 +68,8 @@ class Program:
         flush_s: float = 1e-3,
         num_cpus: int | None = None,
         pool: object | None = None,
+        placement: object | None = None,
+        address: str | None = None,
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
@@ -83,6 +87,8 @@ class Program:
             "flush_s": flush_s,
             "num_cpus": num_cpus,
             "pool": pool,
+            "placement": placement,
+            "address": address,
         }
         self._engine = None
         self.last_summary: dict | None = None
@@ -146,6 +152,9 @@ class Program:
         wall = time.perf_counter() - t
         self.last_records = records
         self.last_summary = summarize(self.mg, records, wall)
+        self.last_summary["transports"] = dict(getattr(eng, "transports", {}))  # "i-j" -> path
+        if getattr(eng, "placement_summary", None) is not None:  # ray engine: node of each worker, paths
+            self.last_summary["placement"] = eng.placement_summary
         if trace:
             write_trace(trace, self.mg, records, self.last_summary)
         return outs

@@ -129,4 +129,8 @@ def format_summary(s: dict) -> str:
         )
     if s["bytes"]:
         lines.append("  bytes moved: " + ", ".join(f"{k} {v}" for k, v in sorted(s["bytes"].items())))
+    if s.get("placement"):
+        from .placement import format_placement
+
+        lines.extend(format_placement(s["placement"]))
     return "\n".join(lines)

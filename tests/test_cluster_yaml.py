@@ -1,0 +1,63 @@
+"""cluster.yaml: valid for Ray's cluster launcher (its JSON schema, and Ray's own config checks)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+yaml = pytest.importorskip("yaml")
+ray = pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_TYPES = ("g5.", "p4d.", "p5.", "g6.", "p3.")
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return yaml.safe_load((ROOT / "cluster.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    return json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+
+
+def test_cluster_yaml_validates_against_rays_schema(config, schema):
+    jsonschema.validate(config, schema)
+
+
+def test_rays_own_validation_accepts_it(config):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    full = prepare_config(copy.deepcopy(config))  # merged with the AWS defaults, as `ray up` does
+    validate_config(full)
+    assert full["docker"]["image"] == config["docker"]["image"]
+
+
+def test_schema_check_catches_a_broken_config(config, schema):
+    bad = copy.deepcopy(config)
+    bad["available_node_types"]["gpu.g5"]["min_wrokers"] = 1  # a typo the schema must refuse
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+    del bad["available_node_types"]["gpu.g5"]["min_wrokers"]
+    del bad["provider"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_gpu_workers_install_the_project_with_its_gpu_extra(config):
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    gpu = [t for t in types.values() if t["node_config"]["InstanceType"].startswith(GPU_TYPES)]
+    assert gpu and sum(t.get("min_workers", 0) for t in gpu) >= 2, "no multi-node GPU workers"
+    setup = config["setup_commands"]
+    torch_at = next(i for i, c in enumerate(setup) if c.strip() == "pip install torch")
+    project_at = next(i for i, c in enumerate(setup) if "disco-ray[gpu]" in c)
+    assert torch_at < project_at
+    assert "." in config["file_mounts"].values()
+    assert any("--dashboard-host=0.0.0.0" in c for c in config["head_start_ray_commands"])
+    assert ".venv" in config["rsync_exclude"]
