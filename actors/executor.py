@@ -55,6 +55,14 @@ class _Plan:
     checks: tuple = ()  # (value, loc, expected writer) of the reads of this worker's own memory
 
 
+def as_tensor(data: np.ndarray, tv) -> torch.Tensor:
+    """uint8 bytes as a CPU tensor of TaskGraph vertex `tv`'s dtype and shape."""
+    if not data.flags.writeable:  # Ray hands back read-only views of its object store
+        data = data.copy()
+    t = torch.from_numpy(np.ascontiguousarray(data))
+    return t.view(torch_dtype(tv.dtype)).view(tv.shape)
+
+
 def describe(mg: MemGraph, vid: int) -> str:
     try:
         v = mg.vertex(vid)
@@ -377,13 +385,13 @@ class Executor:
             san.check_read(reader, value, loc, expect, "after it ran")
         return out
 
+    def output_bytes(self, vid: int) -> np.ndarray:
+        """A copy of the bytes of the output held by vertex `vid` of this GPU (checked if `check`)."""
+        return self.read_range(self.mg.vertex(vid).out, vid, vid)
+
     def output(self, value: str, vid: int) -> torch.Tensor:
         """A copy of output `value`, held by vertex `vid` of this GPU, as a typed CPU tensor."""
-        v = self.mg.vertex(vid)
-        tv = self.tg[value]
-        data = self.read_range(v.out, vid, vid)
-        t = torch.from_numpy(np.ascontiguousarray(data))
-        return t.view(torch_dtype(tv.dtype)).view(tv.shape)
+        return as_tensor(self.output_bytes(vid), self.tg[value])
 
     def statistics(self) -> dict:
         return {

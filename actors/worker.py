@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ray
 import torch
 
 from disco_ray.errors import RunError
@@ -97,6 +98,7 @@ class GpuWorker:
     def begin(self, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int) -> None:
         self._ex().begin(inputs, check=check, delay=delay, seed=seed)
 
+    @ray.method(num_returns=0)  # fire and forget: no return object to make
     def dispatch(self, vids: list[int]) -> None:
         self._ex().dispatch(vids)
 
@@ -109,8 +111,9 @@ class GpuWorker:
     def read_range(self, loc: Loc, reader: int, expect: int):
         return self._ex().read_range(loc, reader, expect)
 
-    def outputs(self, wanted: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        return {value: self._ex().output(value, vid) for value, vid in wanted}
+    def outputs(self, wanted: list[tuple[str, int]]) -> dict[str, Any]:
+        """Raw bytes (numpy uint8) of each wanted output: cheaper to ship than tensors."""
+        return {value: self._ex().output_bytes(vid) for value, vid in wanted}
 
     def trace(self) -> list[tuple[int, int, int, int]]:
         return self._ex().trace
