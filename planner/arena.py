@@ -23,6 +23,24 @@ _INF = float("inf")
 _FAR = 1e300  # the distance of an owner nobody reads again: farthest, yet evicting it moves bytes
 
 
+MAX_GHOSTS = 16  # per free block; beyond it the oldest neighbours merge (more, older, memory edges)
+
+
+def _bounded(ghosts: list[Ghost]) -> list[Ghost]:
+    """Merges adjacent ghosts, oldest pair first, until at most MAX_GHOSTS remain.
+
+    A merged ghost spans both ranges and keeps both reader sets: a later writer of either part
+    then waits for all of them. That only adds edges from vertices the simulation has already
+    run, so the MemGraph stays correct and acyclic; it bounds the cost of every allocation.
+    """
+    while len(ghosts) > MAX_GHOSTS:
+        k = min(range(len(ghosts) - 1), key=lambda i: max(ghosts[i][2], ghosts[i + 1][2]))
+        a, b = ghosts[k], ghosts[k + 1]
+        merged = (a[0], b[1], max(a[2], b[2]), tuple(dict.fromkeys(a[3] + b[3])))
+        ghosts[k : k + 2] = [merged]
+    return ghosts
+
+
 def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """min(a[lo[k]:hi[k]]) for every k (hi > lo), by a sparse table: O(n log n) in numpy."""
     n = len(a)
@@ -162,13 +180,13 @@ class Arena:
             self.owner_at.pop(i + 1)
             self.free.discard(nxt)
             b.size += nxt.size
-            b.ghosts += nxt.ghosts
+            b.ghosts = _bounded(b.ghosts + nxt.ghosts)
             b.newest = max(b.newest, nxt.newest)
         if i > 0 and self.blocks[i - 1].owner is None:
             prev = self.blocks[i - 1]
             self.free.discard(b)
             prev.size += b.size
-            prev.ghosts += b.ghosts
+            prev.ghosts = _bounded(prev.ghosts + b.ghosts)
             prev.newest = max(prev.newest, b.newest)
             self.blocks.pop(i)
             self.offs.pop(i)
