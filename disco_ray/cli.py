@@ -31,6 +31,9 @@ COMMANDS: dict[str, str] = {
     "verify": __name__,
     "info": __name__,
     "ops": __name__,
+    "run": "disco_ray.commands_run",
+    "workload": "disco_ray.commands_workload",
+    "bench": "disco_ray.commands_bench",
 }
 
 
