@@ -85,6 +85,20 @@ def kernel_seconds_from_records(mg: MemGraph, records: Sequence[Sequence]) -> li
     return out
 
 
+def h2d_rate_from_records(mg: MemGraph, records: Sequence[Sequence], min_bytes: int = 1 << 20) -> float:
+    """The fastest host-to-GPU copy of a run (bytes / its interval; loads of >= min_bytes), 0 if none.
+
+    A bound must use the best rate the link reaches; a run's own copies may beat a separate probe.
+    """
+    best = 0.0
+    for recs in records:
+        for vid, _, a, b in recs:
+            v = mg.vertex(vid)
+            if v.kind in (MKind.INPUT, MKind.RELOAD) and v.out.nbytes >= min_bytes and b > a:
+                best = max(best, v.out.nbytes / ((b - a) / 1e9))
+    return best
+
+
 def seconds_from_cost(mg: MemGraph, tg: TaskGraph, cost) -> tuple[list[float], list[float]]:
     """Per GPU, (kernel seconds, input-load seconds) of a plan under a cost model (profile or unit).
 
