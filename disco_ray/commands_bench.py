@@ -142,7 +142,10 @@ def cmd_bench(args) -> int:
 
 
 def _header(args, w, res) -> str:
-    cap = args.capacity if args.capacity is not None else "everything fits"
+    from .sizes import format_size
+
+    caps = args.capacity if isinstance(args.capacity, list) else [args.capacity]
+    cap = "everything fits" if args.capacity is None else ", ".join(format_size(c) for c in caps)
     p = " ".join(f"{k}={v}" for k, v in w.params.items())
     where = (
         f"simulated ({args.simulate})" if args.simulate else f"{args.backend} backend, {args.engine} engine"
@@ -175,7 +178,7 @@ def _simulated(args, w, modes, cost) -> dict:
         mg = M.plan(tg, mode, args.capacity, levels=w.levels)
         r = simulate(mg, tg, cost, streams=args.streams)
         results[mode], plans[mode] = r, mg
-        rows.append(bench.row(mode, r.makespan, bench.sim_summary(mg, r), None, "simulated"))
+        rows.append(bench.row(mode, r.makespan, bench.sim_summary(mg, r), None, "simulated, not checked"))
         rows[-1]["summary"] = {**bench.sim_summary(mg, r), "plan": mg.statistics()}
     kern, load = bench.seconds_from_cost(M.in_memory(tg), tg, cost)
     unit_model = isinstance(cost, UnitCost)
