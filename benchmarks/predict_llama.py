@@ -63,11 +63,18 @@ def tile_for(seq: int, gpus: int) -> int:
     return max(512, seq // 4)
 
 
-def _sim(model: str, machine: str, seq: int, layers: int, reserve: float):
+def _sim(model: str, machine: str, seq: int, layers: int, reserve: float, lookahead: int):
     prof, gpus = MACHINES[machine]
     tile = tile_for(seq, gpus)
     w = workloads.build(
-        "llama_prefill", preset=model, gpus=gpus, seq=seq, tile=tile, layers=layers, materialize=False
+        "llama_prefill",
+        preset=model,
+        gpus=gpus,
+        seq=seq,
+        tile=tile,
+        layers=layers,
+        lookahead=lookahead,
+        materialize=False,
     )
     tg = w.taskgraph
     cap = int(prof.memory * (1 - reserve))
@@ -100,15 +107,20 @@ def _sim(model: str, machine: str, seq: int, layers: int, reserve: float):
     )
 
 
-def predict(model: str, machine: str, seq: int, full: bool, short: tuple[int, int], reserve: float) -> Row:
+def predict(
+    model: str, machine: str, seq: int, full: bool, short: tuple[int, int], reserve: float, lookahead: int = 2
+) -> Row:
     depth = PRESETS[model]["layers"]
     if full:
-        r = _sim(model, machine, seq, depth, reserve)
+        r = _sim(model, machine, seq, depth, reserve, lookahead)
         scale = {k: r[k] for k in ("dyn", "det", "lvl", "mem", "loaded", "offloads")}
         note = "full"
     else:
         a, b = short
-        ra, rb = _sim(model, machine, seq, a, reserve), _sim(model, machine, seq, b, reserve)
+        ra, rb = (
+            _sim(model, machine, seq, a, reserve, lookahead),
+            _sim(model, machine, seq, b, reserve, lookahead),
+        )
         # linear in depth: the fill and drain of the first and last layers, then a steady per-layer cost
         scale = {
             k: ra[k] + (rb[k] - ra[k]) * (depth - a) / (b - a)
@@ -136,6 +148,56 @@ def predict(model: str, machine: str, seq: int, full: bool, short: tuple[int, in
     )
 
 
+# measured on the lent H100 with workloads.baselines (ms, best of 2-3, 2026-11-22): in memory, torch
+# double-buffered prefetch, torch copy-then-compute; one GPU, fp16, weights in pinned host memory
+MEASURED_H100 = {
+    ("matmul_chain", 2048): (5.9, 40.4, 48.7),
+    ("matmul_chain", 8192): (23.4, 43.1, 66.1),
+    ("matmul_chain", 14336): (41.6, 48.6, 86.3),
+    ("llama7b_8layers", 1024): (8.8, 60.9, 73.4),
+    ("llama7b_8layers", 4096): (31.1, 65.2, 96.1),
+    ("llama7b_8layers", 16384): (145.4, 155.1, 207.4),
+}
+
+
+def calibration() -> None:
+    """The simulator against measurements: resident ~ in memory, dynamic ~ prefetch, levelwise ~ naive."""
+    from planner import build_memgraph
+
+    prof = profiles.h100
+    print(
+        "simulator (h100 profile) vs measured on the lent H100, ms: resident/in-memory, dynamic/prefetch, "
+        "levelwise/naive"
+    )
+    for (name, size), meas in MEASURED_H100.items():
+        if name == "matmul_chain":
+            w = workloads.build(
+                name, n=16, gpus=1, tokens=size, hidden=8192, dtype="float16", materialize=False
+            )
+            room = 2 * w.taskgraph["y0_g0"].nbytes + 3 * w.taskgraph["x0_g0"].nbytes  # double buffering
+        else:
+            w = workloads.build(
+                "llama_prefill",
+                preset="7b",
+                gpus=1,
+                layers=8,
+                seq=size,
+                tile=min(size, 4096),
+                materialize=False,
+            )
+            room = 2 * sum(w.taskgraph[x].nbytes for x in w.weights) // 8 + 16 * size * 4096 * 2
+        tg = w.taskgraph
+        mg = build_memgraph(tg, room + 4096, order=w.order())
+        sim = (
+            simulate(modes.in_memory(tg), tg, prof.with_(h2d=float("inf"))).makespan,
+            simulate(mg, tg, prof).makespan,
+            simulate(modes.levelwise(mg, tg, w.levels), tg, prof).makespan,
+        )
+        cells = "  ".join(f"{s * 1e3:6.1f} / {m:6.1f}" for s, m in zip(sim, meas))
+        print(f"  {name:>16} {size:>6}: {cells}")
+    print()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b,65b")
@@ -144,9 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="simulate every layer instead of extrapolating")
     ap.add_argument("--short", default="2,4", help="the two depths to extrapolate from")
     ap.add_argument("--reserve", type=float, default=0.15, help="fraction of GPU memory kept for workspace")
+    ap.add_argument(
+        "--lookahead",
+        type=int,
+        default=2,
+        help="serial order: attention of tile t+k before the MLP of tile t (helps the deterministic order)",
+    )
+    ap.add_argument("--no-calibration", action="store_true", help="skip the simulator-vs-H100 table")
     args = ap.parse_args(argv)
+    if not args.no_calibration:
+        calibration()
     short = tuple(int(x) for x in args.short.split(","))
-    print("LLaMA prefill, one prompt, fp16, weights start in host memory; simulated (disco_ray.simulate)")
+    print(
+        "LLaMA prefill, one prompt, fp16, weights start in host memory; simulated (disco_ray.simulate); "
+        f"serial order layer by layer, tile by tile, lookahead {args.lookahead}"
+    )
     for m, (p, g) in MACHINES.items():
         print(
             f"  {m}: {g} GPUs x {p.memory / 2**30:.0f} GiB, fp16 {p.flops['float16'] / 1e12:.1f} TFLOP/s x "
@@ -163,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             for seq in (int(s) for s in args.seqs.split(",")):
                 gpus = MACHINES[machine][1]
                 try:
-                    r = predict(model, machine, seq, args.full, short, args.reserve)
+                    r = predict(model, machine, seq, args.full, short, args.reserve, args.lookahead)
                 except CapacityError as e:
                     print(f"{model:>5} {gpus}x{machine:>5} {seq:>6}  does not fit: {e}")
                     continue

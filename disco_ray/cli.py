@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "run": "disco_ray.commands_run",
     "workload": "disco_ray.commands_workload",
     "bench": "disco_ray.commands_bench",
+    "demo": "disco_ray.demo",
 }
 
 

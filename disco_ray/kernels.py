@@ -99,17 +99,24 @@ def _rope(out, ins, attrs):
 
 @impl("attention")
 def _attention(out, ins, attrs):
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention
+
     q, kv = ins[0], ins[1:]
     m = len(kv) // 2
     h = attrs["heads"]
-    # softmax in fp32 whatever the operand dtype; [heads, rows, d] layout for batched matmuls
-    qh = q.unflatten(-1, (h, -1)).transpose(0, 1).float()
-    k = torch.cat(kv[:m], dim=0).unflatten(-1, (h, -1)).transpose(0, 1).float()
-    v = torch.cat(kv[m:], dim=0).unflatten(-1, (h, -1)).transpose(0, 1).float()
-    s = torch.matmul(qh, k.transpose(-1, -2)).mul_(attrs["scale"])
-    if attrs["causal"]:
-        rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + attrs["offset"]
-        cols = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
-        s.masked_fill_(cols > rows, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    out.unflatten(-1, (h, -1)).copy_(torch.matmul(p, v).transpose(0, 1))
+
+    def heads(x):  # [rows, heads*d] -> [1, heads, rows, d], the layout the fused kernels take
+        return x.unflatten(-1, (h, -1)).transpose(0, 1).unsqueeze(0)
+
+    k = heads(kv[0] if m == 1 else torch.cat(kv[:m], dim=0))
+    v = heads(kv[m] if m == 1 else torch.cat(kv[m:], dim=0))
+    t, s = q.shape[0], k.shape[2]
+    mask = None
+    if attrs["causal"] and attrs["offset"] == s - t:
+        mask = causal_lower_right(t, s)  # a query tile ending at the last key: the fused causal kernels
+    elif attrs["causal"]:
+        rows = torch.arange(t, device=q.device).unsqueeze(1) + attrs["offset"]
+        mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
+    o = scaled_dot_product_attention(heads(q), k, v, attn_mask=mask, scale=attrs["scale"])
+    out.unflatten(-1, (h, -1)).copy_(o[0].transpose(0, 1))

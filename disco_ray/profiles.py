@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import ops
+from .errors import UsageError
 from .memgraph import MemVertex, MKind
 from .taskgraph import Vertex
 
@@ -50,6 +51,9 @@ class Profile:
     launch: float = 10e-6  # fixed cost of every vertex (launch, callback)
     streams: int = 5  # streams per GPU (the papers' runtime uses 5)
     efficiency: float = 1.0  # fraction of peak FLOP/s kernels reach
+    op_speed: Mapping[str, float] = field(
+        default_factory=dict
+    )  # op -> fraction of the rates its kernel reaches
 
     def time(self, v: MemVertex, tv: Vertex | None, in_shapes: list[tuple[int, ...]]) -> float:
         """Seconds vertex `v` occupies its lane (`tv`: its TaskGraph vertex, for kernels)."""
@@ -61,9 +65,10 @@ class Profile:
         if v.kind is MKind.TRANSFER:
             return self.launch + nb / self.peer
         assert tv is not None
-        rate = self.flops.get(tv.dtype, self.flops["float32"]) * self.efficiency
+        speed = self.op_speed.get(tv.op, 1.0)
+        rate = self.flops.get(tv.dtype, self.flops["float32"]) * self.efficiency * speed
         moved = nb + sum(r.loc.nbytes for r in v.ins)
-        return self.launch + max(kernel_work(tv, in_shapes) / rate, moved / self.hbm)
+        return self.launch + max(kernel_work(tv, in_shapes) / rate, moved / (self.hbm * speed))
 
     def with_(self, **kw) -> Profile:
         """A copy with some fields changed (`h100.with_(streams=2)`)."""
@@ -111,7 +116,18 @@ GB = 1e9
 # measured on the lent H100 (GPU.md, 2026-11-22): fp16 8192^3 matmul in 1.45 ms = 758 TFLOP/s, fp32
 # 21.3 ms = 52 TFLOP/s, pinned H2D 53.3 GB/s, D2H 45.2 GB/s; HBM3 from the spec (3.35 TB/s, ~3 reached);
 # peer: NVLink 4 spec, 450 GB/s per direction (the lent machine has one GPU, so it was not measured)
-h100 = Profile("h100", _half(758e12, 52e12), 3.0e12, 53.3 * GB, 45.2 * GB, 450 * GB, 80 * 2**30)
+# op_speed: disco_ray.kernels measured there in fp16 (2026-11-22): attention (fused SDPA) 280-400 TFLOP/s
+# on 1K-4K query tiles against 4K-16K keys, rmsnorm 218 GB/s and rope 341 GB/s (several passes each)
+h100 = Profile(
+    "h100",
+    _half(758e12, 52e12),
+    3.0e12,
+    53.3 * GB,
+    45.2 * GB,
+    450 * GB,
+    80 * 2**30,
+    op_speed={"attention": 0.45, "rmsnorm": 0.07, "rope": 0.11},
+)
 # A100 SXM4 40 GB (p4d.24xlarge): 312 TFLOP/s fp16 tensor cores, 19.5 fp32 (no TF32), 1.555 TB/s HBM2,
 # PCIe 4 x16 ~25 GB/s per direction (p4d puts two GPUs behind each PCIe switch), NVSwitch 300 GB/s
 a100 = Profile(
@@ -127,7 +143,7 @@ PROFILES: dict[str, Profile | UnitCost] = {"h100": h100, "a100": a100, "p100": p
 
 
 def get(name: str) -> Profile | UnitCost:
-    """The profile called `name`; ValueError names the known ones."""
+    """The profile called `name`; UsageError names the known ones."""
     if name not in PROFILES:
-        raise ValueError(f"unknown device profile {name!r} (one of {', '.join(PROFILES)})")
+        raise UsageError(f"unknown device profile {name!r} (one of {', '.join(PROFILES)})")
     return PROFILES[name]

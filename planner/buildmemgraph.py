@@ -396,7 +396,6 @@ class Planner:
                 moved[v.kind.value] += v.out.nbytes
         stats = {
             "planning_seconds": round(time.perf_counter() - started, 4),
-            "order": "default (depth-first from outputs)" if self.order is None else "given",
             "bytes_offloaded": moved["offload"],
             "bytes_reloaded": moved["reload"],
             "peak_gpu_bytes": [a.peak for a in self.arenas],

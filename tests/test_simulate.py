@@ -13,8 +13,7 @@ from disco_ray.memgraph import MKind
 from disco_ray.profiles import LANES, Profile, UnitCost, a100, h100, lane, p100, unit
 from disco_ray.simulate import plot_timeline, simulate
 from disco_ray.taskgraph import TaskGraph
-
-from .memgraph_helpers import naive_memgraph
+from tests.memgraph_helpers import naive_memgraph
 
 
 def _example(n: int, gpus: int = 2, hidden: int = 128):
@@ -148,6 +147,10 @@ def test_profile_rates():
     t = simulate(naive_memgraph(g2), g2, h100.with_(launch=0)).timeline[1]
     assert t[4] - t[3] == pytest.approx(3 * 4 * 2**20 / h100.hbm)
     assert p100.flops["float16"] < a100.flops["float16"] < h100.flops["float16"]
+    # a slow kernel (op_speed) takes proportionally longer, on compute and memory alike
+    half = h100.with_(launch=0, op_speed={"add": 0.5})
+    t2 = simulate(naive_memgraph(g2), g2, half).timeline[1]
+    assert t2[4] - t2[3] == pytest.approx(2 * (t[4] - t[3]))
     assert isinstance(h100.with_(streams=2), Profile) and h100.with_(streams=2).streams == 2
     assert unit.time(mg.vertices[1], g[mg.vertices[1].value], [(8192, 8192)] * 2) == 1.0
 

@@ -30,6 +30,8 @@ CASES = [
     ("llama_prefill", dict(gpus=4, heads=8, seq=48, tile=16, layers=2, seed=5)),
     ("llama_prefill", dict(gpus=2, seq=32, tile=32)),
     ("llama_prefill", dict(gpus=2, seq=64, tile=8, dim=32, heads=2, ffn=64, layers=1)),
+    ("llama_prefill", dict(gpus=2, seq=64, tile=16, layers=2, lookahead=1)),
+    ("llama_prefill", dict(gpus=4, heads=4, seq=48, tile=8, layers=2, lookahead=3)),
 ]
 
 
@@ -91,9 +93,26 @@ def test_llama_structure_and_presets():
     assert w65.params["dim"] == 8192 and w65.params["heads"] == 64 and w65.params["ffn"] == 22016
 
 
+def test_llama_lookahead_reorders_only():
+    a = workloads.build("llama_prefill", materialize=False)
+    b = workloads.build("llama_prefill", lookahead=2, materialize=False)
+    assert a.taskgraph.vertices == b.taskgraph.vertices and a.taskgraph.outputs == b.taskgraph.outputs
+    assert a.order() != b.order()
+    pos = {v: n for n, v in enumerate(b.order())}
+    assert pos["l0.t2.attn_g0"] < pos["l0.t0.norm2_g0"] < pos["l0.t3.attn_g0"]
+
+
 @pytest.mark.parametrize(
     "kw",
-    [dict(heads=3), dict(gpus=3), dict(seq=60), dict(layers=0), dict(preset="13b"), dict(dim=36, heads=4)],
+    [
+        dict(lookahead=-1),
+        dict(heads=3),
+        dict(gpus=3),
+        dict(seq=60),
+        dict(layers=0),
+        dict(preset="13b"),
+        dict(dim=36, heads=4),
+    ],
 )
 def test_llama_refuses_bad_parameters(kw):
     with pytest.raises(UsageError):

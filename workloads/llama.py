@@ -8,8 +8,10 @@ residual there, and the sum is sent back to every GPU. The sequence is cut into 
 `tile` rows; each attention vertex scores one query tile against the key/value tiles up to it, so
 scores never exceed [heads/G, tile, seq]. Weights are random (no downloads).
 
-The TaskGraph is built tile-major within each layer, which is also the planner's serial order:
-projections of tile t, its attention (keys of tiles <= t exist by then), its MLP.
+The TaskGraph is built tile-major within each layer, which is also the serial order `order()`
+gives the planner: projections of tile t, its attention (keys of tiles <= t exist by then), its MLP;
+with `lookahead` k the attention of tile t + k comes before the MLP of tile t, which gives an order
+that is run as is (the deterministic ablation) work to do while a tile's partial sums move.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def llama_prefill(
     dtype: str | None = None,
     seed: int = 0,
     preset: str = "tiny",  # tiny, 7b or 65b; explicit parameters override it
+    lookahead: int = 0,  # lay out the attention of tile t + lookahead before the MLP of tile t
     materialize: bool = True,  # False: no input tensors (for planning and simulation only)
 ) -> Workload:
     """Builds `layers` LLaMA decoder layers for one prompt of `seq` tokens on `gpus` GPUs."""
@@ -56,7 +59,9 @@ def llama_prefill(
     given = dict(layers=layers, gpus=gpus, seq=seq, dim=dim, heads=heads, ffn=ffn, tile=tile, dtype=dtype)
     p = {k: PRESETS[preset][k] if v is None else v for k, v in given.items()}
     _check(p)
-    g, levels, weights, layer_weights, outs = _graph(**p)
+    if lookahead < 0:
+        raise UsageError(f"llama_prefill: lookahead must be >= 0, got {lookahead}")
+    g, levels, weights, layer_weights, outs = _graph(**p, lookahead=lookahead)
     inputs = _inputs(g, p, seed) if materialize else {}
     cfg = dict(p)
 
@@ -75,7 +80,7 @@ def llama_prefill(
         reference,
         levels,
         weights,
-        {**p, "seed": seed, "preset": preset},
+        {**p, "seed": seed, "preset": preset, "lookahead": lookahead},
         {"layer_weights": layer_weights, "outputs": outs},
     )
 
@@ -94,7 +99,7 @@ def _check(p: dict) -> None:
         raise UsageError(f"llama_prefill: seq {p['seq']} is not a multiple of tile {p['tile']}")
 
 
-def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype):
+def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype, lookahead=0):
     """The TaskGraph, its levels (one per layer), weight ids, per-layer weight ids and output ids."""
     G = gpus
     g = TaskGraph(G)
@@ -142,16 +147,20 @@ def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype):
         "w2": (fg, dim),
     }
     outs: list[str] = []
-    for li in range(layers):
+
+    def layer(li: int, h: list[list[str]]) -> list[list[str]]:
+        """Adds layer `li` on hidden tiles h[t][gpu]; returns the next layer's (or the outputs)."""
+        nonlocal lv
         lv = levels[li]
         w = {n: [add(g.input(f"l{li}.{n}_g{j}", shapes[n], dtype, gpu=j)) for j in range(G)] for n in WEIGHTS}
         layer_weights.append(w)
-        weights += [x for ids in w.values() for x in ids]
+        weights.extend(x for ids in w.values() for x in ids)
         ks: list[list[str]] = [[] for _ in range(G)]
         vs: list[list[str]] = [[] for _ in range(G)]
-        nxt = []
         last = li == layers - 1
-        for t in range(tiles):
+        nxt: list[list[str]] = [[] for _ in range(tiles)]
+
+        def attend(t: int) -> list[str]:
             own = t % G
             s = f"l{li}.t{t}"
             parts = []
@@ -177,7 +186,11 @@ def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype):
                     )
                 )
                 parts.append(add(g.matmul(a, w["wo"][j], id=f"{s}.o_g{j}")))
-            h1 = broadcast(reduce(parts, h[t][own], own, f"{s}.h1"), own, f"{s}.h1")
+            return broadcast(reduce(parts, h[t][own], own, f"{s}.h1"), own, f"{s}.h1")
+
+        def mlp(t: int, h1: list[str]) -> None:
+            own = t % G
+            s = f"l{li}.t{t}"
             parts = []
             for j in range(G):
                 x = add(g.rmsnorm(h1[j], w["mlp_norm"][j], eps=EPS, id=f"{s}.norm2_g{j}"))
@@ -186,11 +199,20 @@ def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype):
                 m = add(g.mul(add(g.silu(a1, id=f"{s}.silu_g{j}")), a3, id=f"{s}.gate_g{j}"))
                 parts.append(add(g.matmul(m, w["w2"][j], id=f"{s}.down_g{j}")))
             h2 = reduce(parts, h1[own], own, f"{s}.h2")
-            if last:
-                outs.append(h2)
-            else:
-                nxt.append(broadcast(h2, own, f"{s}.h2"))
-        h = nxt
+            nxt[t] = [h2] if last else broadcast(h2, own, f"{s}.h2")
+
+        # software pipelining: the attention of tile t + lookahead is laid out before the MLP of tile t
+        h1s: dict[int, list[str]] = {}
+        for t in range(tiles + lookahead):
+            if t < tiles:
+                h1s[t] = attend(t)
+            if t >= lookahead:
+                mlp(t - lookahead, h1s.pop(t - lookahead))
+        return nxt
+
+    for li in range(layers):
+        h = layer(li, h)
+    outs = [x[0] for x in h]
     g.output(*outs)
     return g, levels, weights, layer_weights, outs
 
