@@ -54,6 +54,12 @@ def add_bench(sub) -> None:
         default="dynamic,deterministic,levelwise,in_memory,torch_naive,torch_prefetch",
         help="comma-separated modes (also torch_in_memory)",
     )
+    p.add_argument(
+        "--order",
+        choices=["builder", "planner"],
+        default="builder",
+        help="serial order to plan in: the workload builder's (level by level; default) or the planner's own",
+    )
     p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--engine", choices=["ray", "local"], default="ray")
     p.add_argument("--streams", type=int, default=5, help="streams per GPU (default 5)")
@@ -78,6 +84,11 @@ def _workload(args, simulate: bool):
     if simulate and "materialize" in workloads.params(args.workload):
         kv.setdefault("materialize", "false")  # a simulation needs no tensors
     return workloads.build_from_strings(args.workload, kv)
+
+
+def _order(args, w) -> list[str] | None:
+    """The builder's serial order (`Workload.order`), or None for the planner's default."""
+    return w.order() if args.order == "builder" else None
 
 
 def cmd_bench(args) -> int:
@@ -175,12 +186,12 @@ def _simulated(args, w, modes, cost) -> dict:
         if mode in bench.TORCH_MODES:
             rows.append(bench.row(mode, None, None, None, "not simulated"))
             continue
-        mg = M.plan(tg, mode, args.capacity, levels=w.levels)
+        mg = M.plan(tg, mode, args.capacity, levels=w.levels, order=_order(args, w))
         r = simulate(mg, tg, cost, streams=args.streams)
         results[mode], plans[mode] = r, mg
         rows.append(bench.row(mode, r.makespan, bench.sim_summary(mg, r), None, "simulated, not checked"))
         rows[-1]["summary"] = {**bench.sim_summary(mg, r), "plan": mg.statistics()}
-    kern, load = bench.seconds_from_cost(M.in_memory(tg), tg, cost)
+    kern, load = bench.seconds_from_cost(M.in_memory(tg, order=_order(args, w)), tg, cost)
     unit_model = isinstance(cost, UnitCost)
     bound = bench.lower_bound(
         kern, load, f"profile {cost.name}: kernel and input-load times of the cost model", note=note
@@ -280,7 +291,7 @@ def _measured(args, w, modes) -> dict:
             if mode in bench.TORCH_MODES:
                 rows.append(_baseline(mode, w, tdev, ref, args.warmup, args.repeat))
                 continue
-            mg = M.plan(tg, mode, args.capacity, levels=w.levels)
+            mg = M.plan(tg, mode, args.capacity, levels=w.levels, order=_order(args, w))
             prog = Program(tg, mg, engine=args.engine, backend=args.backend, streams=args.streams, **kw)
             with prog:
                 best = recs = outs = None
@@ -379,6 +390,7 @@ def _write(out: Path, args, w, res, rows, header: str) -> None:
         "backend": None if args.simulate else args.backend,
         "engine": None if args.simulate else args.engine,
         "streams": args.streams,
+        "order": args.order,
         "repeat": args.repeat,
         "simulate": args.simulate,
         "profile": res.get("profile"),
