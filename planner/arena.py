@@ -63,7 +63,8 @@ class Block:
         self.size = size
         self.owner = owner  # None: free
         self.ghosts = ghosts if ghosts is not None else []  # free: what lay here; allocated: what it covered
-        self.newest = max((g[2] for g in self.ghosts), default=NEVER)  # the last use of any byte here
+        # a free block's last use of any byte (unused while allocated)
+        self.newest = NEVER if owner is not None else max((g[2] for g in self.ghosts), default=NEVER)
 
     @property
     def end(self) -> int:
@@ -142,20 +143,27 @@ class Arena:
         b = self.blocks[i]
         if b.owner is not None or b.end < off + size:
             raise AssertionError(f"take({off}, {size}) over {b}")
-        self.free.discard(b)
-        covered = _clip(b.ghosts, off, off + size)
-        new = []
+        free = self.free
+        free.discard(b)
+        end = off + size
+        ghosts = b.ghosts
+        covered = _clip(ghosts, off, end) if ghosts else []
+        mid = Block(off, size, owner, covered)
+        new = [mid]
         if b.off < off:
-            new.append(Block(b.off, off - b.off, None, _clip(b.ghosts, b.off, off)))
-        new.append(Block(off, size, owner, covered))
-        if off + size < b.end:
-            new.append(Block(off + size, b.end - off - size, None, _clip(b.ghosts, off + size, b.end)))
-        self.free.update(x for x in new if x.owner is None)
+            left = Block(b.off, off - b.off, None, _clip(ghosts, b.off, off) if ghosts else None)
+            new.insert(0, left)
+            free.add(left)
+        if end < b.end:
+            right = Block(end, b.end - end, None, _clip(ghosts, end, b.end) if ghosts else None)
+            new.append(right)
+            free.add(right)
         self.blocks[i : i + 1] = new
         self.offs[i : i + 1] = [x.off for x in new]
         self.owner_at[i : i + 1] = [x.owner for x in new]
         self.used += size
-        self.peak = max(self.peak, self.used)
+        if self.used > self.peak:
+            self.peak = self.used
         return covered
 
     def release(self, off: int, readers: tuple[int, ...] | None, time: int) -> None:

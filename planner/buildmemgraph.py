@@ -20,6 +20,7 @@ fits, the kernel is *compacted*: its output and operands are placed back to back
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Mapping, Sequence
 
@@ -31,6 +32,7 @@ from .arena import Arena
 from .order import check_order, default_order
 
 INF = float("inf")
+_MKIND = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKind.TRANSFER}
 
 
 class Rec:
@@ -56,10 +58,11 @@ class Inst:
     allocated ahead and not yet produced, its own position (INF: an output nobody reads again).
     """
 
-    __slots__ = ("dist", "gpu", "off", "pos", "produced", "readers", "size", "src", "value")
+    __slots__ = ("dist", "gpu", "loc", "off", "pos", "produced", "readers", "size", "src", "value")
 
-    def __init__(self, value: str, gpu: int, src: int, off: int, size: int, pos: int, dist: float):
-        self.value, self.gpu, self.src, self.off, self.size = value, gpu, src, off, size
+    def __init__(self, value: str, gpu: int, src: int, loc: Loc, size: int, pos: int, dist: float):
+        self.value, self.gpu, self.src, self.loc, self.size = value, gpu, src, loc, size
+        self.off = loc.offset
         self.pos = pos
         self.dist = dist
         self.produced = False
@@ -89,6 +92,7 @@ class Planner:
         self, tg: TaskGraph, capacity, order=None, alignment: int = 256, lookahead: int | None = None
     ):
         self.tg = tg
+        self.V = tg.vertices  # id -> Vertex (the dict itself: the hot loops index it often)
         self.caps = _capacities(capacity, tg.gpus)
         self.order = default_order(tg) if order is None else check_order(tg, order)
         self.lookahead = lookahead
@@ -110,6 +114,7 @@ class Planner:
         self.step = 0
         self.seq = 0
         self.nbytes = {v.id: v.nbytes for v in tg}
+        self.operands = {v.id: list(dict.fromkeys(v.inputs)) for v in tg}
         self.sizes = {k: self.arenas[0].round(n) for k, n in self.nbytes.items()}
         self.counts = {
             "retractions": 0,
@@ -130,7 +135,7 @@ class Planner:
         for v in self.tg:
             if v.kind is Kind.TRANSFER:
                 x = v.inputs[0]
-                need = {v.gpu: sizes[v.id], self.tg[x].gpu: sizes[x]}
+                need = {v.gpu: sizes[v.id], self.V[x].gpu: sizes[x]}
             else:
                 need = {v.gpu: sizes[v.id] + sum(sizes[i] for i in set(v.inputs))}
             for g, total in need.items():
@@ -170,14 +175,14 @@ class Planner:
 
     def _evict(self, inst: Inst, key: tuple | None = None) -> None:
         """Moves a produced value out of its arena (offloading it unless the host has a copy)."""
-        if inst.value not in self.host and self.tg[inst.value].kind is not Kind.INPUT:
+        if inst.value not in self.host and self.V[inst.value].kind is not Kind.INPUT:
             self.counts["evictions"] += 1
             host = self.hosts[inst.gpu]
             hoff = host.best_free(inst.size)
             o = self._new(MKind.OFFLOAD, inst.value, inst.gpu, key or self._aux_key())
             ghosts = host.take(hoff, inst.size, o)
             rec = self.recs[o]
-            rec.ins = [(inst.value, inst.src, Loc(inst.gpu, inst.off, self.nbytes[inst.value]))]
+            rec.ins = [(inst.value, inst.src, inst.loc)]
             rec.out = Loc(HOST, hoff, self.nbytes[inst.value])
             rec.deps[inst.src] = "data"
             self._mem_edges(ghosts, o, alloc=False)
@@ -224,31 +229,33 @@ class Planner:
 
     # ---- placing values -------------------------------------------------------------------------
     def _place_output(self, vid: str, off: int) -> Inst:
-        v = self.tg[vid]
+        v = self.V[vid]
+        t = self.pos[vid]
         r = self.rec_of.get(vid)
         if r is None:
-            kind = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKind.TRANSFER}[v.kind]
-            r = self.rec_of[vid] = self._new(kind, vid, v.gpu, (self.pos[vid], 1, 0))
-        size = self.size(vid)
-        inst = Inst(vid, v.gpu, r, off, size, self.pos[vid], self.pos[vid])
+            r = self.rec_of[vid] = self._new(_MKIND[v.kind], vid, v.gpu, (t, 1, 0))
+        size = self.sizes[vid]
+        loc = Loc(v.gpu, off, self.nbytes[vid])
+        inst = Inst(vid, v.gpu, r, loc, size, t, t)
         ghosts = self.arenas[v.gpu].take(off, size, inst)
-        self.recs[r].out = Loc(v.gpu, off, v.nbytes)
+        self.recs[r].out = loc
         self._mem_edges(ghosts, r, alloc=True)
         self.resident[vid] = inst
         self.allocated[self.pos[vid]] = True
         return inst
 
     def _reload(self, value: str, off: int) -> Inst:
-        gpu = self.tg[value].gpu
+        gpu = self.V[value].gpu
         loc, src = self.host[value] if value in self.host else (Loc(INPUT, 0, self.nbytes[value]), None)
         r = self._new(MKind.RELOAD, value, gpu, self._aux_key())
-        size = self.size(value)
-        inst = Inst(value, gpu, r, off, size, self.pos[value], self._next_use(value))
+        size = self.sizes[value]
+        out = Loc(gpu, off, self.nbytes[value])
+        inst = Inst(value, gpu, r, out, size, self.pos[value], self._next_use(value))
         inst.produced = True
         ghosts = self.arenas[gpu].take(off, size, inst)
         rec = self.recs[r]
         rec.ins = [(value, src, loc)]
-        rec.out = Loc(gpu, off, self.nbytes[value])
+        rec.out = out
         if src is not None:
             rec.deps[src] = "data"
             self.host_readers[value].append(r)
@@ -259,7 +266,7 @@ class Planner:
     def _compact(self, vid: str, gpu: int) -> None:
         """Places vid's output and operands on `gpu` back to back from offset 0 (last resort)."""
         self.counts["compactions"] += 1
-        v = self.tg[vid]
+        v = self.V[vid]
         for i in dict.fromkeys(v.inputs):
             inst = self.resident.get(i)
             if inst is not None and inst.gpu == gpu:
@@ -270,7 +277,7 @@ class Planner:
         pinned: dict[int, Inst] = {}
         cursor = 0
         items = [vid] if v.gpu == gpu else []
-        for item in items + [i for i in dict.fromkeys(v.inputs) if self.tg[i].gpu == gpu]:
+        for item in items + [i for i in dict.fromkeys(v.inputs) if self.V[i].gpu == gpu]:
             size = self.size(item)
             off = self._make_room(gpu, size, pinned, at=cursor)
             assert off == cursor, (vid, item, off, cursor)
@@ -280,19 +287,20 @@ class Planner:
 
     # ---- the two horizons -----------------------------------------------------------------------
     def _pinned_for(self, vid: str) -> dict[int, Inst]:
-        v = self.tg[vid]
+        v = self.V[vid]
         return {id(i): i for x in (vid, *v.inputs) if (i := self.resident.get(x)) is not None}
 
     def _execute(self, t: int, compacted: bool = False) -> None:
         vid = self.order[t]
-        v = self.tg[vid]
+        v = self.V[vid]
         r = self.rec_of[vid]
         rec = self.recs[r]
-        operands = list(dict.fromkeys(v.inputs))
+        operands = self.operands[vid]
+        resident = self.resident
         for x in operands:  # reload every missing operand before anything is freed
-            if x not in self.resident:
+            if x not in resident:
                 pinned = self._pinned_for(vid)
-                gpu = self.tg[x].gpu
+                gpu = self.V[x].gpu
                 off = self._make_room(gpu, self.size(x), pinned)
                 if off is None:
                     if compacted:
@@ -303,24 +311,29 @@ class Planner:
                     return self._execute(t, compacted=True)
                 self._reload(x, off)
         reads = {}
+        deps = rec.deps
         for x in operands:
-            inst = self.resident[x]
-            reads[x] = (x, inst.src, Loc(inst.gpu, inst.off, self.nbytes[x]))
-            if rec.deps.get(inst.src) == "mem":
+            inst = resident[x]
+            src = inst.src
+            reads[x] = (x, src, inst.loc)
+            if deps.get(src) == "mem":
                 self.counts["superfluous_mem_edges"] += 1
-                rec.alloc_deps.discard(inst.src)
-            rec.deps[inst.src] = "data"
+                rec.alloc_deps.discard(src)
+            deps[src] = "data"
             inst.readers.append(r)
         rec.ins = [reads[x] for x in v.inputs]
-        own = self.resident[vid]
+        own = resident[vid]
         own.produced = True
         own.dist = self._next_use(vid)
+        nxt, uses = self.next, self.uses
         for x in operands:
-            self.next[x] += 1
-            if self.next[x] == len(self.uses[x]) and x not in self.outputs:
-                self._free(x)
+            k = nxt[x] = nxt[x] + 1
+            if k < len(uses[x]):
+                resident[x].dist = uses[x][k]
+            elif x in self.outputs:
+                resident[x].dist = INF
             else:
-                self.resident[x].dist = self._next_use(x)
+                self._free(x)
         if not self.uses[vid] and vid not in self.outputs:
             self._free(vid)
 
@@ -343,7 +356,7 @@ class Planner:
                 self.alloc_hzn += 1
             a = self.alloc_hzn
             if a < n and (self.lookahead is None or a - ex <= self.lookahead):
-                arena = self.arenas[self.tg[self.order[a]].gpu]
+                arena = self.arenas[self.V[self.order[a]].gpu]
                 if failed != (a, arena.releases):
                     off = arena.best_free(self.size(self.order[a]))
                     if off is not None:
@@ -352,9 +365,9 @@ class Planner:
                     failed = (a, arena.releases)
             if not self.allocated[ex]:  # the vertex to execute next has no room: evict for it
                 vid = self.order[ex]
-                off = self._make_room(self.tg[vid].gpu, self.size(vid), self._pinned_for(vid))
+                off = self._make_room(self.V[vid].gpu, self.size(vid), self._pinned_for(vid))
                 if off is None:
-                    self._compact(vid, self.tg[vid].gpu)
+                    self._compact(vid, self.V[vid].gpu)
                 else:
                     self._place_output(vid, off)
                 continue
@@ -363,7 +376,7 @@ class Planner:
         self.step = n
         for o in self.tg.outputs:  # an evicted output still in the caller's own copy comes back
             if o not in self.resident and self.host.get(o, (None, None))[1] is None:
-                gpu = self.tg[o].gpu
+                gpu = self.V[o].gpu
                 off = self._make_room(gpu, self.size(o), {id(i): i for i in self.resident.values()})
                 if off is None:
                     raise CapacityError(f"output {o!r}: no room on gpu {gpu} to keep it at the end")
@@ -428,8 +441,14 @@ def build_memgraph(
         GraphError: a bad order or capacity.
     """
     started = time.perf_counter()
-    p = Planner(tg, capacity, order, alignment, lookahead)
-    p.run()
-    mg = p.memgraph(started)
+    collecting = gc.isenabled()
+    gc.disable()  # the simulation makes millions of small acyclic objects: cyclic GC passes only cost
+    try:
+        p = Planner(tg, capacity, order, alignment, lookahead)
+        p.run()
+        mg = p.memgraph(started)
+    finally:
+        if collecting:
+            gc.enable()
     mg.stats["order"] = "given" if order is not None else "default (depth-first from outputs)"
     return mg
