@@ -278,14 +278,14 @@ class RayEngine:
             else f"{len(held)} vertices"
             + (f": {held[:20]}{' ...' if len(held) > 20 else ''}" if held else "")
         )
-        return f"gpu:{g} worker{self._node_of(g)} died during the run while holding {what}"
+        return f"gpu:{g} worker died during the run while holding {what}{self._node_of(g)}"
 
     def _node_of(self, g: int) -> str:
-        """The text " on node ID (IP)" when the placement is known."""
+        """The text " (on node ID, IP)" when the placement is known."""
         if self.placement_summary is None or g >= len(self.placement_summary["workers"]):
             return ""
         w = self.placement_summary["workers"][g]
-        return f" on node {w['node_id'][:12]} ({w['ip']})"
+        return f" (on node {w['node_id'][:12]}, {w['ip']})"
 
     def statistics(self) -> dict:
         import ray

@@ -6,10 +6,11 @@ Every process the cluster starts inherits an environment variable holding a uniq
 `pids()` finds exactly this cluster's processes (raylets, GCS, agents, workers) and `stop()` ends
 them by id: never `ray stop`, which would end every Ray session of the user on the machine.
 
-Token authentication (the default of `ray start --head` since Ray 2.5x) is turned off for the
-cluster and its drivers (RAY_AUTH_MODE=disabled): the test drivers and the job CLI talk to it
-without a token. The GCS health check is made fast so that a killed node is declared dead in
-about two seconds instead of thirty.
+Token authentication is on (RAY_AUTH_MODE=token for every node, driver and CLI; the token is
+~/.ray/auth_token, made by the head if missing), as for every local `ray.init` of Ray 2.60: the
+auth mode is cached per process, so a test driver that switched it off would break the local
+Ray sessions of later tests in the same pytest process. The GCS health check is made fast so
+that a killed node is declared dead in about two seconds instead of fifteen.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ FAST_HEALTH = {
     "RAY_health_check_failure_threshold": "4",
 }
 OBJECT_STORE = "200000000"
+
+
+def use_token_auth_here() -> None:
+    """Token auth for this process's Ray client, as a local `ray.init` turns it on (Ray 2.60:
+    `authentication_token_setup._enable_token_auth`): the mode is cached, so set it and reload."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    from ray._raylet import Config
+
+    Config.initialize("")
 
 
 def free_ports(n: int) -> list[int]:
@@ -70,7 +80,7 @@ class LocalCluster:
             **os.environ,
             **FAST_HEALTH,
             MARK_VAR: self.mark,
-            "RAY_AUTH_MODE": "disabled",
+            "RAY_AUTH_MODE": "token",
             "RAY_USAGE_STATS_ENABLED": "0",
             "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
         }
