@@ -34,6 +34,8 @@ FAST_HEALTH = {
     "RAY_health_check_period_ms": "500",
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "4",
+    # a loaded 2-core CI machine can take longer than the default to register a raylet
+    "RAY_raylet_start_wait_time_s": "180",
 }
 OBJECT_STORE = "200000000"
 
@@ -123,19 +125,26 @@ class LocalCluster:
     def start_head(
         self, name: str = "node_a", *, num_cpus: int = 2, num_gpus: int = 2, dashboard: bool = False
     ):
-        ports = free_ports(9)
-        self.port, self.dashboard_port = ports[6], ports[7]
-        self._start(
-            [
-                "--head",
-                f"--port={self.port}",
-                f"--include-dashboard={'true' if dashboard else 'false'}",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={self.dashboard_port}",
-                f"--ray-client-server-port={ports[8]}",
-                *self._node_args(name, num_cpus, num_gpus, ports),
-            ]
-        )
+        for attempt in range(2):  # a port taken between free_ports and ray start: once more, new ports
+            ports = free_ports(9)
+            self.port, self.dashboard_port = ports[6], ports[7]
+            try:
+                self._start(
+                    [
+                        "--head",
+                        f"--port={self.port}",
+                        f"--include-dashboard={'true' if dashboard else 'false'}",
+                        "--dashboard-host=127.0.0.1",
+                        f"--dashboard-port={self.dashboard_port}",
+                        f"--ray-client-server-port={ports[8]}",
+                        *self._node_args(name, num_cpus, num_gpus, ports),
+                    ]
+                )
+                break
+            except RuntimeError:
+                self._kill_all()
+                if attempt:
+                    raise
         return self
 
     def add_node(self, name: str, *, num_cpus: int = 2, num_gpus: int = 2):
@@ -177,6 +186,11 @@ class LocalCluster:
                 continue
             out.append(int(d))
         return out
+
+    def _kill_all(self) -> None:
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
     def stop(self, grace_s: float = 3.0) -> list[int]:
         """Ends every process of the cluster (SIGTERM, then SIGKILL); returns any still alive after."""
