@@ -4,6 +4,8 @@ through the object store between them, link probes, and the loss of a node mid-r
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -109,6 +111,34 @@ def test_spread_uses_both_nodes_pack_and_fractions_use_one(cluster):
             where[name] = prog.last_summary["placement"]
     assert where["spread"]["nodes"] == 2
     assert where["pack-half"]["nodes"] == 1 and where["pack-half"]["gpus_per_worker"] == 0.5
+
+
+def test_job_entry_point_connects_by_address_and_spreads(cluster, tmp_path):
+    """`python -m disco_ray.job ... --address HOST:PORT` (the `disco-ray run` options) in its own process."""
+    from disco_ray import formats
+
+    tg = random_taskgraph(304, n=20, gpus=2)
+    formats.save(tg, str(tmp_path / "g.json"))
+    _wait_all_gpus_free()
+    args = ["--address", cluster.address, "--placement", "spread", "--check-reference"]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disco_ray.job",
+            str(tmp_path / "g.json"),
+            *args,
+            "--out",
+            str(tmp_path / "o.npz"),
+        ],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "placement spread on 2 node(s)" in r.stdout and "reference: match" in r.stdout, r.stdout
+    assert (tmp_path / "o.npz").exists()
 
 
 def test_losing_a_node_mid_run_names_the_lost_worker(cluster):
