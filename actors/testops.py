@@ -5,10 +5,14 @@
   fault tests. It measures the runtime's per-vertex cost with no kernel work.
 
 Workers in other processes import this module when it is named in `op_modules` (the runtime's
-option to load extra op modules before a graph is loaded).
+option to load extra op modules before a graph is loaded). In a process that also runs other
+code (a test session), `unregister()` takes the op out again, so it does not show up in
+listings of the op set.
 """
 
 from __future__ import annotations
+
+import sys
 
 from disco_ray import kernels, ops
 
@@ -34,3 +38,10 @@ ops.register(
 def _noop(out, ins, attrs):
     if attrs["fail"]:
         raise RuntimeError("noop kernel told to fail")
+
+
+def unregister() -> None:
+    """Removes `noop` from the op and kernel registries; importing this module again re-adds it."""
+    ops.OPS.pop("noop", None)
+    kernels.IMPLS.pop("noop", None)
+    sys.modules.pop(__name__, None)

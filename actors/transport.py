@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from disco_ray.errors import RunError
 from disco_ray.memgraph import Loc
 
 
@@ -43,9 +44,7 @@ class RayTransport:
 
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
         import ray
-        from ray.exceptions import RayActorError
-
-        from disco_ray.errors import RunError
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             data = ray.get(self.handles[src_gpu].read_range.remote(loc, reader, expect))
@@ -53,6 +52,8 @@ class RayTransport:
             raise RunError(
                 f"transfer source gpu:{src_gpu} is lost: its worker died ({type(e).__name__})"
             ) from None
+        except RayTaskError as e:  # e.g. the source's sanitizer: pass its message on
+            raise RunError(str(e.cause) if getattr(e, "cause", None) is not None else str(e)) from None
         if dst.device.type == "cpu":
             dst.numpy()[...] = data  # the object store hands back a read-only array: copy, don't wrap
         else:

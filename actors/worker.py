@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ray
 import torch
 
 from disco_ray.errors import RunError
@@ -31,6 +32,7 @@ class GpuWorker:
             torch.set_num_threads(torch_threads)  # S streams x N workers share the host's cores
         self.ex: Executor | None = None
         self.coord: Any = None
+        self.transport: Any = None
 
     def ping(self) -> bool:
         return True
@@ -50,23 +52,42 @@ class GpuWorker:
         """Drops the previous graph and allocates the arena and host store of `mg` for GPU `gpu`."""
         self.unload()
         self.coord = coordinator
+        if backend == "cuda":  # IPC / NCCL peers, opened by `transport_connect` once all have loaded
+            from .transport_cuda import CudaTransport
+
+            self.transport = CudaTransport(gpu, workers)
+        else:
+            self.transport = RayTransport(workers)
         self.ex = Executor(
             gpu,
             mg,
             tg,
             backend=backend,
             streams=streams,
-            transport=RayTransport(workers),
+            transport=self.transport,
             report=self._report,
             fail=self._fail,
             flush_s=flush_s,
         )
+        if hasattr(self.transport, "attach"):
+            self.transport.attach(self.ex)
         return self.ex.statistics()
+
+    def transport_describe(self, nccl_ids_for: list[int]) -> dict:
+        return self.transport.describe(nccl_ids_for)
+
+    def transport_connect(self, infos: list[dict], paths: dict) -> dict:
+        return self.transport.connect(infos, paths)
+
+    def nccl_send(self, dst_gpu: int, loc: Loc) -> None:
+        self.transport.send(dst_gpu, loc)
 
     def unload(self) -> None:
         if self.ex is not None:
             self.ex.close()
             self.ex = None
+        if hasattr(self.transport, "close"):
+            self.transport.close()
 
     def _report(self, gpu: int, vids: list[int]) -> None:
         self.coord.report.remote(gpu, vids)  # fire and forget: the coordinator orders nothing by it
@@ -77,6 +98,7 @@ class GpuWorker:
     def begin(self, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int) -> None:
         self._ex().begin(inputs, check=check, delay=delay, seed=seed)
 
+    @ray.method(num_returns=0)  # fire and forget: no return object to make
     def dispatch(self, vids: list[int]) -> None:
         self._ex().dispatch(vids)
 
@@ -89,14 +111,18 @@ class GpuWorker:
     def read_range(self, loc: Loc, reader: int, expect: int):
         return self._ex().read_range(loc, reader, expect)
 
-    def outputs(self, wanted: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        return {value: self._ex().output(value, vid) for value, vid in wanted}
+    def outputs(self, wanted: list[tuple[str, int]]) -> dict[str, Any]:
+        """Raw bytes (numpy uint8) of each wanted output: cheaper to ship than tensors."""
+        return {value: self._ex().output_bytes(vid) for value, vid in wanted}
 
     def trace(self) -> list[tuple[int, int, int, int]]:
         return self._ex().trace
 
     def statistics(self) -> dict:
-        return self._ex().statistics()
+        out = self._ex().statistics()
+        if hasattr(self.transport, "statistics"):
+            out["transport"] = self.transport.statistics()
+        return out
 
     def call(self, fn, *args):
         """Runs `fn(self, *args)` in this actor (link probes and diagnostics: disco_ray/cluster.py)."""

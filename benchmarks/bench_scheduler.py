@@ -92,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--flush-ms", type=float, default=1.0, help="longest a busy worker holds back reports")
+    ap.add_argument("--width", type=int, default=1000, help="vertices per layer of the wide graph")
     ap.add_argument("--engines", default="local,ray")
     ap.add_argument("--graphs", default="chain,wide")
     args = ap.parse_args(argv)
-    graphs = {"chain": chain, "wide": wide}
+    graphs = {"chain": chain, "wide": lambda n, gpus: wide(n, gpus, args.width)}
     rows = []
     ray_started = False
     for engine in args.engines.split(","):

@@ -31,6 +31,8 @@ COMMANDS: dict[str, str] = {
     "verify": __name__,
     "info": __name__,
     "ops": __name__,
+    "run": "disco_ray.commands_run",
+    "demo": "disco_ray.demo",
 }
 
 
@@ -86,6 +88,13 @@ def gpu_size_arg(text: str) -> tuple[int, int]:
     if not eq or not g.strip().isdigit():
         raise argparse.ArgumentTypeError(f"bad GPU capacity {text!r} (want G=SIZE, e.g. 1=32MiB)")
     return int(g), size_arg(size)
+
+
+def power_of_two(text: str) -> int:
+    n = positive_int(text)
+    if n & (n - 1):
+        raise argparse.ArgumentTypeError(f"want a power of two, got {text!r}")
+    return n
 
 
 def positive_int(text: str) -> int:
@@ -163,10 +172,13 @@ def taskgraph_stats(tg: TaskGraph) -> dict:
 
 
 def memgraph_stats(mg: MemGraph) -> dict:
-    """MemGraph.statistics() plus bytes moved to and from the host and each arena's high-water mark."""
+    """MemGraph.statistics() plus bytes moved to and from the host and each arena's high-water mark.
+
+    The byte counts are recomputed from the vertices, so they hold for MemGraphs without planner stats.
+    """
     st = mg.statistics()
-    st["offload_bytes"] = sum(v.out.nbytes for v in mg if v.kind is MKind.OFFLOAD)
-    st["reload_bytes"] = sum(v.out.nbytes for v in mg if v.kind is MKind.RELOAD)
+    st["bytes_offloaded"] = sum(v.out.nbytes for v in mg if v.kind is MKind.OFFLOAD)
+    st["bytes_reloaded"] = sum(v.out.nbytes for v in mg if v.kind is MKind.RELOAD)
     high = [0] * mg.gpus
     for v in mg:
         if 0 <= v.out.device < mg.gpus:
@@ -195,23 +207,19 @@ def summary_lines(st: dict, what: str) -> list[str]:
     lines = [
         f"memgraph: {st['vertices']} vertices ({_kinds(st['by_kind'])}), {st['edges']} edges "
         f"({st['data_edges']} data, {st['mem_edges']} mem)",
-        f"offloaded {format_size(st['offload_bytes'])} in {st['by_kind']['offload']} offloads, "
-        f"reloaded {format_size(st['reload_bytes'])} in {st['by_kind']['reload']} reloads",
+        f"offloaded {format_size(st['bytes_offloaded'])} in {st['by_kind']['offload']} offloads, "
+        f"reloaded {format_size(st['bytes_reloaded'])} in {st['by_kind']['reload']} reloads",
         f"capacity: {_sizes(st['capacity'])}",
         f"arena high-water: {_sizes(st['arena_high_water'])}",
     ]
-    known = {
-        "vertices",
-        "by_kind",
-        "edges",
-        "data_edges",
-        "mem_edges",
-        "capacity",
-        "host_capacity",
-        "offload_bytes",
-        "reload_bytes",
-        "arena_high_water",
-    }
+    for key, label in (
+        ("peak_gpu_bytes", "peak live GPU bytes"),
+        ("peak_host_bytes", "peak host store bytes"),
+    ):
+        if isinstance(st.get(key), list):
+            lines.append(f"{label}: {_sizes(st[key])}")
+    known = {"vertices", "by_kind", "edges", "data_edges", "mem_edges", "capacity", "host_capacity"}
+    known |= {"bytes_offloaded", "bytes_reloaded", "arena_high_water", "peak_gpu_bytes", "peak_host_bytes"}
     extra = {k: v for k, v in st.items() if k not in known and isinstance(v, (int, float, str))}
     if extra:
         lines.append("planner: " + ", ".join(f"{k} {v}" for k, v in extra.items()))
@@ -247,7 +255,7 @@ def add_plan(sub) -> None:
     )
     p.add_argument(
         "--alignment",
-        type=positive_int,
+        type=power_of_two,
         default=256,
         metavar="BYTES",
         help="arena offset alignment (default 256)",

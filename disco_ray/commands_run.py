@@ -22,37 +22,15 @@ from pathlib import Path
 
 from .errors import UsageError
 from .placement import add_cluster_args, cluster_kwargs
+from .sizes import parse_size
 
 DTYPE_SUFFIX = ".__dtype__"
-
-
-def _size(text: str) -> int:
-    try:
-        from .sizes import parse_size  # the CLI's size parser ("64MiB", "1.5GiB", "2GB")
-    except ImportError:  # pragma: no cover - only before the CLI module is merged
-        units = {
-            "": 1,
-            "b": 1,
-            "kib": 1 << 10,
-            "mib": 1 << 20,
-            "gib": 1 << 30,
-            "kb": 10**3,
-            "mb": 10**6,
-            "gb": 10**9,
-        }
-        t = text.strip().lower()
-        num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-        try:
-            return int(float(num) * units[t[len(num) :].strip()])
-        except (ValueError, KeyError):
-            raise UsageError(f"bad size {text!r} (examples: 123, 64KiB, 1.5GiB)") from None
-    return parse_size(text)
 
 
 def capacity_arg(text: str) -> int | list[int]:
     """One size for every GPU, or a comma-separated size per GPU."""
     try:
-        parts = [_size(p) for p in text.split(",")]
+        parts = [parse_size(p) for p in text.split(",")]
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return parts[0] if len(parts) == 1 else parts

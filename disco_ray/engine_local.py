@@ -42,6 +42,8 @@ class LocalEngine:
         self._done = threading.Event()
         self._error: str | None = None
         self.execs: list[Executor] = []
+        n = mg.gpus
+        self.transports = {f"{i}-{j}": "local" for i in range(n) for j in range(i + 1, n)}
         transport = LocalTransport(self.execs)
         try:
             for g in range(mg.gpus):

@@ -143,6 +143,7 @@ class RayEngine:
         self.placement_summary: dict | None = None
         self.broken = False
         self.workers: list = []
+        self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, backend, op_modules)
             if self.pool.placed is not None:
@@ -166,6 +167,12 @@ class RayEngine:
                     ],
                 ]
             )
+            n = len(self.workers)
+            self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
+            if backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
+                from actors.transport_cuda import connect_workers
+
+                self.transports = connect_workers(self.workers)
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()
@@ -206,6 +213,8 @@ class RayEngine:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
+        from actors.executor import as_tensor
+
         wants: list[list[str]] = [[] for _ in self.workers]
         for v in self.mg.vertices:
             if v.kind.value == "input" or (v.kind.value == "reload" and v.ins and v.ins[0].src is None):
@@ -219,7 +228,8 @@ class RayEngine:
             )
             ray.get(self.coord.start.remote())
         except (RayActorError, RayTaskError) as e:
-            raise RunError(f"starting the run failed: {_cause(e)}") from None
+            pings = {w.ping.remote(): g for g, w in enumerate(self.workers)}
+            raise RunError(self._dead_worker(pings) or f"starting the run failed: {_cause(e)}") from None
         done_ref = self.coord.wait.remote()
         serving = {w.serve.remote(): g for g, w in enumerate(self.workers)}
         pending = [done_ref, *serving]
@@ -234,7 +244,8 @@ class RayEngine:
                 except RayActorError:
                     raise RunError("the coordinator died during the run") from None
                 if err is not None:
-                    raise RunError(err)
+                    # a dead worker also makes its peers' transfers fail: name the root cause
+                    raise RunError(self._dead_worker(serving) or err)
                 break
             for r in ready:
                 g = serving[r]
@@ -256,13 +267,27 @@ class RayEngine:
         try:
             outs: dict[str, torch.Tensor] = {}
             for part in ray.get([self.workers[g].outputs.remote(w) for g, w in by_gpu.items()]):
-                outs.update(part)
+                outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
             traces = ray.get([w.trace.remote() for w in self.workers])
         except RayTaskError as e:
             raise RunError(_cause(e)) from None
         except RayActorError as e:
             raise RunError(f"a worker died while handing back outputs: {e}") from None
         return outs, traces
+
+    def _dead_worker(self, serving: dict) -> str | None:
+        """The death message of the first worker whose ref (in `serving`: ref -> gpu) raises
+        ActorDiedError, if any; waits up to 1 s for Ray to tell."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        ready, _ = ray.wait(list(serving), num_returns=len(serving), timeout=1.0)
+        for r in ready:
+            try:
+                ray.get(r)
+            except RayActorError:
+                return self._died(serving[r])
+        return None
 
     def _died(self, g: int) -> str:
         self.broken = True

@@ -35,7 +35,7 @@ def read_doc(path: str | os.PathLike) -> object:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except json.JSONDecodeError as e:
         raise FormatError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
         raise FormatError(f"{path}: malformed msgpack: {e}") from None
 
 
@@ -59,32 +59,29 @@ def _with_path(exc: GraphError, path) -> GraphError:
     return type(exc)(msg if msg.startswith(str(path)) else f"{path}: {msg}")
 
 
-def load_taskgraph(path: str | os.PathLike) -> TaskGraph:
+def _load(path: str | os.PathLike, kind: type | None) -> TaskGraph | MemGraph:
+    """Reads a document and parses it as `kind` (None: by its "format" field)."""
     doc = read_doc(path)
+    if kind is None:
+        fmt = doc.get("format") if isinstance(doc, dict) else None
+        kind = MemGraph if fmt == "disco-memgraph" else TaskGraph
     try:
-        return TaskGraph.from_dict(doc)
+        return kind.from_dict(doc)
     except GraphError as e:
         raise _with_path(e, path) from None
+
+
+def load_taskgraph(path: str | os.PathLike) -> TaskGraph:
+    return _load(path, TaskGraph)
 
 
 def load_memgraph(path: str | os.PathLike) -> MemGraph:
-    doc = read_doc(path)
-    try:
-        return MemGraph.from_dict(doc)
-    except GraphError as e:
-        raise _with_path(e, path) from None
+    return _load(path, MemGraph)
+
+
+def load_any(path: str | os.PathLike) -> TaskGraph | MemGraph:
+    return _load(path, None)
 
 
 def save(graph: TaskGraph | MemGraph, path: str | os.PathLike) -> None:
     write_doc(graph.to_dict(), path)
-
-
-def load_any(path: str | os.PathLike) -> TaskGraph | MemGraph:
-    doc = read_doc(path)
-    fmt = doc.get("format") if isinstance(doc, dict) else None
-    try:
-        if fmt == "disco-memgraph":
-            return MemGraph.from_dict(doc)
-        return TaskGraph.from_dict(doc)
-    except GraphError as e:
-        raise _with_path(e, path) from None

@@ -78,3 +78,45 @@ def _rmsnorm(out, ins, attrs):
 @impl("transpose")
 def _transpose(out, ins, attrs):
     out.copy_(ins[0].transpose(-1, -2))
+
+
+# ---- kernels of the workload ops (concat, rope, attention) -------------------------------------
+@impl("concat")
+def _concat(out, ins, attrs):
+    torch.cat(ins, dim=attrs["axis"], out=out)
+
+
+@impl("rope")
+def _rope(out, ins, attrs):
+    x, cos, sin = ins
+    d = cos.shape[-1]
+    xv = x.unflatten(-1, (-1, d))  # [.., s, heads, d]
+    ov = out.unflatten(-1, (-1, d))
+    rot = torch.cat((-xv[..., d // 2 :], xv[..., : d // 2]), dim=-1)
+    torch.mul(xv, cos.unsqueeze(-2), out=ov)
+    ov.addcmul_(rot, sin.unsqueeze(-2))
+
+
+@impl("attention")
+def _attention(out, ins, attrs):
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention
+
+    q, kv = ins[0], ins[1:]
+    m = len(kv) // 2
+    h = attrs["heads"]
+
+    def heads(x):  # [rows, heads*d] -> [1, heads, rows, d], the layout the fused kernels take
+        return x.unflatten(-1, (h, -1)).transpose(0, 1).unsqueeze(0)
+
+    k = heads(kv[0] if m == 1 else torch.cat(kv[:m], dim=0))
+    v = heads(kv[m] if m == 1 else torch.cat(kv[m:], dim=0))
+    t, s = q.shape[0], k.shape[2]
+    mask = None
+    if attrs["causal"] and attrs["offset"] == s - t:
+        mask = causal_lower_right(t, s)  # a query tile ending at the last key: the fused causal kernels
+    elif attrs["causal"]:
+        rows = torch.arange(t, device=q.device).unsqueeze(1) + attrs["offset"]
+        mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
+    o = scaled_dot_product_attention(heads(q), k, v, attn_mask=mask, scale=attrs["scale"])
+    out.unflatten(-1, (h, -1)).copy_(o[0].transpose(0, 1))

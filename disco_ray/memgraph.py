@@ -201,6 +201,8 @@ class MemGraph:
                 ins = tuple(Read(i["value"], i["src"], _loc(i["loc"], where)) for i in r["ins"])
                 if any(not (x.src is None or type(x.src) is int) for x in ins):
                     raise FormatError(f'{where}: a read\'s "src" must be a vertex id or null')
+                if not all(isinstance(x, str) for x in (r["value"], *(x.value for x in ins))):
+                    raise FormatError(f'{where}: a "value" must be a TaskGraph id (a string)')
                 verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where)))
             edges = []
             for e in doc["edges"]:
@@ -215,14 +217,19 @@ class MemGraph:
                     raise FormatError(f"memgraph: edge {e!r} names an unknown vertex")
                 edges.append((e[0], e[1], e[2] if len(e) == 3 else "data"))
             outputs = {o["value"]: o["vertex"] for o in doc["outputs"]}
+            if not all(isinstance(k, str) and type(v) is int for k, v in outputs.items()):
+                raise FormatError(f"memgraph: bad outputs {doc['outputs']!r}")
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise FormatError(f"memgraph: missing or malformed field {e}") from None
-        return cls(cap, verts, edges, outputs, host, dict(doc.get("stats") or {}))
+        stats = doc.get("stats") or {}
+        if not isinstance(stats, dict):
+            raise FormatError('memgraph: "stats" must be an object')
+        return cls(cap, verts, edges, outputs, host, dict(stats))
 
 
 def _loc(d: dict, where: str) -> Loc:
     off = d["offset"]
     nb = d["nbytes"]
-    if not isinstance(off, int) or not isinstance(nb, int) or off < 0 or nb < 0:
+    if not isinstance(off, int) or not isinstance(nb, int) or not (0 <= off < 2**62 and 0 <= nb < 2**62):
         raise FormatError(f"{where}: bad location {d!r}")
     return Loc(parse_device(d["device"], where), off, nb)

@@ -199,3 +199,77 @@ register(
     )
 )
 register(OpSpec("transpose", 1, 1, _infer_transpose, flops=lambda s, o, a: 0.0, doc="swap the last two dims"))
+
+
+# ---- ops for the workloads (matmul chain, LLaMA prefill) -------------------------------------
+def _infer_concat(shapes, dtypes, attrs):
+    rank = len(shapes[0])
+    axis = attrs["axis"]
+    if not -rank <= axis < rank:
+        raise ValueError(f"concat axis {axis} out of range for rank {rank}")
+    axis %= rank
+    for s in shapes[1:]:
+        if len(s) != rank or any(a != b for d, (a, b) in enumerate(zip(s, shapes[0])) if d != axis):
+            raise ValueError(f"concat operands {[list(x) for x in shapes]} differ off axis {axis}")
+    out = list(shapes[0])
+    out[axis] = sum(s[axis] for s in shapes)
+    return tuple(out), _same_dtype("concat", dtypes, floats=False)
+
+
+def _infer_rope(shapes, dtypes, attrs):
+    x, cos, sin = shapes
+    if len(x) < 2 or len(cos) != 2 or cos != sin:
+        raise ValueError(f"rope needs x [.., s, h*d] and cos, sin [s, d], got {[list(s) for s in shapes]}")
+    s, d = cos
+    if d % 2 or x[-2] != s or x[-1] % d:
+        raise ValueError(f"rope: x {list(x)} does not fit cos/sin {[s, d]} (even d dividing the last dim)")
+    return x, _same_dtype("rope", dtypes)
+
+
+def _flops_rope(shapes, out, attrs):
+    return 3.0 * numel(out)
+
+
+def _infer_attention(shapes, dtypes, attrs):
+    if len(shapes) % 2 == 0:
+        raise ValueError(f"attention takes q and pairs of key/value tiles, got {len(shapes)} operands")
+    q, kv = shapes[0], shapes[1:]
+    m = len(kv) // 2
+    h = attrs["heads"]
+    if len(q) != 2 or not isinstance(h, int) or h < 1 or q[1] % h:
+        raise ValueError(f"attention: q must be [t, heads*d] with heads={h} dividing it, got {list(q)}")
+    for j in range(m):
+        k, v = kv[j], kv[m + j]
+        if len(k) != 2 or k[1] != q[1] or v != k:
+            raise ValueError(f"attention: key/value tile {j} {list(k)}/{list(v)} does not match q {list(q)}")
+    return q, _same_dtype("attention", dtypes)
+
+
+def attention_pairs(t: int, keys: int, offset: int, causal: bool) -> int:
+    """Number of (query row, key) pairs an attention tile scores: query row r sees keys <= offset + r."""
+    if not causal:
+        return t * keys
+    first = min(keys, max(0, offset + 1))  # keys row 0 sees
+    cut = max(0, min(t, keys - first))  # rows whose window the mask cuts short
+    return cut * first + cut * (cut - 1) // 2 + (t - cut) * keys
+
+
+def _flops_attention(shapes, out, attrs):
+    q = shapes[0]
+    keys = sum(s[0] for s in shapes[1 : 1 + len(shapes) // 2])
+    d = q[1] // attrs["heads"]
+    pairs = attention_pairs(q[0], keys, attrs["offset"], attrs["causal"]) * attrs["heads"]
+    return pairs * (4.0 * d + 5.0)  # q k^T and p v (2 flops per multiply-add each), softmax
+
+
+register(OpSpec("concat", 1, None, _infer_concat, attrs={"axis": -1}, flops=lambda s, o, a: 0.0,
+                doc="operands of one shape but along `axis` joined along it"))
+register(OpSpec("rope", 3, 3, _infer_rope, flops=_flops_rope,
+                doc="rotary embedding of x [.., s, heads*d] per head (rotate-half form): x*cos + rot(x)*sin, "
+                    "cos and sin [s, d]"))
+register(OpSpec("attention", 3, None, _infer_attention,
+                attrs={"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True},
+                flops=_flops_attention,
+                doc="one query tile of multi-head attention: operands q [t, heads*d], key tiles k_1..k_m, then "
+                    "value tiles v_1..v_m (each [t_j, heads*d], keys in order); softmax(q k^T * scale + mask) v "
+                    "per head, where query row r may see key rows <= offset + r when causal"))

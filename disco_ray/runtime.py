@@ -152,6 +152,7 @@ class Program:
         wall = time.perf_counter() - t
         self.last_records = records
         self.last_summary = summarize(self.mg, records, wall)
+        self.last_summary["transports"] = dict(getattr(eng, "transports", {}))  # "i-j" -> path
         if getattr(eng, "placement_summary", None) is not None:  # ray engine: node of each worker, paths
             self.last_summary["placement"] = eng.placement_summary
         if trace:
@@ -187,7 +188,7 @@ def default_capacity(tg: TaskGraph, alignment: int = 256) -> list[int]:
 
 def compile(
     tg: TaskGraph,
-    capacity: int | Sequence[int] | Mapping[int, int] | None = None,
+    capacity: int | str | Sequence[int] | Mapping[int, int] | None = None,
     *,
     order: Sequence[str] | None = None,
     alignment: int = 256,
@@ -200,6 +201,11 @@ def compile(
         raise RunError("planner.build_memgraph is not available in this build") from None
     if capacity is None:
         capacity = default_capacity(tg, alignment)
+    elif isinstance(capacity, str):  # "64MiB", or one size per GPU: "64MiB,32MiB"
+        from .sizes import parse_size
+
+        sizes = [parse_size(x) for x in capacity.split(",")]
+        capacity = sizes[0] if len(sizes) == 1 else sizes
     mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
     return Program(tg, mg, **kw)
 
@@ -227,7 +233,7 @@ def run_memgraph(
 def run(
     tg: TaskGraph,
     inputs: Mapping[str, object],
-    capacity: int | Sequence[int] | None = None,
+    capacity: int | str | Sequence[int] | None = None,
     *,
     engine: str = "ray",
     backend: str = "cpu",

@@ -63,8 +63,8 @@ class TaskGraph:
     """
 
     def __init__(self, gpus: int = 1):
-        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-            raise GraphError(f"gpus must be a positive integer, got {gpus!r}")
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or not 1 <= gpus <= 65536:
+            raise GraphError(f"gpus must be a positive integer (at most 65536), got {gpus!r}")
         self.gpus = gpus
         self.vertices: dict[str, Vertex] = {}  # insertion order is a topological order
         self.outputs: list[str] = []

@@ -14,10 +14,32 @@ Free-range choice (TURNIP section 6): among places that fit, the one whose newes
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
+
+import numpy as np
 
 Ghost = tuple[int, int, int, tuple[int, ...]]  # lo, hi, time, readers
 NEVER = -1
+_INF = float("inf")
+_FAR = 1e300  # the distance of an owner nobody reads again: farthest, yet evicting it moves bytes
+
+
+def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """min(a[lo[k]:hi[k]]) for every k (hi > lo), by a sparse table: O(n log n) in numpy."""
+    table = [a]
+    span = 1
+    longest = int((hi - lo).max())
+    while span * 2 <= longest:
+        prev = table[-1]
+        table.append(np.minimum(prev[:-span], prev[span:]))
+        span *= 2
+    length = hi - lo
+    level = np.log2(length).astype(np.int64)
+    out = np.empty(len(lo))
+    for k in np.unique(level):
+        sel = level == k
+        row = table[k]
+        out[sel] = np.minimum(row[lo[sel]], row[hi[sel] - (1 << int(k))])
+    return out
 
 
 class Block:
@@ -38,10 +60,6 @@ class Block:
         return f"Block({self.off}+{self.size}, {'free' if self.owner is None else self.owner})"
 
 
-def _off(b: Block) -> int:
-    return b.off
-
-
 def _clip(ghosts: list[Ghost], lo: int, hi: int) -> list[Ghost]:
     return [(max(a, lo), min(b, hi), t, r) for a, b, t, r in ghosts if a < hi and b > lo]
 
@@ -57,6 +75,9 @@ class Arena:
         self.capacity = None if capacity is None else capacity // alignment * alignment
         self.blocks: list[Block] = [Block(0, self.capacity)] if self.capacity else []
         self.free: set[Block] = set(self.blocks)
+        # kept in step with blocks: offsets for bisect, owners for the vectorised window search
+        self.offs: list[int] = [b.off for b in self.blocks]
+        self.owner_at: list[object] = [None for _ in self.blocks]
         self.releases = 0  # bumps on every release: a failed best_free stays failed until it moves
         self.used = 0
         self.peak = 0
@@ -71,7 +92,7 @@ class Arena:
 
     def _find(self, off: int) -> int:
         """Index of the block holding byte `off`."""
-        return bisect_right(self.blocks, off, key=_off) - 1
+        return bisect_right(self.offs, off) - 1
 
     # ---- allocation ---------------------------------------------------------------------------
     def best_free(self, size: int) -> int | None:
@@ -101,6 +122,8 @@ class Arena:
                 self.blocks[-1].size = off + size - self.blocks[-1].off
             else:
                 self.blocks.append(Block(self.top, off + size - self.top))
+                self.offs.append(self.blocks[-1].off)
+                self.owner_at.append(None)
                 self.free.add(self.blocks[-1])
         i = self._find(off)
         b = self.blocks[i]
@@ -116,6 +139,8 @@ class Arena:
             new.append(Block(off + size, b.end - off - size, None, _clip(b.ghosts, off + size, b.end)))
         self.free.update(x for x in new if x.owner is None)
         self.blocks[i : i + 1] = new
+        self.offs[i : i + 1] = [x.off for x in new]
+        self.owner_at[i : i + 1] = [x.owner for x in new]
         self.used += size
         self.peak = max(self.peak, self.used)
         return covered
@@ -128,6 +153,7 @@ class Arena:
         self.used -= b.size
         self.releases += 1
         b.owner = None
+        self.owner_at[i] = None
         if readers is not None:
             b.ghosts = [(b.off, b.end, time, readers)]
             b.newest = time
@@ -137,6 +163,8 @@ class Arena:
         # coalesce with free neighbours
         if i + 1 < len(self.blocks) and self.blocks[i + 1].owner is None:
             nxt = self.blocks.pop(i + 1)
+            self.offs.pop(i + 1)
+            self.owner_at.pop(i + 1)
             self.free.discard(nxt)
             b.size += nxt.size
             b.ghosts += nxt.ghosts
@@ -148,15 +176,17 @@ class Arena:
             prev.ghosts += b.ghosts
             prev.newest = max(prev.newest, b.newest)
             self.blocks.pop(i)
+            self.offs.pop(i)
+            self.owner_at.pop(i)
 
     # ---- eviction -----------------------------------------------------------------------------
     def best_window(
-        self, size: int, pinned: set[int], at: int | None = None
+        self, size: int, pinned: dict[int, object], at: int | None = None
     ) -> tuple[int, list[Block]] | None:
         """The window of `size` bytes whose evicted owners' minimum distance is largest.
 
         An owner's `dist` is its distance to its next use; owners whose id() is in `pinned` may not
-        move. Ties go to
+        move (`pinned` maps id() to owner). Ties go to
         fewer evicted bytes, then the lower offset. `at` forces the window's offset. Returns
         (offset, owner blocks to evict) or None when every window holds an owner that may not move.
         Windows start at block starts; two pointers and a monotonic deque make this O(blocks).
@@ -173,45 +203,32 @@ class Arena:
                     victims.append(blocks[j])
                 j += 1
             return (at, victims) if at + size <= self.capacity else None
-        inf = float("inf")
-        n = len(blocks)
-        offs = [b.off for b in blocks]
-        # key per block: inf free, None pinned, else the owner's distance; moved: owner bytes
-        keys = [inf if (o := b.owner) is None else None if id(o) in pinned else o.dist for b in blocks]
-        moves = [0 if b.owner is None else b.size for b in blocks]
-        cap = self.capacity
-        best_score = None
-        best_ij = (0, 0)
-        j = 0  # first block not in the window
-        moved = 0  # owner bytes in blocks[i:j]
-        dq: deque[int] = deque()  # movable owner indices in [i, j) with increasing keys
-        last_blocked = -1  # highest index < j whose owner may not move
-        for i in range(n):
-            hi = offs[i] + size
-            if hi > cap:
-                break
-            if dq and dq[0] < i:
-                dq.popleft()
-            while j < n and offs[j] < hi:
-                k = keys[j]
-                if k is None:
-                    last_blocked = j
-                elif moves[j]:
-                    moved += moves[j]
-                    while dq and keys[dq[-1]] >= k:
-                        dq.pop()
-                    dq.append(j)
-                j += 1
-            if last_blocked < i:
-                score = (-(keys[dq[0]] if dq else inf), moved)
-                if best_score is None or score < best_score:
-                    best_score, best_ij = score, (i, j)
-            if keys[i] is not None:
-                moved -= moves[i]
-        if best_score is None:
+        offs = np.array(self.offs, dtype=np.int64)
+        # per block: its owner's distance (inf: free; _FAR: an owner never used again; -1: may not move)
+        keys = np.array([_INF if o is None else o.dist for o in self.owner_at], dtype=np.float64)
+        owned = keys < _INF
+        keys[keys == _INF] = _FAR
+        keys[~owned] = _INF
+        for o in pinned.values():
+            i = bisect_right(self.offs, o.off) - 1
+            if self.owner_at[i] is o:
+                keys[i] = -1.0
+        moves = np.diff(offs, append=self.top) * owned
+        starts = np.flatnonzero(offs + size <= self.capacity)
+        if not len(starts):
             return None
-        i, j = best_ij
-        return offs[i], [b for b in blocks[i:j] if b.owner is not None]
+        ends = np.searchsorted(offs, offs[starts] + size)  # window i covers blocks [i, ends)
+        blocked = np.concatenate(([0], np.cumsum(keys < 0)))
+        ok = blocked[ends] == blocked[starts]
+        starts, ends = starts[ok], ends[ok]
+        if not len(starts):
+            return None
+        kmin = _range_min(keys, starts, ends)
+        moved = np.concatenate(([0], np.cumsum(moves)))
+        moved = moved[ends] - moved[starts]
+        best = np.lexsort((offs[starts], moved, -kmin))[0]  # max distance, then fewest bytes, then lowest
+        i, j = int(starts[best]), int(ends[best])
+        return self.offs[i], [b for b in blocks[i:j] if b.owner is not None]
 
     def owners(self) -> list[object]:
         return [b.owner for b in self.blocks if b.owner is not None]

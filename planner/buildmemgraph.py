@@ -203,7 +203,7 @@ class Planner:
         self.allocated[inst.pos] = False
         self.alloc_hzn = min(self.alloc_hzn, inst.pos)
 
-    def _make_room(self, gpu: int, size: int, pinned: set[int], at: int | None = None) -> int | None:
+    def _make_room(self, gpu: int, size: int, pinned: dict[int, Inst], at: int | None = None) -> int | None:
         """Evicts or retracts the best victims for `size` bytes on `gpu`; returns the freed offset."""
         arena = self.arenas[gpu]
         if at is None:
@@ -267,7 +267,7 @@ class Planner:
         own = self.resident.get(vid)
         if own is not None and v.gpu == gpu:
             self._retract(own)
-        pinned = {id(i) for i in self.resident.values() if i.gpu != gpu}
+        pinned: dict[int, Inst] = {}
         cursor = 0
         items = [vid] if v.gpu == gpu else []
         for item in items + [i for i in dict.fromkeys(v.inputs) if self.tg[i].gpu == gpu]:
@@ -275,13 +275,13 @@ class Planner:
             off = self._make_room(gpu, size, pinned, at=cursor)
             assert off == cursor, (vid, item, off, cursor)
             inst = self._place_output(item, off) if item == vid else self._reload(item, off)
-            pinned.add(id(inst))
+            pinned[id(inst)] = inst
             cursor += size
 
     # ---- the two horizons -----------------------------------------------------------------------
-    def _pinned_for(self, vid: str) -> set[int]:
+    def _pinned_for(self, vid: str) -> dict[int, Inst]:
         v = self.tg[vid]
-        return {id(self.resident[x]) for x in (vid, *v.inputs) if x in self.resident}
+        return {id(i): i for x in (vid, *v.inputs) if (i := self.resident.get(x)) is not None}
 
     def _execute(self, t: int, compacted: bool = False) -> None:
         vid = self.order[t]
@@ -364,7 +364,7 @@ class Planner:
         for o in self.tg.outputs:  # an evicted output still in the caller's own copy comes back
             if o not in self.resident and self.host.get(o, (None, None))[1] is None:
                 gpu = self.tg[o].gpu
-                off = self._make_room(gpu, self.size(o), {id(i) for i in self.resident.values()})
+                off = self._make_room(gpu, self.size(o), {id(i): i for i in self.resident.values()})
                 if off is None:
                     raise CapacityError(f"output {o!r}: no room on gpu {gpu} to keep it at the end")
                 self._reload(o, off)
@@ -396,7 +396,6 @@ class Planner:
                 moved[v.kind.value] += v.out.nbytes
         stats = {
             "planning_seconds": round(time.perf_counter() - started, 4),
-            "order": "default (depth-first from outputs)" if self.order is None else "given",
             "bytes_offloaded": moved["offload"],
             "bytes_reloaded": moved["reload"],
             "peak_gpu_bytes": [a.peak for a in self.arenas],

@@ -246,16 +246,30 @@ def _check_provenance(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
 
 
 def _ancestors(preds: list[list[int]], order: list[int], n: int) -> np.ndarray:
-    """Bit matrix A (n x ceil(n/8) bytes, little bit order): bit u of row w set iff u is an ancestor of w."""
-    anc = [0] * n
+    """Bit matrix A (n x ceil(n/8) bytes, little bit order): bit u of row w set iff u is an ancestor of w.
+
+    Rows are built as Python ints (fast big-integer OR) in topological order and copied into the
+    matrix at once; an int is dropped after its last successor, so only the frontier stays boxed.
+    """
+    width = (n + 7) // 8
+    rows = np.zeros((n, width), dtype=np.uint8)
+    left = [0] * n  # successors not yet built, per vertex
+    for ps in preds:
+        for u in set(ps):
+            left[u] += 1
+    anc: list[int | None] = [None] * n
     for w in order:
         a = 0
-        for u in preds[w]:
-            a |= anc[u] | (1 << u)
-        anc[w] = a
-    width = (n + 7) // 8
-    buf = b"".join(a.to_bytes(width, "little") for a in anc)
-    return np.frombuffer(buf, dtype=np.uint8).reshape(n, width) if width else np.zeros((n, 0), np.uint8)
+        for u in set(preds[w]):
+            a |= anc[u] | (1 << u)  # type: ignore[operator]
+            left[u] -= 1
+            if left[u] == 0:
+                anc[u] = None
+        if a:
+            rows[w] = np.frombuffer(a.to_bytes(width, "little"), dtype=np.uint8)
+        if left[w]:
+            anc[w] = a
+    return rows
 
 
 def _is_anc(anc: np.ndarray, u: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -265,27 +279,41 @@ def _is_anc(anc: np.ndarray, u: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def _check_reads(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
     verts = mg.vertices
+
+    def head(v: MemVertex, n: int) -> str:
+        r = v.ins[n]
+        return f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
+
+    pairs: list[tuple[int, int, int]] = []  # (src position, reader position, read index)
     for i, v in enumerate(verts):
         for n, r in enumerate(v.ins):
-            head = f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
             if r.src is None:
                 if not (v.kind is MKind.RELOAD and r.loc.device == INPUT):
-                    sink.add(f"{head}: no src (allowed only for a reload of a graph input from 'input')")
+                    sink.add(
+                        f"{head(v, n)}: no src (allowed only for a reload of a graph input from 'input')"
+                    )
                 elif r.value not in tg or tg[r.value].kind is not Kind.INPUT:
-                    sink.add(f"{head}: reads the caller's copy of {r.value!r}, which is not a graph input")
+                    sink.add(
+                        f"{head(v, n)}: reads the caller's copy of {r.value!r}, which is not a graph input"
+                    )
                 continue
             if r.loc.device == INPUT:
-                sink.add(f"{head}: reads the caller's input copy but names src {r.src}")
+                sink.add(f"{head(v, n)}: reads the caller's input copy but names src {r.src}")
                 continue
             j = pos.get(r.src)
             if j is None:
-                sink.add(f"{head}: src {r.src} is not a vertex")
+                sink.add(f"{head(v, n)}: src {r.src} is not a vertex")
                 continue
             s = verts[j]
             if s.value != r.value or s.out != r.loc or (r.loc.device == HOST and s.gpu != v.gpu):
-                sink.add(f"{head}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
-            if not _is_anc(anc, np.array([j]), np.array([i]))[0]:
-                sink.add(f"{head}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})")
+                sink.add(f"{head(v, n)}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
+            pairs.append((j, i, n))
+    if not pairs:
+        return
+    p = np.array(pairs, dtype=np.int64)
+    for k in np.flatnonzero(~_is_anc(anc, p[:, 0], p[:, 1])):
+        s, v = verts[p[k, 0]], verts[p[k, 1]]
+        sink.add(f"{head(v, int(p[k, 2]))}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})")
 
 
 def _check_races(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:

@@ -14,6 +14,11 @@ from disco_ray.taskgraph import TaskGraph
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One auth mode for every Ray the suite starts: a local ray.init() would otherwise switch this
+# process to token auth (and cache it), and a later driver of the multi-node test cluster, which
+# runs without a token, would see its actors die at once.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
 
 def two_gpu_graph() -> TaskGraph:
     """The FORMATS.md TaskGraph example: x0 @ w0 on gpu 0, then moved to gpu 1."""

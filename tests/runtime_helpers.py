@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import random
+
+import pytest
 
 from disco_ray.memgraph import MemGraph
 from disco_ray.taskgraph import Kind, TaskGraph
@@ -59,3 +62,11 @@ def tight_capacity(tg: TaskGraph, align: int = 256) -> int:
         ids = dict.fromkeys([*v.inputs, v.id])
         need = max(need, sum(-(-tg[i].nbytes // align) * align for i in ids))
     return need + 2 * align
+
+
+@pytest.fixture
+def noop_op():
+    """The `noop` test op (actors/testops.py), registered for one test only."""
+    importlib.import_module("actors.testops")
+    yield
+    importlib.import_module("actors.testops").unregister()

@@ -6,12 +6,12 @@ import json
 
 import msgpack
 import pytest
-from conftest import sample_memgraph
 
 from disco_ray import formats
 from disco_ray.errors import FormatError, GraphError
 from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MKind, Read
 from disco_ray.taskgraph import Kind, TaskGraph
+from tests.conftest import sample_memgraph
 
 # Verbatim from FORMATS.md.
 FORMATS_TASKGRAPH = """
@@ -153,9 +153,10 @@ def test_malformed_json_names_line_and_column(tmp_path):
         formats.load_any(path)
 
 
-def test_malformed_msgpack(tmp_path):
+@pytest.mark.parametrize("data", [b"\xc1\xc1\xc1", msgpack.packb({(1, 2): 3}), msgpack.packb(1) + b"\x01"])
+def test_malformed_msgpack(tmp_path, data):
     path = tmp_path / "bad.msgpack"
-    path.write_bytes(b"\xc1\xc1\xc1")
+    path.write_bytes(data)
     with pytest.raises(FormatError, match=r"bad\.msgpack: malformed msgpack"):
         formats.load_memgraph(path)
 
@@ -208,6 +209,7 @@ def test_wrong_document_kind(tmp_path):
         (lambda d: d["edges"].append([0]), r"bad edge \[0\]"),
         (lambda d: d["edges"].append([0, 42]), "names an unknown vertex"),
         (lambda d: d.update(version=9), "unsupported version 9"),
+        (lambda d: d.update(stats=[1]), '"stats" must be an object'),
     ],
 )
 def test_memgraph_from_dict_errors(mutate, match):

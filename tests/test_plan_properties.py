@@ -23,12 +23,44 @@ from workloads.random_dag import min_capacity, random_dag, tight_capacity
 SIZES = [(16, 32, 64, 128), (8, 256), (4, 16, 128), (32,)]
 
 
-def plan_and_check(n: int, gpus: int, seed: int, fraction: float, sizes, orders: int = 20, **kw):
+def random_topo_order(tg, seed: int) -> list[str]:
+    """A uniformly drawn ready vertex at each step: a valid but unfriendly serial order."""
+    rng = random.Random(seed)
+    indeg = {v.id: len(set(v.inputs)) for v in tg}
+    cons = tg.consumers()
+    ready = [k for k, d in indeg.items() if d == 0]
+    order = []
+    while ready:
+        k = ready.pop(rng.randrange(len(ready)))
+        order.append(k)
+        for c in cons[k]:
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                ready.append(c)
+    return order
+
+
+def plan_and_check(
+    n: int,
+    gpus: int,
+    seed: int,
+    fraction: float,
+    sizes,
+    orders: int = 20,
+    *,
+    shuffle: bool = False,
+    lookahead: int | None = None,
+    **kw,
+):
     """Plans a random DAG at `fraction` of its tensor bytes; returns the MemGraph after all checks."""
     tg = random_dag(n, gpus, seed, sizes=sizes, **kw)
     cap = tight_capacity(tg, fraction)
-    mg = build_memgraph(tg, cap)
-    where = f"random_dag({n}, {gpus}, {seed}, sizes={sizes}, {kw}) capacity {cap} (fraction {fraction})"
+    order = random_topo_order(tg, seed) if shuffle else None
+    mg = build_memgraph(tg, cap, order=order, lookahead=lookahead)
+    where = (
+        f"random_dag({n}, {gpus}, {seed}, sizes={sizes}, {kw}) capacity {cap} (fraction {fraction}), "
+        f"{'random' if shuffle else 'default'} order, lookahead {lookahead}"
+    )
     msgs = verify(tg, mg)
     assert msgs == [], f"{where}: {msgs}"
     check_random_orders(tg, mg, orders, seed)
@@ -50,10 +82,24 @@ def moves(mg) -> tuple[int, int]:
     sizes=st.sampled_from(SIZES),
     transfer_prob=st.sampled_from([0.0, 0.1, 0.4]),
     far_prob=st.sampled_from([0.0, 0.05, 0.3]),
+    shuffle=st.booleans(),
+    lookahead=st.sampled_from([None, None, 0, 3]),
 )
-def test_random_plans_verify_and_run(n, gpus, seed, fraction, sizes, transfer_prob, far_prob):
+def test_random_plans_verify_and_run(
+    n, gpus, seed, fraction, sizes, transfer_prob, far_prob, shuffle, lookahead
+):
     n = max(n, 2 * gpus)
-    plan_and_check(n, gpus, seed, fraction, sizes, transfer_prob=transfer_prob, far_prob=far_prob)
+    plan_and_check(
+        n,
+        gpus,
+        seed,
+        fraction,
+        sizes,
+        transfer_prob=transfer_prob,
+        far_prob=far_prob,
+        shuffle=shuffle,
+        lookahead=lookahead,
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -9,8 +9,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import actors.testops  # noqa: F401  (registers the noop test op)
 from disco_ray.commands_run import add_run, load_npz, save_npz
 from disco_ray.errors import RunError
 from disco_ray.formats import save
@@ -18,7 +19,8 @@ from disco_ray.memgraph import Loc, MKind, Read
 from disco_ray.reference import evaluate, random_inputs
 from disco_ray.runtime import Program, run_memgraph
 from disco_ray.taskgraph import TaskGraph
-from tests.runtime_helpers import MODES, plan, random_taskgraph
+from planner import build_memgraph
+from tests.runtime_helpers import MODES, noop_op, plan, random_taskgraph, tight_capacity  # noqa: F401
 from workloads.random_dag import random_dag
 
 ENGINE = "local"
@@ -29,7 +31,7 @@ def assert_same(out, ref, seed=None):
     for k in ref:
         tol = 1e-5 if ref[k].dtype == torch.float32 else 2e-2
         assert out[k].dtype == ref[k].dtype, (k, seed)
-        assert torch.allclose(out[k].float(), ref[k].float(), atol=tol, rtol=tol), (
+        assert torch.allclose(out[k].float(), ref[k].float(), atol=tol, rtol=tol, equal_nan=True), (
             f"output {k!r}, seed {seed}"
         )
 
@@ -148,7 +150,7 @@ def noop_graph(fail_at: str | None = None, gpus: int = 2, n: int = 8) -> TaskGra
     return g
 
 
-def test_a_kernel_that_raises_stops_the_run_naming_worker_and_vertex():
+def test_a_kernel_that_raises_stops_the_run_naming_worker_and_vertex(noop_op):  # noqa: F811
     tg = noop_graph(fail_at="n5")
     mg = plan(tg)
     vid = next(v.id for v in mg.vertices if v.value == "n5")
@@ -223,3 +225,29 @@ def test_out_of_arena_plan_is_refused():
         run_memgraph(
             tg, dataclasses.replace(mg, vertices=verts, _index=None), random_inputs(tg, 0), engine=ENGINE
         )
+
+
+def test_top_level_run_and_compile_plan_with_the_real_planner():
+    import disco_ray
+
+    tg = random_dag(50, 2, 9)
+    inputs = random_inputs(tg, 9)
+    ref = evaluate(tg, inputs)
+    assert_same(disco_ray.run(tg, inputs, capacity=tight_capacity(tg), engine=ENGINE, check=True), ref)
+    with disco_ray.compile(tg, capacity=tight_capacity(tg), engine=ENGINE) as prog:
+        assert prog.mg.statistics()["by_kind"]["offload"] > 0
+        for seed in range(2):
+            assert_same(prog.run(inputs, delay=(0, 2e-4), seed=seed, check=True), ref)
+    with pytest.raises(RunError, match="missing"):
+        disco_ray.run(tg, {}, engine=ENGINE)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), gpus=st.integers(1, 3), slack=st.integers(0, 8), streams=st.integers(1, 5))
+def test_property_any_capacity_any_order_same_result(seed, gpus, slack, streams):
+    """Between barely-fitting and roomy capacities, under random delays, outputs match the reference."""
+    tg = random_dag(40, gpus, seed)
+    mg = build_memgraph(tg, tight_capacity(tg) + slack * 4096)
+    inputs = random_inputs(tg, seed)
+    out = run_memgraph(tg, mg, inputs, engine=ENGINE, streams=streams, check=True, delay=(0, 3e-4), seed=seed)
+    assert_same(out, evaluate(tg, inputs), (seed, gpus, slack, streams))

@@ -125,12 +125,12 @@ def random_dag(
     return g
 
 
-def _rounded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def min_capacity(tg: TaskGraph) -> list[int]:
+def min_capacity(tg: TaskGraph, alignment: int = ALIGN) -> list[int]:
     """Per GPU, what the largest single vertex needs at once: distinct inputs + output, each aligned."""
+
+    def _rounded(nbytes: int) -> int:
+        return -(-nbytes // alignment) * alignment
+
     need = [0] * tg.gpus
     for v in tg:
         if v.kind is Kind.TRANSFER:
@@ -143,13 +143,13 @@ def min_capacity(tg: TaskGraph) -> list[int]:
     return need
 
 
-def tight_capacity(tg: TaskGraph, fraction: float) -> list[int]:
+def tight_capacity(tg: TaskGraph, fraction: float, alignment: int = ALIGN) -> list[int]:
     """Per-GPU capacity: `fraction` of all tensor bytes a GPU ever holds, but at least `min_capacity`.
 
     A small fraction (e.g. 0.1) forces offloads; the floor keeps every vertex plannable.
     """
     total = [0] * tg.gpus
     for v in tg:
-        total[v.gpu] += _rounded(v.nbytes)
-    floor = min_capacity(tg)
-    return [max(f, _rounded(int(fraction * t))) for f, t in zip(floor, total)]
+        total[v.gpu] += -(-v.nbytes // alignment) * alignment
+    floor = min_capacity(tg, alignment)
+    return [max(f, -(-int(fraction * t) // alignment) * alignment) for f, t in zip(floor, total)]

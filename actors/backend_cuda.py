@@ -1,0 +1,247 @@
+"""The CUDA backend: one arena on the GPU, one pinned host store, S torch.cuda.Streams.
+
+TURNIP appendix A: a vertex is launched as asynchronous CUDA work on a stream it holds alone,
+and a callback tells the event loop when the stream has executed it. Here each stream has one
+thread that (1) runs `work(vid, s)` under `torch.cuda.stream(...)` (kernels and cudaMemcpyAsync
+are only enqueued), (2) records an event and waits on it (`Event.synchronize` releases the GIL
+and blocks this thread alone, never the device or the other streams), (3) calls `done`.
+A stream runs one vertex at a time (the executor's contract), so the thread that launched a
+vertex has nothing else to do until it completes; and the executor hands a freed stream's next
+vertex to the same thread, so a chain never waits on a thread wake-up. Rejected: cupy's
+`launch_host_func` callbacks (43 us median on the H100, run on CUDA's one callback thread for all
+streams, and may not call CUDA themselves) and a poller thread (a poll interval of latency).
+
+Copies between host and device go through two FIFO copy lanes (one stream per direction), not
+the vertex's own stream: the vertex's stream waits on the lane after its copy, so completion is
+still one event. Measured on the H100 (bench_gpu_chain): loads issued on several streams run
+concurrently and share PCIe, so each finishes late and the matmul waiting for the first one
+starts late (1.26x the lower bound for the weight-streaming chain); in launch order (the
+runtime launches lowest id first, i.e. the planner's order) the first load gets all the
+bandwidth, as in a hand-written prefetch loop.
+
+Times: the interval of a vertex is measured on the GPU (two timing events around its work; for a
+lane copy the start event is recorded on the lane, so time spent queued behind earlier copies is
+not counted as busy); its end is the wall-clock instant the waiting thread returned, its start
+that minus the GPU interval.
+
+Nothing is allocated while a graph runs: the arena and host store come once from `alloc`, graph
+inputs are staged once per run into a pinned buffer before it starts (`stages_inputs`, see
+`actors.executor`), and `open` creates cuBLAS's per-stream workspace (a warm-up matmul) and
+leaves `workspace` bytes (DISCO_CUDA_WORKSPACE, default 16 MiB) plus one small-block segment
+cached in torch's allocator for each stream: kernel temporaries (e.g. rmsnorm's float32 copy)
+are carved from those, since the caching allocator keeps blocks per stream. A kernel whose
+temporaries exceed that still works, at the cost of one cudaMalloc the first time.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+
+import torch
+
+from disco_ray.errors import RunError
+from disco_ray.kernels import IMPLS
+
+from .backend import Done, Work
+
+_STOP = -1
+_WARM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class CudaBackend:
+    """Arena on `device` (default: the current CUDA device), pinned host store, S CUDA streams."""
+
+    name = "cuda"
+    stages_inputs = True  # the executor copies graph inputs into a pinned buffer from `alloc`
+
+    def __init__(self, device: int | str | torch.device | None = None, workspace: int | None = None):
+        if not torch.cuda.is_available():
+            raise RunError("backend 'cuda': torch sees no CUDA device")
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        self.workspace = (
+            int(os.environ.get("DISCO_CUDA_WORKSPACE", 16 << 20)) if workspace is None else workspace
+        )
+        self.streams: list[torch.cuda.Stream] = []
+        self.h2d: torch.cuda.Stream | None = None  # the copy lanes
+        self.d2h: torch.cuda.Stream | None = None
+        self._local = threading.local()  # per stream thread: its ticket, the start event of a lane copy
+        self._turns = Turns()  # lane order: copies enter the lanes in submission order
+        self._queues: list[queue.SimpleQueue] = []
+        self._threads: list[threading.Thread] = []
+        self.allocated = {"device": 0, "pinned": 0}
+
+    def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
+        """One uint8 buffer: pinned host memory (host=True) or device memory; once per worker."""
+        if host:
+            self.allocated["pinned"] += nbytes
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+        self.allocated["device"] += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def open(self, streams: int, work: Work, done: Done) -> None:
+        self.close()
+        with torch.cuda.device(self.device):
+            self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
+            self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self._queues = [queue.SimpleQueue() for _ in range(streams)]
+        self._turns = Turns()
+        warmed = threading.Barrier(streams + 1)
+        self._threads = [
+            threading.Thread(
+                target=self._loop, args=(s, work, done, warmed), daemon=True, name=f"cuda-stream-{s}"
+            )
+            for s in range(streams)
+        ]
+        self._warm_error: BaseException | None = None
+        for t in self._threads:
+            t.start()
+        warmed.wait(timeout=120)  # every stream thread has its cuBLAS handle and workspace
+        torch.cuda.synchronize(self.device)
+        if self._warm_error is not None:
+            err = self._warm_error
+            self.close()
+            raise RunError(f"backend 'cuda' on {self.device}: warming up the streams failed: {err}")
+
+    def _loop(self, s: int, work: Work, done: Done, warmed: threading.Barrier) -> None:
+        torch.cuda.set_device(self.device)
+        stream = self.streams[s]
+        # in this thread: torch keeps a cuBLAS handle per thread and its workspace per (handle, stream)
+        try:
+            _warm(stream, self.device, self.workspace)
+        except BaseException as e:  # e.g. out of memory: `open` raises it
+            self._warm_error = e
+        warmed.wait(timeout=120)
+        get = self._queues[s].get
+        clock = time.time_ns
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        local = self._local
+        local.lane_start = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            while True:
+                vid, ticket = get()
+                if vid == _STOP:
+                    return
+                exc: BaseException | None = None
+                local.lane_used = False
+                local.ticket = ticket
+                start.record(stream)
+                try:
+                    work(vid, s)
+                except BaseException as e:  # reported to the executor, which stops the run
+                    exc = e
+                if not local.lane_used:
+                    self._turns.resolve(ticket)
+                end.record(stream)
+                try:
+                    end.synchronize()  # blocks this thread only (the GIL is released)
+                    t1 = clock()
+                    first = local.lane_start if local.lane_used else start
+                    gpu_ns = int(first.elapsed_time(end) * 1e6)
+                except BaseException as e:  # an asynchronous CUDA error of this vertex's work
+                    t1, gpu_ns = clock(), 0
+                    exc = exc or e
+                done(vid, s, t1 - gpu_ns, t1, exc)
+
+    def submit(self, stream: int, vid: int) -> None:
+        # tickets number vertices in submission order (the executor submits lowest id first)
+        self._queues[stream].put((vid, self._turns.take()))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host <-> device: on that direction's lane, the current stream waiting on it after the
+        copy; device <-> device: on the current stream. Asynchronous (pinned host memory)."""
+        lane = (
+            self.h2d
+            if dst.is_cuda and not src.is_cuda
+            else self.d2h
+            if src.is_cuda and not dst.is_cuda
+            else None
+        )
+        if lane is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        cur = torch.cuda.current_stream()
+        local = self._local
+        first = getattr(local, "lane_used", True) is False  # a stream thread's first lane copy of a vertex
+        if first:
+            # lanes are FIFO: enqueue in submission order, not in the order the threads woke up
+            self._turns.wait(local.ticket)
+        lane.wait_stream(cur)  # after whatever this vertex enqueued before
+        with torch.cuda.stream(lane):
+            if first:
+                local.lane_start.record(lane)
+                local.lane_used = True
+            dst.copy_(src, non_blocking=True)
+        cur.wait_stream(lane)  # the vertex's end event follows its copy
+        if first:
+            self._turns.resolve(local.ticket)
+
+    def kernel(self, op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
+        IMPLS[op](out, ins, attrs)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put((_STOP, -1))
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        self._queues, self._threads = [], []
+        if self.streams:
+            torch.cuda.synchronize(self.device)
+        self.streams = []
+        self.h2d = self.d2h = None
+
+    def statistics(self) -> dict:
+        return {
+            "backend": self.name,
+            "device": str(self.device),
+            "streams": len(self.streams),
+            **self.allocated,
+        }
+
+
+class Turns:
+    """Tickets in submission order; `wait(t)` returns once every earlier ticket is resolved (its
+    vertex enqueued its lane copy, or finished launching without one). Never waits on a later
+    ticket, so it cannot deadlock."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next = 0
+        self._low = 0  # every ticket below is resolved
+        self._resolved: set[int] = set()
+
+    def take(self) -> int:
+        with self._cv:
+            self._next += 1
+            return self._next - 1
+
+    def wait(self, ticket: int, timeout: float | None = None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._low >= ticket, timeout)
+
+    def resolve(self, ticket: int) -> None:
+        with self._cv:
+            self._resolved.add(ticket)
+            while self._low in self._resolved:
+                self._resolved.discard(self._low)
+                self._low += 1
+            self._cv.notify_all()
+
+
+def _warm(stream: torch.cuda.Stream, device: torch.device, workspace: int) -> None:
+    """Creates cuBLAS's handle and workspace for `stream`, and leaves `workspace` bytes (one
+    large-pool block) and one small-pool segment cached for that stream in torch's allocator."""
+    with torch.cuda.stream(stream):
+        for dt in _WARM_DTYPES:
+            a = torch.ones(64, 64, dtype=dt, device=device)
+            torch.matmul(a, a)
+        keep = [torch.empty(256 << 10, dtype=torch.uint8, device=device)]  # small pool: a 2 MiB segment
+        if workspace > (1 << 20):
+            keep.append(torch.empty(workspace, dtype=torch.uint8, device=device))
+        del keep  # freed into this stream's pools, not to the device

@@ -1,0 +1,149 @@
+"""Cost models for the simulator: device profiles (rates of a GPU and its links) and the unit model.
+
+A cost model gives each MemGraph vertex a duration and the lane it occupies on its GPU:
+`compute` (kernels), `h2d` (input loads and reloads), `d2h` (offloads) and `peer` (GPU-to-GPU
+transfers, on the destination GPU). `h100` holds figures measured on the lent H100 (GPU.md);
+`a100` and `p100` come from public specifications, derated by `efficiency` for the kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from . import ops
+from .errors import UsageError
+from .memgraph import MemVertex, MKind
+from .taskgraph import Vertex
+
+LANES = ("compute", "h2d", "d2h", "peer")
+_LANE = {
+    MKind.KERNEL: "compute",
+    MKind.INPUT: "h2d",
+    MKind.RELOAD: "h2d",
+    MKind.OFFLOAD: "d2h",
+    MKind.TRANSFER: "peer",
+}
+
+
+def lane(v: MemVertex) -> str:
+    """The lane (channel) of its GPU that vertex `v` occupies while it runs."""
+    return _LANE[v.kind]
+
+
+def kernel_work(tv: Vertex, in_shapes: list[tuple[int, ...]]) -> float:
+    """Floating-point operations of TaskGraph kernel `tv` (0 when its op states none)."""
+    spec = ops.OPS[tv.op]
+    return float(spec.flops(in_shapes, tv.shape, spec.full_attrs(tv.attrs))) if spec.flops else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Rates of one GPU model and its links; kernel time is max(flops / rate, bytes / hbm)."""
+
+    name: str
+    flops: Mapping[str, float]  # dtype -> peak FLOP/s of matmul-like kernels
+    hbm: float  # GPU memory bytes/s (read + written bytes of a kernel)
+    h2d: float  # host-to-GPU bytes/s (pinned)
+    d2h: float  # GPU-to-host bytes/s (pinned)
+    peer: float  # GPU-to-GPU bytes/s into one GPU
+    memory: int  # GPU memory bytes
+    launch: float = 10e-6  # fixed cost of every vertex (launch, callback)
+    streams: int = 5  # streams per GPU (the papers' runtime uses 5)
+    efficiency: float = 1.0  # fraction of peak FLOP/s kernels reach
+    op_speed: Mapping[str, float] = field(
+        default_factory=dict
+    )  # op -> fraction of the rates its kernel reaches
+
+    def time(self, v: MemVertex, tv: Vertex | None, in_shapes: list[tuple[int, ...]]) -> float:
+        """Seconds vertex `v` occupies its lane (`tv`: its TaskGraph vertex, for kernels)."""
+        nb = v.out.nbytes
+        if v.kind in (MKind.INPUT, MKind.RELOAD):
+            return self.launch + nb / self.h2d
+        if v.kind is MKind.OFFLOAD:
+            return self.launch + nb / self.d2h
+        if v.kind is MKind.TRANSFER:
+            return self.launch + nb / self.peer
+        assert tv is not None
+        speed = self.op_speed.get(tv.op, 1.0)
+        rate = self.flops.get(tv.dtype, self.flops["float32"]) * self.efficiency * speed
+        moved = nb + sum(r.loc.nbytes for r in v.ins)
+        return self.launch + max(kernel_work(tv, in_shapes) / rate, moved / (self.hbm * speed))
+
+    def with_(self, **kw) -> Profile:
+        """A copy with some fields changed (`h100.with_(streams=2)`)."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        return Profile(**{**d, **kw})
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCost:
+    """The papers' worked example (DISCO §1): every matmul, load and transfer takes one unit.
+
+    Kernels cost `kernel[op]` (0 for ops not listed); `overrides` gives the duration of every vertex
+    computing or moving a given TaskGraph value (the example assumes X(1) is already on the GPUs).
+    """
+
+    kernel: Mapping[str, float] = field(default_factory=lambda: {"matmul": 1.0})
+    load: float = 1.0  # input load or reload
+    offload: float = 1.0
+    transfer: float = 1.0
+    launch: float = 0.0
+    streams: int = 5
+    overrides: Mapping[str, float] = field(default_factory=dict)
+    name: str = "unit"
+
+    def time(self, v: MemVertex, tv: Vertex | None, in_shapes: list[tuple[int, ...]]) -> float:
+        if v.value in self.overrides:
+            return self.overrides[v.value]
+        if v.kind in (MKind.INPUT, MKind.RELOAD):
+            base = self.load
+        elif v.kind is MKind.OFFLOAD:
+            base = self.offload
+        elif v.kind is MKind.TRANSFER:
+            base = self.transfer
+        else:
+            assert tv is not None
+            base = self.kernel.get(tv.op, 0.0)
+        return self.launch + base
+
+
+def _half(rate16: float, rate32: float) -> dict[str, float]:
+    return {"float16": rate16, "bfloat16": rate16, "float32": rate32}
+
+
+GB = 1e9
+# measured on the lent H100 (GPU.md, 2026-11-22): fp16 8192^3 matmul in 1.45 ms = 758 TFLOP/s, fp32
+# 21.3 ms = 52 TFLOP/s, pinned H2D 53.3 GB/s, D2H 45.2 GB/s; HBM3 from the spec (3.35 TB/s, ~3 reached);
+# peer: NVLink 4 spec, 450 GB/s per direction (the lent machine has one GPU, so it was not measured)
+# op_speed: disco_ray.kernels measured there in fp16 (2026-11-22): attention (fused SDPA) 280-400 TFLOP/s
+# on 1K-4K query tiles against 4K-16K keys, rmsnorm 218 GB/s and rope 341 GB/s (several passes each)
+h100 = Profile(
+    "h100",
+    _half(758e12, 52e12),
+    3.0e12,
+    53.3 * GB,
+    45.2 * GB,
+    450 * GB,
+    80 * 2**30,
+    op_speed={"attention": 0.45, "rmsnorm": 0.07, "rope": 0.11},
+)
+# A100 SXM4 40 GB (p4d.24xlarge): 312 TFLOP/s fp16 tensor cores, 19.5 fp32 (no TF32), 1.555 TB/s HBM2,
+# PCIe 4 x16 ~25 GB/s per direction (p4d puts two GPUs behind each PCIe switch), NVSwitch 300 GB/s
+a100 = Profile(
+    "a100", _half(312e12, 19.5e12), 1.555e12, 25 * GB, 25 * GB, 300 * GB, 40 * 2**30, efficiency=0.7
+)
+# P100 16 GB PCIe: 18.7 TFLOP/s fp16, 9.3 fp32, 732 GB/s HBM2, PCIe 3 x16 ~12 GB/s, GPU peer over PCIe ~10 GB/s
+p100 = Profile(
+    "p100", _half(18.7e12, 9.3e12), 732 * GB, 12 * GB, 12 * GB, 10 * GB, 16 * 2**30, efficiency=0.7
+)
+unit = UnitCost()
+
+PROFILES: dict[str, Profile | UnitCost] = {"h100": h100, "a100": a100, "p100": p100, "unit": unit}
+
+
+def get(name: str) -> Profile | UnitCost:
+    """The profile called `name`; UsageError names the known ones."""
+    if name not in PROFILES:
+        raise UsageError(f"unknown device profile {name!r} (one of {', '.join(PROFILES)})")
+    return PROFILES[name]

@@ -1,0 +1,85 @@
+"""Hand-made MemGraphs for tests that must not depend on the planner."""
+
+from __future__ import annotations
+
+from disco_ray.memgraph import Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.taskgraph import Kind, TaskGraph
+
+
+def naive_memgraph(tg: TaskGraph, extra_edges=()) -> MemGraph:
+    """Every TaskGraph vertex gets its own byte range (nothing reused, nothing offloaded)."""
+    pos: dict[str, int] = {}
+    off = [0] * tg.gpus
+    verts, edges = [], []
+    for v in tg:
+        i = len(verts)
+        ins = tuple(Read(x, pos[x], verts[pos[x]].out) for x in v.inputs)
+        kind = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKind.TRANSFER}[v.kind]
+        verts.append(MemVertex(i, kind, v.id, v.gpu, ins, Loc(v.gpu, off[v.gpu], v.nbytes)))
+        off[v.gpu] += v.nbytes
+        edges += [(pos[x], i, "data") for x in dict.fromkeys(v.inputs)]
+        pos[v.id] = i
+    edges += [(pos[a], pos[b], "mem") for a, b in extra_edges]
+    return MemGraph(list(off), verts, edges, {o: pos[o] for o in tg.outputs})
+
+
+def execute_random_order(mg: MemGraph, tg: TaskGraph, inputs, seed: int = 0) -> dict:
+    """Runs `mg` on CPU byte arenas in a random order the edges allow; returns the outputs.
+
+    A wrong plan (a missing memory edge) shows up as wrong outputs for some seeds.
+    """
+    import random
+
+    import torch
+
+    from disco_ray.dtypes import torch_dtype
+    from disco_ray.memgraph import HOST, INPUT
+
+    rng = random.Random(seed)
+    gpu_arena = [torch.zeros(max(c, 1), dtype=torch.uint8) for c in mg.capacity]
+    host_size = [0] * mg.gpus
+    for v in mg.vertices:
+        if v.out.device == HOST:
+            host_size[v.gpu] = max(host_size[v.gpu], v.out.end)
+    host_arena = [torch.zeros(max(s, 1), dtype=torch.uint8) for s in host_size]
+
+    def view(loc, gpu: int, value: str):
+        tv = tg[value]
+        if loc.device == INPUT:
+            return inputs[value]
+        arena = host_arena[gpu] if loc.device == HOST else gpu_arena[loc.device]
+        return arena[loc.offset : loc.offset + tv.nbytes].view(torch_dtype(tv.dtype)).view(tv.shape)
+
+    preds = mg.preds()
+    succs = mg.succs()
+    indeg = [len(p) for p in preds]
+    ready = [p for p in range(len(mg)) if indeg[p] == 0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny kernels: thread hand-offs cost more than they save on a busy machine
+    try:
+        _run(mg, tg, inputs, rng, view, succs, indeg, ready)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: view(mg.vertex(vid).out, mg.vertex(vid).gpu, k).clone() for k, vid in mg.outputs.items()}
+
+
+def _run(mg, tg, inputs, rng, view, succs, indeg, ready) -> None:
+    from disco_ray.kernels import run_kernel
+
+    while ready:
+        p = ready.pop(rng.randrange(len(ready)))
+        v = mg.vertices[p]
+        out = view(v.out, v.gpu, v.value)
+        if v.kind is MKind.INPUT:
+            out.copy_(inputs[v.value])
+        elif v.kind is MKind.KERNEL:
+            tv = tg[v.value]
+            ins = [view(r.loc, v.gpu, r.value) if r.src is not None else inputs[r.value] for r in v.ins]
+            run_kernel(tv.op, out, [x.clone() for x in ins], tv.attrs)
+        else:
+            r = v.ins[0]
+            out.copy_(inputs[r.value] if r.src is None else view(r.loc, v.gpu, r.value))
+        for w in succs[p]:
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                ready.append(w)

@@ -1,0 +1,288 @@
+"""LLaMA first-token inference (prefill) of decoder layers, tensor-parallel and sequence-tiled.
+
+The layers are those of LLaMA (Touvron et al., 2023): RMSNorm with weight, Q/K/V projections,
+rotary embedding, causal attention, output projection, SwiGLU MLP, residual adds. Heads and the MLP's
+hidden units are split over G GPUs (Megatron-style): each GPU computes a partial output projection
+and a partial down projection, which are moved to the tile's owner GPU (t mod G) and summed with the
+residual there, and the sum is sent back to every GPU. The sequence is cut into query tiles of
+`tile` rows; each attention vertex scores one query tile against the key/value tiles up to it, so
+scores never exceed [heads/G, tile, seq]. Weights are random (no downloads).
+
+The TaskGraph is built tile-major within each layer, which is also the serial order `order()`
+gives the planner: projections of tile t, its attention (keys of tiles <= t exist by then), its MLP;
+with `lookahead` k the attention of tile t + k comes before the MLP of tile t, which gives an order
+that is run as is (the deterministic ablation) work to do while a tile's partial sums move.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from disco_ray.dtypes import torch_dtype
+from disco_ray.errors import UsageError
+from disco_ray.taskgraph import TaskGraph
+
+from . import Workload
+
+EPS = 1e-6  # LLaMA's norm_eps
+THETA = 10000.0  # rotary base
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(layers=2, gpus=2, seq=64, dim=64, heads=4, ffn=128, tile=16, dtype="float32"),
+    "7b": dict(layers=32, gpus=4, seq=1024, dim=4096, heads=32, ffn=11008, tile=512, dtype="float16"),
+    "65b": dict(layers=80, gpus=8, seq=1024, dim=8192, heads=64, ffn=22016, tile=512, dtype="float16"),
+}
+WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
+
+
+def llama_prefill(
+    layers: int | None = None,
+    gpus: int | None = None,
+    seq: int | None = None,  # prompt length
+    dim: int | None = None,  # model width
+    heads: int | None = None,
+    ffn: int | None = None,  # MLP hidden units
+    tile: int | None = None,  # query/key tile rows
+    dtype: str | None = None,
+    seed: int = 0,
+    preset: str = "tiny",  # tiny, 7b or 65b; explicit parameters override it
+    lookahead: int = 0,  # lay out the attention of tile t + lookahead before the MLP of tile t
+    materialize: bool = True,  # False: no input tensors (for planning and simulation only)
+) -> Workload:
+    """Builds `layers` LLaMA decoder layers for one prompt of `seq` tokens on `gpus` GPUs."""
+    if preset not in PRESETS:
+        raise UsageError(f"unknown llama preset {preset!r} (one of {', '.join(PRESETS)})")
+    given = dict(layers=layers, gpus=gpus, seq=seq, dim=dim, heads=heads, ffn=ffn, tile=tile, dtype=dtype)
+    p = {k: PRESETS[preset][k] if v is None else v for k, v in given.items()}
+    _check(p)
+    if lookahead < 0:
+        raise UsageError(f"llama_prefill: lookahead must be >= 0, got {lookahead}")
+    g, levels, weights, layer_weights, outs = _graph(**p, lookahead=lookahead)
+    inputs = _inputs(g, p, seed) if materialize else {}
+    cfg = dict(p)
+
+    def reference(ins: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tiles = cfg["seq"] // cfg["tile"]
+        h = torch.cat([ins[f"h0_t{t}"] for t in range(tiles)], dim=0)
+        cos, sin = rope_tables(cfg["seq"], cfg["dim"] // cfg["heads"], h.dtype)
+        for names in layer_weights:
+            h = llama_layer(h, full_weights(ins, names), cos, sin, cfg["heads"])
+        return {o: h[t * cfg["tile"] : (t + 1) * cfg["tile"]] for t, o in enumerate(outs)}
+
+    return Workload(
+        "llama_prefill",
+        g,
+        inputs,
+        reference,
+        levels,
+        weights,
+        {**p, "seed": seed, "preset": preset, "lookahead": lookahead},
+        {"layer_weights": layer_weights, "outputs": outs},
+    )
+
+
+def _check(p: dict) -> None:
+    for k in ("layers", "gpus", "seq", "dim", "heads", "ffn", "tile"):
+        if not isinstance(p[k], int) or p[k] < 1:
+            raise UsageError(f"llama_prefill: {k} must be a positive integer, got {p[k]!r}")
+    if p["dim"] % p["heads"] or (p["dim"] // p["heads"]) % 2:
+        raise UsageError(f"llama_prefill: dim {p['dim']} must split into {p['heads']} heads of even size")
+    if p["heads"] % p["gpus"] or p["ffn"] % p["gpus"]:
+        raise UsageError(
+            f"llama_prefill: heads {p['heads']} and ffn {p['ffn']} must divide by gpus {p['gpus']}"
+        )
+    if p["seq"] % p["tile"]:
+        raise UsageError(f"llama_prefill: seq {p['seq']} is not a multiple of tile {p['tile']}")
+
+
+def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype, lookahead=0):
+    """The TaskGraph, its levels (one per layer), weight ids, per-layer weight ids and output ids."""
+    G = gpus
+    g = TaskGraph(G)
+    hd = dim // heads
+    hg, fg = heads // G, ffn // G  # heads and MLP units per GPU
+    tiles = seq // tile
+    levels: list[list[str]] = [[] for _ in range(layers)]
+    lv = levels[0]
+
+    def add(x: str) -> str:
+        lv.append(x)
+        return x
+
+    def broadcast(x: str, owner: int, stem: str) -> list[str]:
+        return [x if j == owner else add(g.transfer(x, j, id=f"{stem}_to{j}")) for j in range(G)]
+
+    def reduce(parts: list[str], residual: str, owner: int, stem: str) -> str:
+        moved = [
+            p if j == owner else add(g.transfer(p, owner, id=f"{stem}_p{j}")) for j, p in enumerate(parts)
+        ]
+        return add(g.add(residual, *moved, id=stem, gpu=owner))
+
+    # h[t][j]: the hidden state of tile t on GPU j; the prompt's embeddings start on the tile's owner
+    h = []
+    for t in range(tiles):
+        x = add(g.input(f"h0_t{t}", (tile, dim), dtype, gpu=t % G))
+        h.append(broadcast(x, t % G, f"h0_t{t}"))
+    cos = [
+        [add(g.input(f"{c}_t{t}_g{j}", (tile, hd), dtype, gpu=j)) for j in range(G)]
+        for t in range(tiles)
+        for c in ("cos", "sin")
+    ]
+    cos, sin = cos[0::2], cos[1::2]
+    weights: list[str] = []
+    layer_weights: list[dict[str, list[str]]] = []
+    shapes = {
+        "attn_norm": (dim,),
+        "wq": (dim, hg * hd),
+        "wk": (dim, hg * hd),
+        "wv": (dim, hg * hd),
+        "wo": (hg * hd, dim),
+        "mlp_norm": (dim,),
+        "w1": (dim, fg),
+        "w3": (dim, fg),
+        "w2": (fg, dim),
+    }
+    outs: list[str] = []
+
+    def layer(li: int, h: list[list[str]]) -> list[list[str]]:
+        """Adds layer `li` on hidden tiles h[t][gpu]; returns the next layer's (or the outputs)."""
+        nonlocal lv
+        lv = levels[li]
+        w = {n: [add(g.input(f"l{li}.{n}_g{j}", shapes[n], dtype, gpu=j)) for j in range(G)] for n in WEIGHTS}
+        layer_weights.append(w)
+        weights.extend(x for ids in w.values() for x in ids)
+        ks: list[list[str]] = [[] for _ in range(G)]
+        vs: list[list[str]] = [[] for _ in range(G)]
+        last = li == layers - 1
+        nxt: list[list[str]] = [[] for _ in range(tiles)]
+
+        def attend(t: int) -> list[str]:
+            own = t % G
+            s = f"l{li}.t{t}"
+            parts = []
+            for j in range(G):
+                x = add(g.rmsnorm(h[t][j], w["attn_norm"][j], eps=EPS, id=f"{s}.norm1_g{j}"))
+                q = add(g.matmul(x, w["wq"][j], id=f"{s}.q_g{j}"))
+                k = add(g.matmul(x, w["wk"][j], id=f"{s}.k_g{j}"))
+                v = add(g.matmul(x, w["wv"][j], id=f"{s}.v_g{j}"))
+                q = add(g.kernel("rope", q, cos[t][j], sin[t][j], id=f"{s}.qr_g{j}"))
+                ks[j].append(add(g.kernel("rope", k, cos[t][j], sin[t][j], id=f"{s}.kr_g{j}")))
+                vs[j].append(v)
+                a = add(
+                    g.kernel(
+                        "attention",
+                        q,
+                        *ks[j],
+                        *vs[j],
+                        id=f"{s}.attn_g{j}",
+                        heads=hg,
+                        scale=1.0 / math.sqrt(hd),
+                        offset=t * tile,
+                        causal=True,
+                    )
+                )
+                parts.append(add(g.matmul(a, w["wo"][j], id=f"{s}.o_g{j}")))
+            return broadcast(reduce(parts, h[t][own], own, f"{s}.h1"), own, f"{s}.h1")
+
+        def mlp(t: int, h1: list[str]) -> None:
+            own = t % G
+            s = f"l{li}.t{t}"
+            parts = []
+            for j in range(G):
+                x = add(g.rmsnorm(h1[j], w["mlp_norm"][j], eps=EPS, id=f"{s}.norm2_g{j}"))
+                a1 = add(g.matmul(x, w["w1"][j], id=f"{s}.up1_g{j}"))
+                a3 = add(g.matmul(x, w["w3"][j], id=f"{s}.up3_g{j}"))
+                m = add(g.mul(add(g.silu(a1, id=f"{s}.silu_g{j}")), a3, id=f"{s}.gate_g{j}"))
+                parts.append(add(g.matmul(m, w["w2"][j], id=f"{s}.down_g{j}")))
+            h2 = reduce(parts, h1[own], own, f"{s}.h2")
+            nxt[t] = [h2] if last else broadcast(h2, own, f"{s}.h2")
+
+        # software pipelining: the attention of tile t + lookahead is laid out before the MLP of tile t
+        h1s: dict[int, list[str]] = {}
+        for t in range(tiles + lookahead):
+            if t < tiles:
+                h1s[t] = attend(t)
+            if t >= lookahead:
+                mlp(t - lookahead, h1s.pop(t - lookahead))
+        return nxt
+
+    for li in range(layers):
+        h = layer(li, h)
+    outs = [x[0] for x in h]
+    g.output(*outs)
+    return g, levels, weights, layer_weights, outs
+
+
+def rope_tables(seq: int, hd: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [seq, hd] of the rotate-half rotary embedding (HF LLaMA layout)."""
+    inv = THETA ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _inputs(g: TaskGraph, p: dict, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch_dtype(p["dtype"])
+    cos, sin = rope_tables(p["seq"], p["dim"] // p["heads"], dt)
+    out: dict[str, torch.Tensor] = {}
+    norms: dict[str, torch.Tensor] = {}  # every GPU gets the same copy of a norm weight
+    for v in g.inputs():
+        name = v.id
+        if name.startswith(("cos_", "sin_")):
+            t = int(name.split("_")[1][1:])
+            table = cos if name.startswith("cos") else sin
+            out[name] = table[t * p["tile"] : (t + 1) * p["tile"]].clone()
+        elif "norm_g" in name:
+            key = name.rsplit("_g", 1)[0]
+            if key not in norms:
+                norms[key] = (1 + 0.1 * torch.randn(v.shape, generator=gen)).to(dt)
+            out[name] = norms[key].clone()
+        elif name.startswith("h0_"):
+            out[name] = torch.randn(v.shape, generator=gen).to(dt)
+        else:
+            out[name] = (torch.randn(v.shape, generator=gen) / math.sqrt(v.shape[0])).to(dt)
+    return out
+
+
+# ---- plain torch LLaMA (the reference and the baselines) --------------------------------------
+def full_weights(ins: Mapping[str, torch.Tensor], names: Mapping[str, list[str]]) -> dict[str, torch.Tensor]:
+    """A layer's whole weights from the per-GPU blocks (heads and MLP units in GPU order)."""
+    out = {}
+    for n, ids in names.items():
+        blocks = [ins[i] for i in ids]
+        if n.endswith("norm"):
+            out[n] = blocks[0]
+        else:
+            out[n] = torch.cat(blocks, dim=0 if n in ("wo", "w2") else 1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * w
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, seq, hd] rotated by position (rotate-half form)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def llama_layer(h: torch.Tensor, w: Mapping[str, torch.Tensor], cos, sin, heads: int) -> torch.Tensor:
+    """One LLaMA decoder layer on h [seq, dim] with whole weights `w` (see `full_weights`)."""
+    s, d = h.shape
+    hd = d // heads
+    x = rms_norm(h, w["attn_norm"])
+    q, k, v = ((x @ w[n]).view(s, heads, hd).transpose(0, 1) for n in ("wq", "wk", "wv"))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # 4-d and in the weights' dtype, so that a GPU runs its fused (flash) kernel
+    a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=1 / math.sqrt(hd))[0]
+    h = h + a.transpose(0, 1).reshape(s, d) @ w["wo"]
+    x = rms_norm(h, w["mlp_norm"])
+    return h + (F.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]
