@@ -146,8 +146,6 @@ class RayEngine:
         self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, backend, op_modules)
-            if self.pool.placed is not None:
-                self.placement_summary = describe(self.pool.placed.info, mg, backend)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
             ray.get(
                 [
@@ -173,6 +171,8 @@ class RayEngine:
                 from actors.transport_cuda import connect_workers
 
                 self.transports = connect_workers(self.workers)
+            if self.pool.placed is not None:  # node of each worker, path of each transferring pair
+                self.placement_summary = describe(self.pool.placed.info, mg, backend, self.transports)
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()

@@ -108,3 +108,18 @@ def test_cluster_options():
         cluster_kwargs(p.parse_args(["--gpus-per-worker", "0"]))
     with pytest.raises(UsageError, match="unknown placement"):
         PlacementConfig("scatter").validate()
+
+
+def test_describe_reports_what_the_transports_opened():
+    tg = random_taskgraph(8, n=40, gpus=2)
+    mg = plan(tg)
+    info = {
+        "strategy": "pack",
+        "gpus_per_worker": 0.5,
+        "coordinator": {"node_id": "n" * 40, "ip": "10.0.0.1"},
+        "workers": [{"gpu": g, "node_id": "n" * 40, "ip": "10.0.0.1", "bundle": g} for g in range(2)],
+    }
+    chosen = describe(info, mg, "cuda")["paths"]
+    assert chosen and set(chosen.values()) == {"cuda-ipc"}
+    fell_back = describe(info, mg, "cuda", {"0-1": "ray"})["paths"]
+    assert set(fell_back) == set(chosen) and set(fell_back.values()) == {"object-store"}
