@@ -32,6 +32,8 @@ COMMANDS: dict[str, str] = {
     "info": __name__,
     "ops": __name__,
     "run": "disco_ray.commands_run",
+    "workload": "disco_ray.commands_workload",
+    "bench": "disco_ray.commands_bench",
     "demo": "disco_ray.demo",
 }
 

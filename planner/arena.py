@@ -23,23 +23,36 @@ _INF = float("inf")
 _FAR = 1e300  # the distance of an owner nobody reads again: farthest, yet evicting it moves bytes
 
 
+MAX_GHOSTS = 16  # per free block; beyond it the oldest neighbours merge (more, older, memory edges)
+
+
+def _bounded(ghosts: list[Ghost]) -> list[Ghost]:
+    """Merges adjacent ghosts, oldest pair first, until at most MAX_GHOSTS remain.
+
+    A merged ghost spans both ranges and keeps both reader sets: a later writer of either part
+    then waits for all of them. That only adds edges from vertices the simulation has already
+    run, so the MemGraph stays correct and acyclic; it bounds the cost of every allocation.
+    """
+    while len(ghosts) > MAX_GHOSTS:
+        k = min(range(len(ghosts) - 1), key=lambda i: max(ghosts[i][2], ghosts[i + 1][2]))
+        a, b = ghosts[k], ghosts[k + 1]
+        merged = (a[0], b[1], max(a[2], b[2]), tuple(dict.fromkeys(a[3] + b[3])))
+        ghosts[k : k + 2] = [merged]
+    return ghosts
+
+
 def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """min(a[lo[k]:hi[k]]) for every k (hi > lo), by a sparse table: O(n log n) in numpy."""
-    table = [a]
-    span = 1
-    longest = int((hi - lo).max())
-    while span * 2 <= longest:
-        prev = table[-1]
-        table.append(np.minimum(prev[:-span], prev[span:]))
-        span *= 2
+    n = len(a)
     length = hi - lo
+    levels = int(length.max()).bit_length()
+    table = np.full((levels, n), _INF)
+    table[0] = a
+    for k in range(1, levels):
+        span = 1 << (k - 1)
+        table[k, : n - span] = np.minimum(table[k - 1, : n - span], table[k - 1, span:])
     level = np.log2(length).astype(np.int64)
-    out = np.empty(len(lo))
-    for k in np.unique(level):
-        sel = level == k
-        row = table[k]
-        out[sel] = np.minimum(row[lo[sel]], row[hi[sel] - (1 << int(k))])
-    return out
+    return np.minimum(table[level, lo], table[level, hi - (1 << level)])
 
 
 class Block:
@@ -167,13 +180,13 @@ class Arena:
             self.owner_at.pop(i + 1)
             self.free.discard(nxt)
             b.size += nxt.size
-            b.ghosts += nxt.ghosts
+            b.ghosts = _bounded(b.ghosts + nxt.ghosts)
             b.newest = max(b.newest, nxt.newest)
         if i > 0 and self.blocks[i - 1].owner is None:
             prev = self.blocks[i - 1]
             self.free.discard(b)
             prev.size += b.size
-            prev.ghosts += b.ghosts
+            prev.ghosts = _bounded(prev.ghosts + b.ghosts)
             prev.newest = max(prev.newest, b.newest)
             self.blocks.pop(i)
             self.offs.pop(i)
@@ -189,7 +202,7 @@ class Arena:
         move (`pinned` maps id() to owner). Ties go to
         fewer evicted bytes, then the lower offset. `at` forces the window's offset. Returns
         (offset, owner blocks to evict) or None when every window holds an owner that may not move.
-        Windows start at block starts; two pointers and a monotonic deque make this O(blocks).
+        Windows start at block starts; numpy does every window at once (a sparse-table range minimum).
         """
         blocks = self.blocks
         if at is not None:
@@ -213,7 +226,10 @@ class Arena:
             i = bisect_right(self.offs, o.off) - 1
             if self.owner_at[i] is o:
                 keys[i] = -1.0
-        moves = np.diff(offs, append=self.top) * owned
+        moves = np.empty_like(offs)
+        moves[:-1] = offs[1:] - offs[:-1]
+        moves[-1] = self.top - offs[-1]
+        moves *= owned
         starts = np.flatnonzero(offs + size <= self.capacity)
         if not len(starts):
             return None
@@ -226,7 +242,9 @@ class Arena:
         kmin = _range_min(keys, starts, ends)
         moved = np.concatenate(([0], np.cumsum(moves)))
         moved = moved[ends] - moved[starts]
-        best = np.lexsort((offs[starts], moved, -kmin))[0]  # max distance, then fewest bytes, then lowest
+        # the farthest minimum distance, then the fewest bytes moved, then the lowest offset
+        far = np.flatnonzero(kmin == kmin.max())
+        best = far[np.argmin(moved[far])]
         i, j = int(starts[best]), int(ends[best])
         return self.offs[i], [b for b in blocks[i:j] if b.owner is not None]
 
