@@ -146,8 +146,6 @@ class RayEngine:
         self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, backend, op_modules)
-            if self.pool.placed is not None:
-                self.placement_summary = describe(self.pool.placed.info, mg, backend)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
             ray.get(
                 [
@@ -173,6 +171,8 @@ class RayEngine:
                 from actors.transport_cuda import connect_workers
 
                 self.transports = connect_workers(self.workers)
+            if self.pool.placed is not None:  # node of each worker, path of each transferring pair
+                self.placement_summary = describe(self.pool.placed.info, mg, backend, self.transports)
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()
@@ -303,14 +303,14 @@ class RayEngine:
             else f"{len(held)} vertices"
             + (f": {held[:20]}{' ...' if len(held) > 20 else ''}" if held else "")
         )
-        return f"gpu:{g} worker{self._node_of(g)} died during the run while holding {what}"
+        return f"gpu:{g} worker died during the run while holding {what}{self._node_of(g)}"
 
     def _node_of(self, g: int) -> str:
-        """The text " on node ID (IP)" when the placement is known."""
+        """The text " (on node ID, IP)" when the placement is known."""
         if self.placement_summary is None or g >= len(self.placement_summary["workers"]):
             return ""
         w = self.placement_summary["workers"][g]
-        return f" on node {w['node_id'][:12]} ({w['ip']})"
+        return f" (on node {w['node_id'][:12]}, {w['ip']})"
 
     def statistics(self) -> dict:
         import ray

@@ -111,10 +111,24 @@ def transfer_paths(
     return {f"{a}->{b}": transfer_path(nodes[a], nodes[b], backend, same_process=local) for a, b in pairs}
 
 
-def describe(info: dict, mg, backend: str) -> dict:
-    """The run summary's "placement" entry: `info` (from `place`) plus the transfer path of each used pair."""
+# the names the transports give their paths (engine.transports, "i-j" -> name) -> the names used here
+OPENED = {"ray": "object-store", "ipc": "cuda-ipc", "nccl": "nccl", "local": "same-process"}
+
+
+def describe(info: dict, mg, backend: str, opened: dict[str, str] | None = None) -> dict:
+    """The run summary's "placement" entry: `info` (from `place`) plus the transfer path of each used pair.
+
+    `opened` ({"i-j": "ray"|"ipc"|"nccl"}, i < j): what the transports actually opened (a cuda
+    worker falls back to the object store where CUDA IPC or NCCL cannot run); it overrides the
+    choice by node ids.
+    """
     nodes = [w["node_id"] for w in info["workers"]]
     paths = transfer_paths(nodes, backend, [p for p in transfer_pairs(mg) if max(p) < len(nodes)])
+    for key in paths if opened else ():
+        a, b = sorted(int(x) for x in key.split("->"))
+        got = opened.get(f"{a}-{b}")
+        if got is not None:
+            paths[key] = OPENED.get(got, got)
     counts: dict[str, int] = {}
     for p in paths.values():
         counts[p] = counts.get(p, 0) + 1

@@ -6,10 +6,11 @@ Every process the cluster starts inherits an environment variable holding a uniq
 `pids()` finds exactly this cluster's processes (raylets, GCS, agents, workers) and `stop()` ends
 them by id: never `ray stop`, which would end every Ray session of the user on the machine.
 
-Token authentication (the default of `ray start --head` since Ray 2.5x) is turned off for the
-cluster and its drivers (RAY_AUTH_MODE=disabled): the test drivers and the job CLI talk to it
-without a token. The GCS health check is made fast so that a killed node is declared dead in
-about two seconds instead of thirty.
+Token authentication is on (RAY_AUTH_MODE=token for every node, driver and CLI; the token is
+~/.ray/auth_token, made by the head if missing), as for every local `ray.init` of Ray 2.60: the
+auth mode is cached per process, so a test driver that switched it off would break the local
+Ray sessions of later tests in the same pytest process. The GCS health check is made fast so
+that a killed node is declared dead in about two seconds instead of fifteen.
 """
 
 from __future__ import annotations
@@ -33,8 +34,19 @@ FAST_HEALTH = {
     "RAY_health_check_period_ms": "500",
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "4",
+    # a loaded 2-core CI machine can take longer than the default to register a raylet
+    "RAY_raylet_start_wait_time_s": "180",
 }
 OBJECT_STORE = "200000000"
+
+
+def use_token_auth_here() -> None:
+    """Token auth for this process's Ray client, as a local `ray.init` turns it on (Ray 2.60:
+    `authentication_token_setup._enable_token_auth`): the mode is cached, so set it and reload."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    from ray._raylet import Config
+
+    Config.initialize("")
 
 
 def free_ports(n: int) -> list[int]:
@@ -70,7 +82,7 @@ class LocalCluster:
             **os.environ,
             **FAST_HEALTH,
             MARK_VAR: self.mark,
-            "RAY_AUTH_MODE": "disabled",
+            "RAY_AUTH_MODE": "token",
             "RAY_USAGE_STATS_ENABLED": "0",
             "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
         }
@@ -113,19 +125,26 @@ class LocalCluster:
     def start_head(
         self, name: str = "node_a", *, num_cpus: int = 2, num_gpus: int = 2, dashboard: bool = False
     ):
-        ports = free_ports(9)
-        self.port, self.dashboard_port = ports[6], ports[7]
-        self._start(
-            [
-                "--head",
-                f"--port={self.port}",
-                f"--include-dashboard={'true' if dashboard else 'false'}",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={self.dashboard_port}",
-                f"--ray-client-server-port={ports[8]}",
-                *self._node_args(name, num_cpus, num_gpus, ports),
-            ]
-        )
+        for attempt in range(2):  # a port taken between free_ports and ray start: once more, new ports
+            ports = free_ports(9)
+            self.port, self.dashboard_port = ports[6], ports[7]
+            try:
+                self._start(
+                    [
+                        "--head",
+                        f"--port={self.port}",
+                        f"--include-dashboard={'true' if dashboard else 'false'}",
+                        "--dashboard-host=127.0.0.1",
+                        f"--dashboard-port={self.dashboard_port}",
+                        f"--ray-client-server-port={ports[8]}",
+                        *self._node_args(name, num_cpus, num_gpus, ports),
+                    ]
+                )
+                break
+            except RuntimeError:
+                self._kill_all()
+                if attempt:
+                    raise
         return self
 
     def add_node(self, name: str, *, num_cpus: int = 2, num_gpus: int = 2):
@@ -167,6 +186,11 @@ class LocalCluster:
                 continue
             out.append(int(d))
         return out
+
+    def _kill_all(self) -> None:
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
     def stop(self, grace_s: float = 3.0) -> list[int]:
         """Ends every process of the cluster (SIGTERM, then SIGKILL); returns any still alive after."""

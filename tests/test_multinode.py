@@ -4,6 +4,8 @@ through the object store between them, link probes, and the loss of a node mid-r
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,7 +19,7 @@ from tests.runtime_helpers import plan, random_taskgraph
 from tests.test_runtime_local import assert_same
 
 ray = pytest.importorskip("ray")
-from tests.ray_cluster import LocalCluster  # noqa: E402
+from tests.ray_cluster import LocalCluster, use_token_auth_here  # noqa: E402
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
 
@@ -28,10 +30,10 @@ def cluster():
         ray.shutdown()
     c = LocalCluster()
     mp = pytest.MonkeyPatch()
-    mp.setenv("RAY_AUTH_MODE", "disabled")  # the cluster runs without token auth (see ray_cluster.py)
     mp.delenv("RAY_ADDRESS", raising=False)
     try:
         c.start_head("node_a").add_node("node_b")
+        use_token_auth_here()
         ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
         yield c
     finally:
@@ -51,6 +53,15 @@ def _nodes(c) -> dict[str, str]:
         for name in ("node_a", "node_b")
         if name in n["Resources"]
     }
+
+
+def _wait_all_gpus_free(timeout: float = 30.0) -> None:
+    """Placement groups of earlier Programs are released asynchronously: SPREAD is best effort and
+    would put every bundle on the one node already free."""
+    t_end = time.monotonic() + timeout
+    while ray.available_resources().get("GPU", 0) < ray.cluster_resources().get("GPU", 0):
+        assert time.monotonic() < t_end, f"GPUs still held: {ray.available_resources()}"
+        time.sleep(0.2)
 
 
 def test_both_nodes_joined(cluster):
@@ -94,11 +105,40 @@ def test_spread_uses_both_nodes_pack_and_fractions_use_one(cluster):
         "spread": PlacementConfig("spread"),
         "pack-half": PlacementConfig("pack", gpus_per_worker=0.5),
     }.items():
+        _wait_all_gpus_free()
         with Program(tg, mg, engine="ray", streams=2, placement=cfg) as prog:
             assert_same(prog.run(inputs, timeout=120), ref, name)
             where[name] = prog.last_summary["placement"]
     assert where["spread"]["nodes"] == 2
     assert where["pack-half"]["nodes"] == 1 and where["pack-half"]["gpus_per_worker"] == 0.5
+
+
+def test_job_entry_point_connects_by_address_and_spreads(cluster, tmp_path):
+    """`python -m disco_ray.job ... --address HOST:PORT` (the `disco-ray run` options) in its own process."""
+    from disco_ray import formats
+
+    tg = random_taskgraph(304, n=20, gpus=2)
+    formats.save(tg, str(tmp_path / "g.json"))
+    _wait_all_gpus_free()
+    args = ["--address", cluster.address, "--placement", "spread", "--check-reference"]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disco_ray.job",
+            str(tmp_path / "g.json"),
+            *args,
+            "--out",
+            str(tmp_path / "o.npz"),
+        ],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "placement spread on 2 node(s)" in r.stdout and "reference: match" in r.stdout, r.stdout
+    assert (tmp_path / "o.npz").exists()
 
 
 def test_losing_a_node_mid_run_names_the_lost_worker(cluster):
