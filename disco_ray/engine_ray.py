@@ -182,19 +182,10 @@ class RayEngine:
             self.close()
             raise
 
-    def run(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        check: bool = False,
-        delay: tuple[float, float] | None = None,
-        seed: int = 0,
-        timeout: float | None = None,
-        progress: Callable[[int], None] | None = None,
-    ) -> tuple[dict[str, torch.Tensor], list[list]]:
-        """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
+    def run(self, inputs: Mapping[str, torch.Tensor], **opts) -> tuple[dict[str, torch.Tensor], list[list]]:
+        """One run (options as `_run`); returns (outputs by TaskGraph id, trace records per GPU)."""
         try:
-            return self._run(inputs, check=check, delay=delay, seed=seed, timeout=timeout, progress=progress)
+            return self._run(inputs, **opts)
         except BaseException:
             self.broken = True  # actors may hold a half-done run: the pool remakes them
             raise

@@ -262,14 +262,38 @@ def _flops_attention(shapes, out, attrs):
     return pairs * (4.0 * d + 5.0)  # q k^T and p v (2 flops per multiply-add each), softmax
 
 
-register(OpSpec("concat", 1, None, _infer_concat, attrs={"axis": -1}, flops=lambda s, o, a: 0.0,
-                doc="operands of one shape but along `axis` joined along it"))
-register(OpSpec("rope", 3, 3, _infer_rope, flops=_flops_rope,
-                doc="rotary embedding of x [.., s, heads*d] per head (rotate-half form): x*cos + rot(x)*sin, "
-                    "cos and sin [s, d]"))
-register(OpSpec("attention", 3, None, _infer_attention,
-                attrs={"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True},
-                flops=_flops_attention,
-                doc="one query tile of multi-head attention: operands q [t, heads*d], key tiles k_1..k_m, then "
-                    "value tiles v_1..v_m (each [t_j, heads*d], keys in order); softmax(q k^T * scale + mask) v "
-                    "per head, where query row r may see key rows <= offset + r when causal"))
+register(
+    OpSpec(
+        "concat",
+        1,
+        None,
+        _infer_concat,
+        attrs={"axis": -1},
+        flops=lambda s, o, a: 0.0,
+        doc="operands of one shape but along `axis` joined along it",
+    )
+)
+register(
+    OpSpec(
+        "rope",
+        3,
+        3,
+        _infer_rope,
+        flops=_flops_rope,
+        doc="rotary embedding of x [.., s, heads*d] per head (rotate-half form): x*cos + rot(x)*sin, "
+        "cos and sin [s, d]",
+    )
+)
+register(
+    OpSpec(
+        "attention",
+        3,
+        None,
+        _infer_attention,
+        attrs={"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True},
+        flops=_flops_attention,
+        doc="one query tile of multi-head attention: operands q [t, heads*d], key tiles k_1..k_m, then "
+        "value tiles v_1..v_m (each [t_j, heads*d], keys in order); softmax(q k^T * scale + mask) v "
+        "per head, where query row r may see key rows <= offset + r when causal",
+    )
+)
