@@ -3,6 +3,7 @@ through the object store between them, link probes, and the loss of a node mid-r
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -139,6 +140,48 @@ def test_job_entry_point_connects_by_address_and_spreads(cluster, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "placement spread on 2 node(s)" in r.stdout and "reference: match" in r.stdout, r.stdout
     assert (tmp_path / "o.npz").exists()
+
+
+def test_bench_against_the_cluster_records_nodes_and_links(cluster, tmp_path):
+    """`disco-ray bench --address HOST:PORT`: an existing cluster, per-node and per-link figures in results.json."""
+    _wait_all_gpus_free()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disco_ray",
+            "bench",
+            "matmul_chain",
+            "n=3",
+            "gpus=2",
+            "tokens=32",
+            "hidden=64",
+            "--modes",
+            "dynamic,levelwise",
+            "--capacity",
+            "64KiB",
+            "--address",
+            cluster.address,
+            "--placement",
+            "spread",
+            "--repeat",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+        ],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    links = res["cluster"]
+    assert len(links["nodes"]) == 2 and len(links["links"]) == 2, links
+    assert all(ln["gbps"] > 0 and ln["path"] == "object-store" for ln in links["links"])
+    assert {ln["src_node"] for ln in links["links"]} == {n["node_id"] for n in links["nodes"]}
 
 
 def test_losing_a_node_mid_run_names_the_lost_worker(cluster):
