@@ -40,6 +40,20 @@ Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
 
 
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """The settings of one run, taken by every engine."""
+
+    check: bool = False  # the sanitizer: every read checks its writer (actors/sanitizer.py)
+    delay: tuple[float, float] | None = None  # debug: sleep uniform(lo, hi) s before each vertex
+    seed: int = 0  # seeds the delays
+    timeout: float | None = None  # give up (RunError) after this many seconds; None: never
+    progress: Callable[[int], None] | None = None  # called with the number of vertices done
+
+
+DEFAULT_RUN = RunOptions()
+
+
 @dataclass(slots=True)
 class _Plan:
     kind: int

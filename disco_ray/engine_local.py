@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
-from actors.executor import Executor
+from actors.executor import DEFAULT_RUN, Executor, RunOptions
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
 from actors.transport import LocalTransport
 
@@ -85,30 +85,26 @@ class LocalEngine:
                 self._done.set()
 
     def run(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        check: bool = False,
-        delay: tuple[float, float] | None = None,
-        seed: int = 0,
-        timeout: float | None = None,
-        progress: Callable[[int], None] | None = None,
+        self, inputs: Mapping[str, torch.Tensor], opts: RunOptions = DEFAULT_RUN
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
         """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
         for ex in self.execs:
-            ex.begin({k: inputs[k] for k in ex.input_values}, check=check, delay=delay, seed=seed)
+            ex.begin(
+                {k: inputs[k] for k in ex.input_values}, check=opts.check, delay=opts.delay, seed=opts.seed
+            )
         self._error = None
         self._done.clear()
         with self._lock:
             instrs = self.sched.start()
         self._apply(instrs)
-        t_end = None if timeout is None else time.monotonic() + timeout
+        progress = opts.progress
+        t_end = None if opts.timeout is None else time.monotonic() + opts.timeout
         while not self._done.wait(0.1):
             if progress is not None:
                 progress(self.sched.completed)
             if t_end is not None and time.monotonic() > t_end:
                 raise RunError(
-                    f"run did not finish within {timeout} s "
+                    f"run did not finish within {opts.timeout} s "
                     f"({self.sched.completed} of {self.sched.n} vertices done)"
                 )
         if self._error is not None:

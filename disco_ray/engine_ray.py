@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
+
+from actors.executor import DEFAULT_RUN, RunOptions
 
 from .cluster import connect
 from .errors import RunError
@@ -182,25 +184,19 @@ class RayEngine:
             self.close()
             raise
 
-    def run(self, inputs: Mapping[str, torch.Tensor], **opts) -> tuple[dict[str, torch.Tensor], list[list]]:
-        """One run (options as `_run`); returns (outputs by TaskGraph id, trace records per GPU)."""
+    def run(
+        self, inputs: Mapping[str, torch.Tensor], opts: RunOptions = DEFAULT_RUN
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
+        """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
         try:
-            return self._run(inputs, **opts)
+            return self._run(inputs, opts)
         except BaseException:
             self.broken = True  # actors may hold a half-done run: the pool remakes them
             raise
 
     def _run(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        *,
-        check: bool = False,
-        delay: tuple[float, float] | None = None,
-        seed: int = 0,
-        timeout: float | None = None,
-        progress: Callable[[int], None] | None = None,
+        self, inputs: Mapping[str, torch.Tensor], opts: RunOptions
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
-        """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -213,7 +209,9 @@ class RayEngine:
         try:
             ray.get(
                 [
-                    w.begin.remote({k: inputs[k] for k in sorted(set(wants[g]))}, check, delay, seed)
+                    w.begin.remote(
+                        {k: inputs[k] for k in sorted(set(wants[g]))}, opts.check, opts.delay, opts.seed
+                    )
                     for g, w in enumerate(self.workers)
                 ]
             )
@@ -224,6 +222,7 @@ class RayEngine:
         done_ref = self.coord.wait.remote()
         serving = {w.serve.remote(): g for g, w in enumerate(self.workers)}
         pending = [done_ref, *serving]
+        progress, timeout = opts.progress, opts.timeout
         t_end = None if timeout is None else time.monotonic() + timeout
         while True:
             ready, _ = ray.wait(pending, num_returns=1, timeout=POLL_S)

@@ -14,9 +14,11 @@ worker and the vertex; the Program then tears its engine down (a later run start
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
+
+from actors.executor import RunOptions
 
 from .errors import GraphError, RunError, UsageError
 from .memgraph import MemGraph
@@ -25,7 +27,7 @@ from .taskgraph import TaskGraph
 from .trace import summarize, write_trace
 
 ENGINES = ("ray", "local")
-Progress = bool | Callable[[int], None] | None
+RUN_KEYS = ("trace", *RunOptions.__dataclass_fields__)  # what Program.run takes
 
 
 def _make_engine(name: str, tg: TaskGraph, mg: MemGraph, **kw):
@@ -104,15 +106,7 @@ class Program:
         return self._engine
 
     def run(
-        self,
-        inputs: Mapping[str, object],
-        *,
-        check: bool = False,
-        trace: str | None = None,
-        delay: tuple[float, float] | None = None,
-        seed: int = 0,
-        timeout: float | None = None,
-        progress: Progress = None,
+        self, inputs: Mapping[str, object], *, trace: str | None = None, **opts
     ) -> dict[str, torch.Tensor]:
         """Runs once; returns the outputs keyed by TaskGraph id.
 
@@ -124,6 +118,7 @@ class Program:
                 so that many execution orders occur.
             timeout: give up (RunError) after this many seconds; None waits for ever.
             progress: True for a tqdm bar, or a callable taking the number of vertices done.
+            (check, delay, seed, timeout, progress are the fields of `actors.executor.RunOptions`.)
 
         Raises:
             RunError: a bad input (before anything runs), a kernel that raised, a dead worker,
@@ -132,6 +127,7 @@ class Program:
         check_inputs(self.tg, inputs)
         tensors = {k: torch.as_tensor(v) for k, v in inputs.items()}
         bar = None
+        progress = opts.pop("progress", None)
         if progress is True:
             from tqdm import tqdm
 
@@ -140,9 +136,7 @@ class Program:
         eng = self.engine
         t = time.perf_counter()
         try:
-            outs, records = eng.run(
-                tensors, check=check, delay=delay, seed=seed, timeout=timeout, progress=progress or None
-            )
+            outs, records = eng.run(tensors, RunOptions(**opts, progress=progress or None))
         except BaseException:
             self.close()
             raise
@@ -210,24 +204,11 @@ def compile(
     return Program(tg, mg, **kw)
 
 
-def run_memgraph(
-    tg: TaskGraph,
-    mg: MemGraph,
-    inputs: Mapping[str, object],
-    *,
-    check: bool = False,
-    trace: str | None = None,
-    delay: tuple[float, float] | None = None,
-    seed: int = 0,
-    timeout: float | None = None,
-    progress: Progress = None,
-    **kw,
-) -> dict[str, torch.Tensor]:
-    """Runs a given plan once and cleans up; `kw` go to Program (engine, backend, streams, ...)."""
+def run_memgraph(tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], **kw) -> dict[str, torch.Tensor]:
+    """Runs a given plan once and cleans up; `kw`: Program's options and `Program.run`'s (trace, check, ...)."""
+    run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
     with Program(tg, mg, **kw) as prog:
-        return prog.run(
-            inputs, check=check, trace=trace, delay=delay, seed=seed, timeout=timeout, progress=progress
-        )
+        return prog.run(inputs, **run_kw)
 
 
 def run(
@@ -235,28 +216,16 @@ def run(
     inputs: Mapping[str, object],
     capacity: int | str | Sequence[int] | None = None,
     *,
-    engine: str = "ray",
-    backend: str = "cpu",
-    streams: int = 5,
-    check: bool = False,
-    trace: str | None = None,
     order: Sequence[str] | None = None,
     alignment: int = 256,
-    delay: tuple[float, float] | None = None,
-    seed: int = 0,
-    timeout: float | None = None,
-    progress: Progress = None,
     **kw,
 ) -> dict[str, torch.Tensor]:
     """Plans `tg` for `capacity` bytes per GPU (default: everything fits) and runs it once.
 
-    Inputs are checked before planning, so a bad input costs nothing.
+    `kw`: Program's options (engine, backend, streams, ...) and `Program.run`'s (trace, check, delay,
+    seed, timeout, progress). Inputs are checked before planning, so a bad input costs nothing.
     """
     check_inputs(tg, inputs)
-    prog = compile(
-        tg, capacity, order=order, alignment=alignment, engine=engine, backend=backend, streams=streams, **kw
-    )
-    with prog:
-        return prog.run(
-            inputs, check=check, trace=trace, delay=delay, seed=seed, timeout=timeout, progress=progress
-        )
+    run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
+    with compile(tg, capacity, order=order, alignment=alignment, **kw) as prog:
+        return prog.run(inputs, **run_kw)
