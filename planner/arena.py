@@ -75,11 +75,16 @@ class Block:
 
 
 def _clip(ghosts: list[Ghost], lo: int, hi: int) -> list[Ghost]:
-    return [(max(a, lo), min(b, hi), t, r) for a, b, t, r in ghosts if a < hi and b > lo]
+    """The ghosts overlapping [lo, hi), cut to it (most lie wholly inside or outside: kept as they are)."""
+    return [
+        g if lo <= g[0] and g[1] <= hi else (g[0] if g[0] > lo else lo, g[1] if g[1] < hi else hi, g[2], g[3])
+        for g in ghosts
+        if g[0] < hi and g[1] > lo
+    ]
 
 
 def _newest(ghosts: list[Ghost], lo: int, hi: int) -> int:
-    return max((t for a, b, t, _ in ghosts if a < hi and b > lo), default=NEVER)
+    return max([g[2] for g in ghosts if g[0] < hi and g[1] > lo], default=NEVER)
 
 
 class Arena:

@@ -115,6 +115,8 @@ class Planner:
                     continue
                 rec.deps[u] = "mem"
                 if alloc:
+                    if rec.alloc_deps is None:
+                        rec.alloc_deps = set()
                     rec.alloc_deps.add(u)
 
     # ---- victims --------------------------------------------------------------------------------
@@ -148,9 +150,9 @@ class Planner:
         """Undoes the allocation of a future output; it is allocated again when the horizon returns."""
         self.counts["retractions"] += 1
         rec = self.recs[inst.src]
-        for u in rec.alloc_deps:
+        for u in rec.alloc_deps or ():
             del rec.deps[u]
-        rec.alloc_deps.clear()
+        rec.alloc_deps = None
         rec.out = None
         self.arenas[inst.gpu].release(inst.off, None, self.step)
         del self.resident[inst.value]
@@ -259,18 +261,16 @@ class Planner:
                     self._compact(vid, gpu)
                     return self._execute(t, compacted=True)
                 self._reload(x, off)
-        reads = {}
         deps = rec.deps
         for x in operands:
             inst = resident[x]
             src = inst.src
-            reads[x] = (x, src, inst.loc)
             if deps.get(src) == "mem":
                 self.counts["superfluous_mem_edges"] += 1
-                rec.alloc_deps.discard(src)
+                rec.alloc_deps.discard(src)  # a mem dep exists only if it came from an allocation
             deps[src] = "data"
             inst.readers.append(r)
-        rec.ins = [reads[x] for x in v.inputs]
+        rec.ins = [(x, resident[x].src, resident[x].loc) for x in v.inputs]
         own = resident[vid]
         own.produced = True
         own.dist = self._next_use(vid)
@@ -343,8 +343,7 @@ class Planner:
             rec = recs[old]
             ins = tuple(Read(val, None if src is None else new_id[src], loc) for val, src, loc in rec.ins)
             verts.append(MemVertex(new, rec.kind, rec.value, rec.gpu, ins, rec.out))
-            edges.extend((new_id[u], new, kind) for u, kind in rec.deps.items())
-        edges.sort()
+            edges += [(new_id[u], new, kind) for u, kind in rec.deps.items()]
         bad = next((e for e in edges if e[0] >= e[1]), None)
         if bad is not None:  # section 7: every edge points forward in V
             raise PlanError(f"internal: edge {bad[0]} -> {bad[1]} points backward")

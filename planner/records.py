@@ -21,7 +21,8 @@ class Rec:
         self.ins: list[tuple[str, int | None, Loc]] = []
         self.out: Loc | None = None
         self.deps: dict[int, str] = {}  # provisional id -> "data" | "mem"
-        self.alloc_deps: set[int] = set()  # memory deps from the current allocation (undone on retraction)
+        # memory deps from the current allocation (undone on retraction); made when first needed
+        self.alloc_deps: set[int] | None = None
 
 
 class Inst:
