@@ -6,10 +6,9 @@ Every process the cluster starts inherits an environment variable holding a uniq
 `pids()` finds exactly this cluster's processes (raylets, GCS, agents, workers) and `stop()` ends
 them by id: never `ray stop`, which would end every Ray session of the user on the machine.
 
-Token authentication is on (RAY_AUTH_MODE=token for every node, driver and CLI; the token is
-~/.ray/auth_token, made by the head if missing), as for every local `ray.init` of Ray 2.60: the
-auth mode is cached per process, so a test driver that switched it off would break the local
-Ray sessions of later tests in the same pytest process. The GCS health check is made fast so
+Token authentication is off (RAY_AUTH_MODE=disabled) for every node, driver and CLI, as for
+every Ray the suite starts: tests/conftest.py sets it before any `ray.init`, because Ray caches
+the mode per process and a test driver may not mix modes. The GCS health check is made fast so
 that a killed node is declared dead in about two seconds instead of fifteen.
 """
 
@@ -38,15 +37,6 @@ FAST_HEALTH = {
     "RAY_raylet_start_wait_time_s": "180",
 }
 OBJECT_STORE = "200000000"
-
-
-def use_token_auth_here() -> None:
-    """Token auth for this process's Ray client, as a local `ray.init` turns it on (Ray 2.60:
-    `authentication_token_setup._enable_token_auth`): the mode is cached, so set it and reload."""
-    os.environ["RAY_AUTH_MODE"] = "token"
-    from ray._raylet import Config
-
-    Config.initialize("")
 
 
 def free_ports(n: int) -> list[int]:
@@ -82,7 +72,7 @@ class LocalCluster:
             **os.environ,
             **FAST_HEALTH,
             MARK_VAR: self.mark,
-            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_MODE": "disabled",  # as for every Ray of the suite (tests/conftest.py)
             "RAY_USAGE_STATS_ENABLED": "0",
             "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
         }

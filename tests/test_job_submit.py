@@ -19,7 +19,7 @@ from disco_ray.job import PREFIX
 from tests.runtime_helpers import random_taskgraph
 
 ray = pytest.importorskip("ray")
-from tests.ray_cluster import ROOT, LocalCluster, use_token_auth_here  # noqa: E402
+from tests.ray_cluster import ROOT, LocalCluster  # noqa: E402
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
 EXCLUDES = [".venv/", ".git/", "**/__pycache__/", "*.npz", ".whl/", ".gl/"]
@@ -59,8 +59,6 @@ def cluster():
 
 def test_job_submit_runs_the_graph_and_logs_its_summary(cluster, tmp_path):
     from ray.job_submission import JobSubmissionClient
-
-    use_token_auth_here()  # the client sends ~/.ray/auth_token, as the CLI does
 
     wd = tmp_path / "wd"
     wd.mkdir()

@@ -20,7 +20,7 @@ from tests.runtime_helpers import plan, random_taskgraph
 from tests.test_runtime_local import assert_same
 
 ray = pytest.importorskip("ray")
-from tests.ray_cluster import LocalCluster, use_token_auth_here  # noqa: E402
+from tests.ray_cluster import LocalCluster  # noqa: E402
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
 
@@ -34,7 +34,6 @@ def cluster():
     mp.delenv("RAY_ADDRESS", raising=False)
     try:
         c.start_head("node_a").add_node("node_b")
-        use_token_auth_here()
         ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
         yield c
     finally:
