@@ -233,10 +233,11 @@ class Executor:
                     raise RunError(f"gpu:{self.gpu}: input {name!r} was not handed to this worker")
                 t = torch.as_tensor(inputs[name])
                 flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                nb = self.tg[name].nbytes  # checked once here, not at every load of it
+                if flat.numel() != nb:
+                    raise RunError(f"gpu:{self.gpu}: input {name!r} has {flat.numel()} bytes, not {nb}")
                 if self.staging is not None:
-                    off, nb = self._stage[name]
-                    if flat.numel() != nb:
-                        raise RunError(f"gpu:{self.gpu}: input {name!r} has {flat.numel()} bytes, not {nb}")
+                    off, _ = self._stage[name]
                     flat = self.staging[off : off + nb].copy_(flat)
                 self._inputs[name] = flat
             if check:
@@ -300,13 +301,7 @@ class Executor:
                 raise RunError(f"gpu:{self.gpu}: no transport for {describe(self.mg, vid)}")
             self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
         else:
-            src = self._inputs[p.value]
-            if src.numel() != p.out.numel():
-                raise RunError(
-                    f"gpu:{self.gpu} {describe(self.mg, vid)}: input has {src.numel()} bytes, "
-                    f"the range {p.out.numel()}"
-                )
-            self.backend.copy(p.out, src)
+            self.backend.copy(p.out, self._inputs[p.value])
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
         if exc is None and self._check and self._sanitizer is not None:
