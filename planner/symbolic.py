@@ -62,13 +62,8 @@ class _Machine:
                     int(np.searchsorted(c, loc.offset)),
                     int(np.searchsorted(c, loc.end)),
                 )
-        self.preds: list[set[int]] = [set() for _ in self.verts]
-        self.succs: list[list[int]] = [[] for _ in self.verts]
-        for e in mg.edges:
-            u, w = self.pos[e[0]], self.pos[e[1]]
-            if u not in self.preds[w]:
-                self.preds[w].add(u)
-                self.succs[u].append(w)
+        self.preds: list[set[int]] = [set(p) for p in mg.preds()]  # by position, duplicates merged
+        self.succs: list[list[int]] = mg.succs()
 
     @staticmethod
     def _locs(v: MemVertex) -> Iterable[Loc]:
