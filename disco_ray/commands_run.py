@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .placement import add_cluster_args, cluster_kwargs
-from .sizes import parse_size
+from .sizes import parse_capacity
 
 DTYPE_SUFFIX = ".__dtype__"
 
@@ -30,10 +30,9 @@ DTYPE_SUFFIX = ".__dtype__"
 def capacity_arg(text: str) -> int | list[int]:
     """One size for every GPU, or a comma-separated size per GPU."""
     try:
-        parts = [parse_size(p) for p in text.split(",")]
+        return parse_capacity(text)
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return parts[0] if len(parts) == 1 else parts
 
 
 def delay_arg(text: str) -> tuple[float, float]:

@@ -196,10 +196,9 @@ def compile(
     if capacity is None:
         capacity = default_capacity(tg, alignment)
     elif isinstance(capacity, str):  # "64MiB", or one size per GPU: "64MiB,32MiB"
-        from .sizes import parse_size
+        from .sizes import parse_capacity
 
-        sizes = [parse_size(x) for x in capacity.split(",")]
-        capacity = sizes[0] if len(sizes) == 1 else sizes
+        capacity = parse_capacity(capacity)
     mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
     return Program(tg, mg, **kw)
 

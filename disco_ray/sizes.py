@@ -49,3 +49,9 @@ def format_size(n: int) -> str:
         if abs(n) >= k:
             return f"{f'{n / k:.2f}'.rstrip('0').rstrip('.')} {unit}"
     return f"{n} B"
+
+
+def parse_capacity(text: str) -> int | list[int]:
+    """One size for every GPU ("64MiB"), or a comma-separated size per GPU ("64MiB,32MiB")."""
+    sizes = [parse_size(x) for x in text.split(",")]
+    return sizes[0] if len(sizes) == 1 else sizes
