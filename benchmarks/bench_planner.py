@@ -11,8 +11,8 @@ import argparse
 import time
 
 from disco_ray.memgraph import MKind
-from planner import build_memgraph
-from workloads.random_dag import min_capacity, random_dag, tight_capacity
+from planner import build_memgraph, min_capacity, tight_capacity
+from workloads.random_dag import random_dag
 
 
 def main() -> None:

@@ -10,10 +10,10 @@ import argparse
 import random
 import time
 
-from planner import build_memgraph
+from planner import build_memgraph, tight_capacity
 from planner.symbolic import execute
 from planner.verify import verify
-from workloads.random_dag import random_dag, tight_capacity
+from workloads.random_dag import random_dag
 
 
 def main() -> None:

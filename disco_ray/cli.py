@@ -22,7 +22,7 @@ from . import formats
 from .errors import DiscoError, UsageError
 from .memgraph import MemGraph, MKind
 from .sizes import format_size, parse_size
-from .taskgraph import Kind, TaskGraph
+from .taskgraph import TaskGraph
 
 PROG = "disco-ray"
 # subcommand -> module defining add_<name> and cmd_<name>, in --help order
@@ -162,13 +162,9 @@ def taskgraph_stats(tg: TaskGraph) -> dict:
     """TaskGraph.statistics() plus edge counts and each GPU's largest single-vertex footprint."""
     st = tg.statistics()
     st["edges"] = sum(len(set(v.inputs)) for v in tg)
-    # the smallest capacity any plan can work with: a vertex's distinct inputs and output at once
-    need = [0] * tg.gpus
-    for v in tg:
-        ins = (
-            sum(tg[i].nbytes for i in set(v.inputs)) if v.kind is Kind.KERNEL else 0
-        )  # a transfer's is elsewhere
-        need[v.gpu] = max(need[v.gpu], v.nbytes + ins)
+    from planner import min_capacity  # the smallest capacity any plan can work with
+
+    need = min_capacity(tg)
     st["min_capacity_per_gpu"] = need
     return st
 

@@ -50,9 +50,8 @@ def cmd_demo(args) -> int:
     from disco_ray.runtime import Program
     from disco_ray.sizes import format_size
     from disco_ray.trace import format_summary
-    from planner import build_memgraph
+    from planner import build_memgraph, min_capacity
     from planner.verify import verify
-    from workloads.random_dag import min_capacity
 
     backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     params, fraction = SETTINGS[(args.workload, backend)]

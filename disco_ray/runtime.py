@@ -172,14 +172,6 @@ class Program:
         self.close()
 
 
-def default_capacity(tg: TaskGraph, alignment: int = 256) -> list[int]:
-    """Per GPU, enough bytes to hold every tensor of that GPU at once (no offload needed)."""
-    cap = [0] * tg.gpus
-    for v in tg:
-        cap[v.gpu] += -(-max(v.nbytes, 1) // alignment) * alignment
-    return cap
-
-
 def compile(
     tg: TaskGraph,
     capacity: int | str | Sequence[int] | Mapping[int, int] | None = None,
@@ -190,11 +182,11 @@ def compile(
 ) -> Program:
     """Plans `tg` with planner.build_memgraph for `capacity` bytes per GPU; `kw` go to Program."""
     try:
-        from planner import build_memgraph  # type: ignore[attr-defined]
+        from planner import build_memgraph, roomy_capacity  # type: ignore[attr-defined]
     except ImportError:
         raise RunError("planner.build_memgraph is not available in this build") from None
     if capacity is None:
-        capacity = default_capacity(tg, alignment)
+        capacity = roomy_capacity(tg, alignment)
     elif isinstance(capacity, str):  # "64MiB", or one size per GPU: "64MiB,32MiB"
         from .sizes import parse_capacity
 

@@ -17,6 +17,8 @@ from bisect import bisect_right
 
 import numpy as np
 
+from .capacity import aligned
+
 Ghost = tuple[int, int, int, tuple[int, ...]]  # lo, hi, time, readers
 NEVER = -1
 _INF = float("inf")
@@ -102,8 +104,7 @@ class Arena:
         self.peak = 0
 
     def round(self, nbytes: int) -> int:
-        a = self.align
-        return max(a, (nbytes + a - 1) // a * a)
+        return aligned(nbytes, self.align)
 
     @property
     def top(self) -> int:

@@ -29,8 +29,9 @@ from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Rea
 from disco_ray.taskgraph import Kind, TaskGraph
 
 from .arena import Arena
+from .capacity import capacities, vertex_needs
 from .order import check_order, default_order
-from .records import Inst, Rec, capacities
+from .records import Inst, Rec
 
 INF = float("inf")
 _MKIND = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKind.TRANSFER}
@@ -79,21 +80,13 @@ class Planner:
         return self.sizes[value]
 
     def _check_fits(self) -> None:
-        caps = [a.capacity for a in self.arenas]
-        sizes = self.sizes
-        for v in self.tg:
-            if v.kind is Kind.TRANSFER:
-                x = v.inputs[0]
-                need = {v.gpu: sizes[v.id], self.V[x].gpu: sizes[x]}
-            else:
-                need = {v.gpu: sizes[v.id] + sum(sizes[i] for i in set(v.inputs))}
-            for g, total in need.items():
-                if total > caps[g]:
-                    what = "its output" if v.kind is Kind.INPUT else "its inputs plus output"
-                    raise CapacityError(
-                        f"vertex {v.id!r}: {what} need {total} bytes on gpu {g}, "
-                        f"whose capacity is {caps[g]} bytes"
-                    )
+        for v, g, need in vertex_needs(self.tg, self.arenas[0].align):
+            cap = self.arenas[g].capacity
+            if need > cap:
+                what = "its output" if v.kind is Kind.INPUT else "its inputs plus output"
+                raise CapacityError(
+                    f"vertex {v.id!r}: {what} need {need} bytes on gpu {g}, whose capacity is {cap} bytes"
+                )
 
     # ---- records and edges --------------------------------------------------------------------
     def _new(self, kind: MKind, value: str, gpu: int, key: tuple) -> int:

@@ -1,10 +1,7 @@
-"""The planner's bookkeeping: MemGraph vertices under construction, resident values, capacities."""
+"""The planner's bookkeeping: MemGraph vertices under construction and resident values."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-from disco_ray.errors import GraphError
 from disco_ray.memgraph import Loc, MKind
 
 
@@ -41,21 +38,3 @@ class Inst:
         self.dist = dist
         self.produced = False
         self.readers: list[int] = []
-
-
-def capacities(capacity: int | Sequence[int] | Mapping[int, int], gpus: int) -> list[int]:
-    if isinstance(capacity, Mapping):
-        missing = [g for g in range(gpus) if g not in capacity]
-        if missing:
-            raise GraphError(f"capacity: no capacity given for gpu {missing[0]}")
-        caps = [int(capacity[g]) for g in range(gpus)]
-    elif isinstance(capacity, int):
-        caps = [capacity] * gpus
-    else:
-        caps = [int(c) for c in capacity]
-        if len(caps) != gpus:
-            raise GraphError(f"capacity: {len(caps)} values for {gpus} GPUs")
-    for g, c in enumerate(caps):
-        if c <= 0:
-            raise GraphError(f"capacity of gpu {g} must be positive, got {c}")
-    return caps

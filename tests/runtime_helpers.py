@@ -9,7 +9,7 @@ import pytest
 
 from disco_ray.memgraph import MemGraph
 from disco_ray.taskgraph import Kind, TaskGraph
-from planner import build_memgraph
+from planner import build_memgraph, min_capacity
 
 
 def random_taskgraph(
@@ -57,11 +57,7 @@ def plan(tg: TaskGraph, mode: str = "roomy") -> MemGraph:
 
 def tight_capacity(tg: TaskGraph, align: int = 256) -> int:
     """Barely more than the largest vertex needs (its distinct inputs and output)."""
-    need = 0
-    for v in tg:
-        ids = dict.fromkeys([*v.inputs, v.id])
-        need = max(need, sum(-(-tg[i].nbytes // align) * align for i in ids))
-    return need + 2 * align
+    return max(min_capacity(tg, align)) + 2 * align
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from disco_ray.errors import VerifyError
 from disco_ray.memgraph import MemGraph, MKind
-from planner import build_memgraph
+from planner import build_memgraph, min_capacity, tight_capacity
 from planner.symbolic import check_random_orders
 from planner.verify import verify
-from workloads.random_dag import min_capacity, random_dag, tight_capacity
+from workloads.random_dag import random_dag
 
 SIZES = [(16, 32, 64, 128), (8, 256), (4, 16, 128), (32,)]
 

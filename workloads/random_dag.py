@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from disco_ray.taskgraph import Kind, TaskGraph
 
-ALIGN = 256
 _RECENT = 8  # operands are usually among the last few values on a GPU
 _UNARY = ("silu", "softmax", "transpose", "scale")
 
@@ -123,33 +122,3 @@ def random_dag(
     chosen += rng.sample(rest, min(len(rest), max(0, k - len(chosen))))
     g.output(*dict.fromkeys(chosen))
     return g
-
-
-def min_capacity(tg: TaskGraph, alignment: int = ALIGN) -> list[int]:
-    """Per GPU, what the largest single vertex needs at once: distinct inputs + output, each aligned."""
-
-    def _rounded(nbytes: int) -> int:
-        return -(-nbytes // alignment) * alignment
-
-    need = [0] * tg.gpus
-    for v in tg:
-        if v.kind is Kind.TRANSFER:
-            src = tg[v.inputs[0]]
-            need[src.gpu] = max(need[src.gpu], _rounded(src.nbytes))
-            need[v.gpu] = max(need[v.gpu], _rounded(v.nbytes))
-            continue
-        total = _rounded(v.nbytes) + sum(_rounded(tg[i].nbytes) for i in dict.fromkeys(v.inputs))
-        need[v.gpu] = max(need[v.gpu], total)
-    return need
-
-
-def tight_capacity(tg: TaskGraph, fraction: float, alignment: int = ALIGN) -> list[int]:
-    """Per-GPU capacity: `fraction` of all tensor bytes a GPU ever holds, but at least `min_capacity`.
-
-    A small fraction (e.g. 0.1) forces offloads; the floor keeps every vertex plannable.
-    """
-    total = [0] * tg.gpus
-    for v in tg:
-        total[v.gpu] += -(-v.nbytes // alignment) * alignment
-    floor = min_capacity(tg, alignment)
-    return [max(f, -(-int(fraction * t) // alignment) * alignment) for f, t in zip(floor, total)]

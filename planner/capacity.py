@@ -1,0 +1,75 @@
+"""GPU arena capacities: parsing them, and what a TaskGraph needs at the least, tightly or roomily."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+from disco_ray.errors import GraphError
+from disco_ray.taskgraph import Kind, TaskGraph, Vertex
+
+ALIGN = 256
+
+
+def aligned(nbytes: int, alignment: int = ALIGN) -> int:
+    """The bytes a tensor takes in an arena: rounded up to the alignment, never zero."""
+    return max(alignment, -(-nbytes // alignment) * alignment)
+
+
+def vertex_needs(tg: TaskGraph, alignment: int = ALIGN) -> Iterator[tuple[Vertex, int, int]]:
+    """(vertex, gpu, bytes it needs there at once): its distinct inputs plus its output; a
+    transfer needs its input on the source GPU and its output on the destination."""
+    V = tg.vertices
+    for v in tg:
+        if v.kind is Kind.TRANSFER:
+            x = V[v.inputs[0]]
+            yield v, x.gpu, aligned(x.nbytes, alignment)
+            yield v, v.gpu, aligned(v.nbytes, alignment)
+        else:
+            own = aligned(v.nbytes, alignment)
+            yield v, v.gpu, own + sum(aligned(V[i].nbytes, alignment) for i in dict.fromkeys(v.inputs))
+
+
+def min_capacity(tg: TaskGraph, alignment: int = ALIGN) -> list[int]:
+    """Per GPU, the least capacity any plan works with: what its largest single vertex needs."""
+    need = [0] * tg.gpus
+    for _, g, n in vertex_needs(tg, alignment):
+        need[g] = max(need[g], n)
+    return need
+
+
+def roomy_capacity(tg: TaskGraph, alignment: int = ALIGN) -> list[int]:
+    """Per GPU, room for every tensor of that GPU at once (no offload needed)."""
+    cap = [0] * tg.gpus
+    for v in tg:
+        cap[v.gpu] += aligned(v.nbytes, alignment)
+    return cap
+
+
+def tight_capacity(tg: TaskGraph, fraction: float, alignment: int = ALIGN) -> list[int]:
+    """Per GPU, `fraction` of `roomy_capacity`, but at least `min_capacity`.
+
+    A small fraction (e.g. 0.1) forces offloads; the floor keeps every vertex plannable.
+    """
+    return [
+        max(f, aligned(int(fraction * t), alignment))
+        for f, t in zip(min_capacity(tg, alignment), roomy_capacity(tg, alignment))
+    ]
+
+
+def capacities(capacity: int | Sequence[int] | Mapping[int, int], gpus: int) -> list[int]:
+    """Capacity per GPU from one int for all, a list, or a dict gpu -> bytes."""
+    if isinstance(capacity, Mapping):
+        missing = [g for g in range(gpus) if g not in capacity]
+        if missing:
+            raise GraphError(f"capacity: no capacity given for gpu {missing[0]}")
+        caps = [int(capacity[g]) for g in range(gpus)]
+    elif isinstance(capacity, int):
+        caps = [capacity] * gpus
+    else:
+        caps = [int(c) for c in capacity]
+        if len(caps) != gpus:
+            raise GraphError(f"capacity: {len(caps)} values for {gpus} GPUs")
+    for g, c in enumerate(caps):
+        if c <= 0:
+            raise GraphError(f"capacity of gpu {g} must be positive, got {c}")
+    return caps
