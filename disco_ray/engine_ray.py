@@ -254,16 +254,25 @@ class RayEngine:
         by_gpu: dict[int, list[tuple[str, int]]] = {}
         for value, vid in self.mg.outputs.items():
             by_gpu.setdefault(self.mg.vertex(vid).gpu, []).append((value, vid))
-        try:
-            outs: dict[str, torch.Tensor] = {}
-            for part in ray.get([self.workers[g].outputs.remote(w) for g, w in by_gpu.items()]):
-                outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
-            traces = ray.get([w.trace.remote() for w in self.workers])
-        except RayTaskError as e:
-            raise RunError(_cause(e)) from None
-        except RayActorError as e:
-            raise RunError(f"a worker died while handing back outputs: {e}") from None
-        return outs, traces
+        outs: dict[str, torch.Tensor] = {}
+        for part in self._gather({self.workers[g].outputs.remote(w): g for g, w in by_gpu.items()}):
+            outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
+        return outs, self._gather({w.trace.remote(): g for g, w in enumerate(self.workers)})
+
+    def _gather(self, refs: dict) -> list:
+        """ray.get of each ref (ref -> gpu) after the run; a dead worker is named."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        got = []
+        for r, g in refs.items():
+            try:
+                got.append(ray.get(r))
+            except RayTaskError as e:
+                raise RunError(_cause(e)) from None
+            except RayActorError:
+                raise RunError(self._died(g, "handing back outputs")) from None
+        return got
 
     def _dead_worker(self, serving: dict) -> str | None:
         """The death message of the first worker whose ref (in `serving`: ref -> gpu) raises
@@ -279,7 +288,7 @@ class RayEngine:
                 return self._died(serving[r])
         return None
 
-    def _died(self, g: int) -> str:
+    def _died(self, g: int, when: str = "during the run") -> str:
         self.broken = True
         import ray
 
@@ -293,7 +302,7 @@ class RayEngine:
             else f"{len(held)} vertices"
             + (f": {held[:20]}{' ...' if len(held) > 20 else ''}" if held else "")
         )
-        return f"gpu:{g} worker died during the run while holding {what}{self._node_of(g)}"
+        return f"gpu:{g} worker died {when} while holding {what}{self._node_of(g)}"
 
     def _node_of(self, g: int) -> str:
         """The text " (on node ID, IP)" when the placement is known."""

@@ -155,8 +155,12 @@ class LocalCluster:
         raise LookupError(f"no raylet of node {name} ({flag})")
 
     def kill_node(self, name: str) -> None:
-        """Kills node `name`'s raylet (a node lost: its workers exit, the GCS declares it dead)."""
-        os.kill(self.raylet_pid(name), signal.SIGKILL)
+        """Kills node `name`'s raylet and every process under it at once, as when a machine is
+        lost (a raylet killed alone leaves its workers running until they notice)."""
+        raylet = self.raylet_pid(name)
+        for pid in [*_descendants(raylet), raylet]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
     def pids(self) -> list[int]:
         """Live processes of this cluster (their environment holds its marker); zombies excluded."""
@@ -194,3 +198,18 @@ class LocalCluster:
         left = self.pids()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         return left
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc's children lists)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        out += kids
+        todo += kids
+    return out
