@@ -6,20 +6,22 @@ on those views (`copy`, `kernel`). A backend supplies:
 
 - `alloc(nbytes, host)`: one uint8 buffer, allocated once per worker (the arena when
   host=False, the host store when host=True; a CUDA backend pins the host store).
-- `open(streams, work, done)`: S streams. `submit(stream, vid)` runs `work(vid, stream)` on that
-  stream; when the work has finished (for CUDA: when the stream has executed what `work`
-  enqueued, e.g. an event polled or a host callback) the backend calls
+- `open(streams, work, done)`: S streams. `submit(stream, vid, waits)` runs `work(vid, stream)` on
+  that stream once every vertex of `waits` (submitted earlier, to any stream) has finished, and
+  after the vertices submitted to that stream before it; when the work has finished (for CUDA:
+  when the stream has executed what `work` enqueued) the backend calls
   `done(vid, stream, t0_ns, t1_ns, exc)` from any thread, with wall-clock start and end times in
-  ns (time.time_ns base) and the exception `work` raised (or None). A stream runs one vertex at a
-  time: the executor submits to a stream only after its previous `done`.
+  ns (time.time_ns base) and the exception `work` raised (or None). A vertex of `waits` counts as
+  finished once its `done` has returned (cpu) or once the device has executed it (cuda: the
+  stream waits on its event, `async_launch`).
 - `copy(dst, src)`: an asynchronous-on-the-current-stream byte copy between two views.
 - `kernel(op, out, ins, attrs)`: `disco_ray.kernels` implementation of `op` writing `out`
   (attrs already completed with defaults).
 - `device`: the torch device of the arena; `close()`.
 
-A CUDA backend would: allocate the arena with torch.empty(..., device="cuda"), the host store
-pinned, map streams to torch.cuda.Stream objects, make `submit` run `work` under
-`torch.cuda.stream(s)` and record an event that a poller thread turns into `done`.
+The CUDA backend (`actors.backend_cuda`) allocates the arena with torch.empty(..., device="cuda"),
+the host store pinned, maps streams to torch.cuda.Stream objects and runs `work` under
+`torch.cuda.stream(s)`.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Backend(Protocol):
 
     def open(self, streams: int, work: Work, done: Done) -> None: ...
 
-    def submit(self, stream: int, vid: int) -> None: ...
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = ()) -> None: ...
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
@@ -60,7 +62,8 @@ _STOP = -1
 
 
 class CpuBackend:
-    """Arena and host store are CPU uint8 tensors; each stream is a thread running one vertex at a time.
+    """Arena and host store are CPU uint8 tensors; each stream is a thread running its vertices in
+    submission order, each after the vertices it waits on.
 
     Kernels run synchronously in the stream thread; torch releases the GIL inside its ops, so
     streams overlap for real on large tensors.
@@ -68,10 +71,12 @@ class CpuBackend:
 
     name = "cpu"
     device = torch.device("cpu")
+    async_launch = False  # `work` has finished when it returns
 
     def __init__(self) -> None:
         self._queues: list[queue.SimpleQueue] = []
         self._threads: list[threading.Thread] = []
+        self._finished: dict[int, threading.Event] = {}  # vid -> set once its `done` returned
 
     def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
@@ -89,20 +94,28 @@ class CpuBackend:
     def _loop(self, s: int, work: Work, done: Done) -> None:
         get = self._queues[s].get
         clock = time.time_ns
+        finished = self._finished
         while True:
-            vid = get()
+            vid, waits = get()
             if vid == _STOP:
                 return
+            mine = finished[vid]  # taken now: a next run makes a new one once `done` ends this one
+            for u in waits:
+                finished[u].wait()
             exc = None
             t0 = clock()
             try:
                 work(vid, s)
             except BaseException as e:  # reported to the executor, which stops the run
                 exc = e
-            done(vid, s, t0, clock(), exc)
+            try:
+                done(vid, s, t0, clock(), exc)
+            finally:
+                mine.set()
 
-    def submit(self, stream: int, vid: int) -> None:
-        self._queues[stream].put(vid)
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = ()) -> None:
+        self._finished[vid] = threading.Event()  # before any vertex that waits on it is submitted
+        self._queues[stream].put((vid, waits))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -112,7 +125,7 @@ class CpuBackend:
 
     def close(self) -> None:
         for q in self._queues:
-            q.put(_STOP)
+            q.put((_STOP, ()))
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)

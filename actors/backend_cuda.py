@@ -1,15 +1,24 @@
 """The CUDA backend: one arena on the GPU, one pinned host store, S torch.cuda.Streams.
 
-TURNIP appendix A: a vertex is launched as asynchronous CUDA work on a stream it holds alone,
-and a callback tells the event loop when the stream has executed it. Here each stream has one
-thread that (1) runs `work(vid, s)` under `torch.cuda.stream(...)` (kernels and cudaMemcpyAsync
-are only enqueued), (2) records an event and waits on it (`Event.synchronize` releases the GIL
-and blocks this thread alone, never the device or the other streams), (3) calls `done`.
-A stream runs one vertex at a time (the executor's contract), so the thread that launched a
-vertex has nothing else to do until it completes; and the executor hands a freed stream's next
-vertex to the same thread, so a chain never waits on a thread wake-up. Rejected: cupy's
-`launch_host_func` callbacks (43 us median on the H100, run on CUDA's one callback thread for all
-streams, and may not call CUDA themselves) and a poller thread (a poll interval of latency).
+TURNIP appendix A: a vertex is launched as asynchronous CUDA work on a stream, and a callback
+tells the event loop when the stream has executed it. Here each stream has two threads:
+- the launcher (1) makes the stream wait on the end events of the vertices the executor says
+  this one waits on (`Stream.wait_event`: the device orders them, the host does not wait),
+  (2) records a start event, runs `work(vid, s)` under `torch.cuda.stream(...)` (kernels and
+  cudaMemcpyAsync are only enqueued) and records the end event, (3) hands the vertex to
+  the waiter and takes the next one at once: with the executor's launch ahead (see
+  `actors.executor`) the host prepares the next kernels of a chain while the device runs the
+  current one, instead of a host round trip per kernel with the device idle;
+- the waiter waits on each end event in order (`Event.synchronize` releases the GIL and blocks
+  this thread alone) and calls `done`.
+Rejected: cupy's `launch_host_func` callbacks (43 us median on the H100, run on CUDA's one
+callback thread for all streams, and may not call CUDA themselves) and a poller thread (a poll
+interval of latency).
+
+A waited-on vertex may sit on another stream whose launcher has not reached it yet; a launcher
+first waits (host side) until that vertex's end event is recorded. Every wait, like every turn of
+the copy lanes below, is on a vertex submitted earlier, so the earliest unlaunched vertex can
+always go: no deadlock.
 
 Copies between host and device go through two FIFO copy lanes (one stream per direction), not
 the vertex's own stream: the vertex's stream waits on the lane after its copy, so completion is
@@ -19,10 +28,11 @@ starts late (1.26x the lower bound for the weight-streaming chain); in launch or
 runtime launches lowest id first, i.e. the planner's order) the first load gets all the
 bandwidth, as in a hand-written prefetch loop.
 
-Times: the interval of a vertex is measured on the GPU (two timing events around its work; for a
-lane copy the start event is recorded on the lane, so time spent queued behind earlier copies is
-not counted as busy); its end is the wall-clock instant the waiting thread returned, its start
-that minus the GPU interval.
+Times: the interval of a vertex is measured on the GPU (two timing events around its work, the
+start one recorded after the waits; for a lane copy the start event is recorded on the lane, so
+time spent queued behind earlier copies is not counted as busy); its end is the wall-clock
+instant the waiter returned, its start that minus the GPU interval. The events are made once per
+vertex (the first time it runs) and kept for later runs.
 
 Nothing is allocated while a graph runs: the arena and host store come once from `alloc`, graph
 inputs are staged once per run into a pinned buffer before it starts (`stages_inputs`, see
@@ -57,6 +67,7 @@ class CudaBackend:
 
     name = "cuda"
     stages_inputs = True  # the executor copies graph inputs into a pinned buffer from `alloc`
+    async_launch = True  # `work` only enqueues: it has not run when it returns
 
     def __init__(self, device: int | str | torch.device | None = None, workspace: int | None = None):
         if not torch.cuda.is_available():
@@ -69,10 +80,13 @@ class CudaBackend:
         self.streams: list[torch.cuda.Stream] = []
         self.h2d: torch.cuda.Stream | None = None  # the copy lanes
         self.d2h: torch.cuda.Stream | None = None
-        self._local = threading.local()  # per stream thread: its ticket, the start event of a lane copy
+        self._local = threading.local()  # per launcher: its ticket, the start event of a lane copy
         self._turns = Turns()  # lane order: copies enter the lanes in submission order
-        self._queues: list[queue.SimpleQueue] = []
+        self._queues: list[queue.SimpleQueue] = []  # per stream: (vid, ticket, waits) to launch
+        self._landing: list[queue.SimpleQueue] = []  # per stream: launched vertices to wait for
         self._threads: list[threading.Thread] = []
+        self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = {}
+        self._recorded: dict[int, threading.Event] = {}  # vid -> set once its end event is recorded
         self.allocated = {"device": 0, "pinned": 0}
 
     def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
@@ -89,12 +103,16 @@ class CudaBackend:
             self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
             self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         self._queues = [queue.SimpleQueue() for _ in range(streams)]
+        self._landing = [queue.SimpleQueue() for _ in range(streams)]
         self._turns = Turns()
         warmed = threading.Barrier(streams + 1)
         self._threads = [
             threading.Thread(
-                target=self._loop, args=(s, work, done, warmed), daemon=True, name=f"cuda-stream-{s}"
+                target=self._launch_loop, args=(s, work, warmed), daemon=True, name=f"cuda-launch-{s}"
             )
+            for s in range(streams)
+        ] + [
+            threading.Thread(target=self._wait_loop, args=(s, done), daemon=True, name=f"cuda-wait-{s}")
             for s in range(streams)
         ]
         self._warm_error: BaseException | None = None
@@ -107,7 +125,7 @@ class CudaBackend:
             self.close()
             raise RunError(f"backend 'cuda' on {self.device}: warming up the streams failed: {err}")
 
-    def _loop(self, s: int, work: Work, done: Done, warmed: threading.Barrier) -> None:
+    def _launch_loop(self, s: int, work: Work, warmed: threading.Barrier) -> None:
         torch.cuda.set_device(self.device)
         stream = self.streams[s]
         # in this thread: torch keeps a cuBLAS handle per thread and its workspace per (handle, stream)
@@ -116,41 +134,56 @@ class CudaBackend:
         except BaseException as e:  # e.g. out of memory: `open` raises it
             self._warm_error = e
         warmed.wait(timeout=120)
-        get = self._queues[s].get
-        clock = time.time_ns
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        local = self._local
-        local.lane_start = torch.cuda.Event(enable_timing=True)
+        get, land = self._queues[s].get, self._landing[s].put
+        events, recorded, local = self._events, self._recorded, self._local
         with torch.cuda.stream(stream):
             while True:
-                vid, ticket = get()
+                vid, ticket, waits = get()
                 if vid == _STOP:
+                    land((_STOP, None, None, False))
                     return
-                exc: BaseException | None = None
+                evs = events.get(vid)
+                if evs is None:
+                    evs = events[vid] = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+                start, end, local.lane_start = evs
                 local.lane_used = False
                 local.ticket = ticket
-                start.record(stream)
+                exc: BaseException | None = None
                 try:
+                    for u in waits:
+                        recorded[u].wait()  # its launcher has recorded its end event
+                        stream.wait_event(events[u][1])
+                    start.record(stream)
                     work(vid, s)
                 except BaseException as e:  # reported to the executor, which stops the run
                     exc = e
-                if not local.lane_used:
-                    self._turns.resolve(ticket)
-                end.record(stream)
-                try:
-                    end.synchronize()  # blocks this thread only (the GIL is released)
-                    t1 = clock()
-                    first = local.lane_start if local.lane_used else start
-                    gpu_ns = int(first.elapsed_time(end) * 1e6)
-                except BaseException as e:  # an asynchronous CUDA error of this vertex's work
-                    t1, gpu_ns = clock(), 0
-                    exc = exc or e
-                done(vid, s, t1 - gpu_ns, t1, exc)
+                finally:
+                    self._turns.resolve(ticket)  # no-op after a lane copy resolved it
+                    end.record(stream)
+                    recorded[vid].set()
+                land((vid, exc, evs, local.lane_used))
 
-    def submit(self, stream: int, vid: int) -> None:
+    def _wait_loop(self, s: int, done: Done) -> None:
+        torch.cuda.set_device(self.device)
+        get, clock = self._landing[s].get, time.time_ns
+        while True:
+            vid, exc, evs, lane_used = get()
+            if vid == _STOP:
+                return
+            start, end, lane_start = evs
+            try:
+                end.synchronize()  # blocks this thread only (the GIL is released)
+                t1 = clock()
+                gpu_ns = int((lane_start if lane_used else start).elapsed_time(end) * 1e6)
+            except BaseException as e:  # an asynchronous CUDA error of this vertex's work
+                t1, gpu_ns = clock(), 0
+                exc = exc or e
+            done(vid, s, t1 - gpu_ns, t1, exc)
+
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = ()) -> None:
         # tickets number vertices in submission order (the executor submits lowest id first)
-        self._queues[stream].put((vid, self._turns.take()))
+        self._recorded[vid] = threading.Event()  # before any vertex that waits on it is submitted
+        self._queues[stream].put((vid, self._turns.take(), waits))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Host <-> device: on that direction's lane, the current stream waiting on it after the
@@ -186,11 +219,11 @@ class CudaBackend:
 
     def close(self) -> None:
         for q in self._queues:
-            q.put((_STOP, -1))
+            q.put((_STOP, -1, ()))
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
-        self._queues, self._threads = [], []
+        self._queues, self._landing, self._threads = [], [], []
         if self.streams:
             torch.cuda.synchronize(self.device)
         self.streams = []
@@ -227,6 +260,8 @@ class Turns:
 
     def resolve(self, ticket: int) -> None:
         with self._cv:
+            if ticket < self._low:
+                return
             self._resolved.add(ticket)
             while self._low in self._resolved:
                 self._resolved.discard(self._low)

@@ -7,7 +7,13 @@ runs; the host-side copy a Ray transfer returns is the one exception, see `read_
 
 Launch path (hot): a completion, in the stream thread that ran the vertex, updates the local
 counters under one lock and, while a stream is free, starts the lowest-id ready vertex on it; the
-stream that just freed is reused first, so a chain on one worker never leaves its thread. The
+stream that just freed is reused first, so a chain on one worker never leaves its thread.
+Launch ahead (`ahead` > 0): a kernel whose local predecessors are all launched but not all done
+is handed to the stream of its most recently launched running predecessor, up to `ahead`
+vertices behind the one that stream is running; the backend starts it once those predecessors
+are done (CUDA: the stream waits on their events; cpu: the stream thread waits), so on a GPU the
+host prepares the next kernels of a chain while the current one runs. It is off while the
+sanitizer runs on a backend that launches asynchronously (its checks run at launch). The
 completion is appended to a deque that a reporter thread drains and sends as one batch to the
 coordinator: at once when the worker goes idle, else every `flush_s` (1 ms) while it is busy.
 """
@@ -100,12 +106,16 @@ class Executor:
         report: Report | None = None,
         fail: Fail | None = None,
         flush_s: float = 1e-3,
+        ahead: int = 4,
     ):
         if streams < 1:
             raise RunError(f"gpu:{gpu}: streams must be >= 1, got {streams}")
+        if ahead < 0:
+            raise RunError(f"gpu:{gpu}: ahead must be >= 0, got {ahead}")
         self.gpu, self.mg, self.tg = gpu, mg, tg
         self.backend = make_backend(backend) if isinstance(backend, str) else backend
         self.streams = streams
+        self.ahead = ahead
         self.transport = transport
         self._report = report
         self._fail_cb = fail
@@ -147,7 +157,12 @@ class Executor:
         self._closing = False
         self._error: str | None = None
         self._running = 0
-        self._free: list[int] = []
+        self._free: list[int] = []  # streams with nothing in flight; the last freed on top
+        self._depth = [0] * streams  # vertices in flight per stream
+        self._inflight: dict[int, tuple[int, int]] = {}  # vid -> (launch number, stream)
+        self._launches = 0
+        self.launched_ahead = 0  # this run's vertices launched behind running predecessors
+        self._ahead = ahead  # this run's: 0 while the sanitizer runs on an asynchronous backend
         self.trace: list[tuple[int, int, int, int]] = []
         self.reports = 0
         self.backend.open(streams, self._work, self._done)
@@ -251,6 +266,7 @@ class Executor:
                     )
                 self._sanitizer.reset()
             self._check = check
+            self._ahead = 0 if check and getattr(self.backend, "async_launch", False) else self.ahead
             self._delay = delay
             self._rng = random.Random(seed * 7919 + self.gpu)
             self.core.start()
@@ -258,6 +274,10 @@ class Executor:
             self._done_q.clear()
             self._error = None
             self._free = list(range(self.streams - 1, -1, -1))  # pop() takes stream 0 first
+            self._depth = [0] * self.streams
+            self._inflight = {}
+            self._launches = 0
+            self.launched_ahead = 0
             self._finished.clear()
             if self.core.finished:
                 self._finished.set()
@@ -277,12 +297,48 @@ class Executor:
         # caller holds the lock
         core, free = self.core, self._free
         while free and core.ready and self._error is None:
-            vid = core.pop()
-            s = free.pop()
-            self._running += 1
-            self.backend.submit(s, vid)
+            self._launch(core.pop(), free.pop(), ())
+        if not self._ahead or not core.queued or self._error is not None:
+            return
+        limit, depth, inflight = self._ahead + 1, self._depth, self._inflight
+        if min(depth) >= limit:
+            return
+        aside = []
+        while len(aside) < 2 * self.streams:  # bounded: the lowest ids whose stream is full wait
+            vid = core.pop_queued()
+            if vid is None:
+                break
+            waits = tuple(u for u in core.local_preds[vid] if u in inflight)  # launched, not done
+            s = max(inflight[u] for u in waits)[1]  # behind the most recently launched of them
+            if depth[s] < limit:
+                self._launch(vid, s, waits)
+            else:
+                aside.append(vid)
+        core.requeue(aside)
+
+    def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> None:
+        # caller holds the lock
+        self._launches += 1
+        self._inflight[vid] = (self._launches, s)
+        self._depth[s] += 1
+        self._running += 1
+        if waits:
+            self.launched_ahead += 1
+        self.core.launch(vid)
+        self.backend.submit(s, vid, waits)
+
+    def _landed(self, vid: int, s: int) -> None:
+        # caller holds the lock: `vid` left stream `s`
+        self._inflight.pop(vid, None)
+        d = self._depth[s] - 1
+        self._depth[s] = d
+        if d == 0:
+            self._free.append(s)
+        self._running -= 1
 
     def _work(self, vid: int, s: int) -> None:
+        if self._error is not None:  # the run failed: what was launched ahead is skipped
+            return
         p = self.plans[vid]
         if self._delay is not None:
             time.sleep(self._rng.uniform(*self._delay))
@@ -314,14 +370,13 @@ class Executor:
                 exc = e
         if exc is not None:
             with self._lock:
-                self._running -= 1
+                self._landed(vid, s)
             self._fail(vid, exc)
             return
         self.trace.append((vid, s, t0, t1))
         with self._lock:
             self.core.complete(vid)
-            self._free.append(s)
-            self._running -= 1
+            self._landed(vid, s)
             self._pump()
             if self.core.finished:
                 self._finished.set()
@@ -409,6 +464,8 @@ class Executor:
             "done": self.core.done,
             "reports": self.reports,
             "streams": self.streams,
+            "ahead": self.ahead,
+            "launched_ahead": self.launched_ahead,
             "arena_bytes": self.arena.numel(),
             "host_bytes": self.host.numel(),
             "granule": self.granule,

@@ -47,6 +47,7 @@ class GpuWorker:
         *,
         backend: str = "cpu",
         streams: int = 5,
+        ahead: int = 4,
         flush_s: float = 1e-3,
     ) -> dict:
         """Drops the previous graph and allocates the arena and host store of `mg` for GPU `gpu`."""
@@ -64,6 +65,7 @@ class GpuWorker:
             tg,
             backend=backend,
             streams=streams,
+            ahead=ahead,
             transport=self.transport,
             report=self._report,
             fail=self._fail,

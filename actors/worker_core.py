@@ -1,8 +1,14 @@
-"""A worker's local dependency core: counters over its own GPU's edges and the ready heap (pure).
+"""A worker's local dependency core: counters over its own GPU's edges and the ready heaps (pure).
 
 A vertex of this GPU is ready when (a) the coordinator has dispatched it (its predecessors on
 other GPUs are done, see `actors.scheduler`) and (b) its predecessors on this GPU are done; the
 worker counts (b) itself, so a chain of vertices on one GPU runs without any round trip.
+
+Launch ahead: a dispatched kernel whose local predecessors have all been LAUNCHED (some still
+running) is `queued`: the executor may put it on a stream behind them, the stream waiting on
+their completion itself (a CUDA event), so the GPU never idles while the host prepares the next
+kernel of a chain. Copies (loads, offloads, transfers) are only ever started when ready: a copy
+lane is FIFO, and a copy queued on it ahead of time would hold back every later copy.
 
 Priority: when a stream frees, the worker starts the ready vertex with the LOWEST MemGraph id.
 The planner numbers vertices in its serial order (the simulated execution BUILDMEMGRAPH followed,
@@ -16,7 +22,7 @@ import heapq
 from collections.abc import Iterable
 
 from disco_ray.errors import RunError
-from disco_ray.memgraph import MemGraph
+from disco_ray.memgraph import MemGraph, MKind
 
 
 class WorkerCore:
@@ -26,19 +32,25 @@ class WorkerCore:
         self.gpu = gpu
         gpu_of = {v.id: v.gpu for v in mg.vertices}
         self.mine = [v.id for v in mg.vertices if v.gpu == gpu]
+        self.kernels = frozenset(v.id for v in mg.vertices if v.gpu == gpu and v.kind is MKind.KERNEL)
         preds: dict[int, int] = dict.fromkeys(self.mine, 0)
         self.local_succs: dict[int, list[int]] = {}
+        self.local_preds: dict[int, list[int]] = {}
         for u, w in dict.fromkeys((e[0], e[1]) for e in mg.edges):
             if gpu_of[w] == gpu and gpu_of[u] == gpu:
                 preds[w] += 1
                 self.local_succs.setdefault(u, []).append(w)
+                self.local_preds.setdefault(w, []).append(u)
         self._preds0 = preds
         self.start()
 
     def start(self) -> None:
-        self.left = dict(self._preds0)
+        self.left = dict(self._preds0)  # local predecessors not done
+        self.unlaunched = dict(self._preds0)  # local predecessors not launched
         self.dispatched: set[int] = set()
-        self.ready: list[int] = []  # heap of ids
+        self.launched: set[int] = set()
+        self.ready: list[int] = []  # heap of ids: dispatched, local predecessors done
+        self.queued: list[int] = []  # heap of kernel ids: dispatched, local predecessors launched
         self.done = 0
 
     def dispatch(self, vids: Iterable[int]) -> None:
@@ -51,19 +63,47 @@ class WorkerCore:
             self.dispatched.add(v)
             if self.left[v] == 0:
                 heapq.heappush(self.ready, v)
+            elif self.unlaunched[v] == 0 and v in self.kernels:
+                heapq.heappush(self.queued, v)
+
+    def launch(self, vid: int) -> None:
+        """`vid` was handed to a stream; its kernel successors whose every local predecessor is now
+        launched become queued."""
+        self.launched.add(vid)
+        for w in self.local_succs.get(vid, ()):
+            k = self.unlaunched[w] - 1
+            self.unlaunched[w] = k
+            if k == 0 and w in self.dispatched and self.left[w] and w in self.kernels:
+                heapq.heappush(self.queued, w)
 
     def complete(self, vid: int) -> None:
-        """`vid` finished; its local successors that are dispatched and unblocked become ready."""
+        """`vid` finished; its local successors that are dispatched, unblocked and not launched
+        yet become ready."""
         self.done += 1
         for w in self.local_succs.get(vid, ()):
             k = self.left[w] - 1
             self.left[w] = k
-            if k == 0 and w in self.dispatched:
+            if k == 0 and w in self.dispatched and w not in self.launched:
                 heapq.heappush(self.ready, w)
 
     def pop(self) -> int | None:
         """The ready vertex with the lowest id (the planner's order), or None."""
         return heapq.heappop(self.ready) if self.ready else None
+
+    def pop_queued(self) -> int | None:
+        """The queued kernel with the lowest id that is still waiting on a running predecessor
+        (one that became ready meanwhile is served by `pop`), or None."""
+        q = self.queued
+        while q:
+            v = heapq.heappop(q)
+            if v not in self.launched and self.left[v]:
+                return v
+        return None
+
+    def requeue(self, vids: Iterable[int]) -> None:
+        """Puts back queued kernels that found no stream."""
+        for v in vids:
+            heapq.heappush(self.queued, v)
 
     @property
     def finished(self) -> bool:

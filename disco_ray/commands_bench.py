@@ -32,7 +32,7 @@ REPS = 9  # timed copies of the H2D probe
 
 
 def add_bench(sub) -> None:
-    from .commands_run import capacity_arg
+    from .commands_run import add_engine_args, capacity_arg
     from .placement import add_cluster_args
 
     p = sub.add_parser(
@@ -60,9 +60,7 @@ def add_bench(sub) -> None:
         default="builder",
         help="serial order to plan in: the workload builder's (level by level; default) or the planner's own",
     )
-    p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--engine", choices=["ray", "local"], default="ray")
-    p.add_argument("--streams", type=int, default=5, help="streams per GPU (default 5)")
+    add_engine_args(p)  # --engine, --backend, --streams, --ahead
     p.add_argument(
         "--simulate", metavar="PROFILE", help="simulate under a device profile (h100, a100, p100, unit)"
     )
@@ -98,11 +96,11 @@ def cmd_bench(args) -> int:
         modes = bench.parse_modes(args.modes)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.repeat < 1 or args.streams < 1 or args.warmup < 0:
-        raise UsageError(
-            f"--repeat and --streams must be >= 1 and --warmup >= 0, got {args.repeat}, {args.streams}, "
-            f"{args.warmup}"
-        )
+    from .commands_run import engine_kwargs
+
+    engine_kwargs(args)  # checked before anything is built
+    if args.repeat < 1 or args.warmup < 0:
+        raise UsageError(f"--repeat must be >= 1 and --warmup >= 0, got {args.repeat}, {args.warmup}")
     cost = None
     if args.simulate:
         from . import profiles
@@ -262,6 +260,7 @@ def _measured(args, w, modes) -> dict:
 
     from . import bench
     from . import modes as M
+    from .commands_run import engine_kwargs
     from .placement import cluster_kwargs
     from .runtime import Program
 
@@ -292,7 +291,7 @@ def _measured(args, w, modes) -> dict:
                 rows.append(_baseline(mode, w, tdev, ref, args.warmup, args.repeat))
                 continue
             mg = M.plan(tg, mode, args.capacity, levels=w.levels, order=_order(args, w))
-            prog = Program(tg, mg, engine=args.engine, backend=args.backend, streams=args.streams, **kw)
+            prog = Program(tg, mg, **engine_kwargs(args), **kw)
             with prog:
                 best = recs = outs = None
                 for r in range(args.warmup + args.repeat):  # warm-up: allocator, cuBLAS, actors
@@ -390,6 +389,7 @@ def _write(out: Path, args, w, res, rows, header: str) -> None:
         "backend": None if args.simulate else args.backend,
         "engine": None if args.simulate else args.engine,
         "streams": args.streams,
+        "ahead": None if args.simulate else args.ahead,
         "order": args.order,
         "repeat": args.repeat,
         "simulate": args.simulate,

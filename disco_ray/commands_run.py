@@ -1,7 +1,7 @@
 """`disco-ray run`: plan a TaskGraph (or take a given MemGraph) and run it on the ray or local engine.
 
     disco-ray run TASKGRAPH --inputs IN.npz --capacity 64MiB --out OUT.npz
-        [--plan MEMGRAPH] [--engine ray|local] [--backend cpu|cuda] [--streams 5] [--check]
+        [--plan MEMGRAPH] [--engine ray|local] [--backend cpu|cuda] [--streams 5] [--ahead 4] [--check]
         [--trace trace.json] [--seed 0] [--delay LO,HI] [--timeout S]
 
 Inputs and outputs are .npz files keyed by TaskGraph ids. Without --inputs, random inputs are
@@ -64,9 +64,7 @@ def add_run(sub) -> None:
     )
     p.add_argument("--plan", metavar="MEMGRAPH", help="run this MemGraph instead of planning")
     p.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
-    p.add_argument("--engine", choices=["ray", "local"], default="ray")
-    p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--streams", type=int, default=5, help="streams per GPU (default 5)")
+    add_engine_args(p)
     p.add_argument("--check", action="store_true", help="run the sanitizer (slower)")
     p.add_argument("--trace", metavar="TRACE.json", help="write a Chrome/Perfetto trace of the run")
     p.add_argument("--seed", type=int, default=0, help="seed of random inputs and of --delay")
@@ -127,6 +125,29 @@ def save_npz(path: str, tensors: Mapping) -> None:
         raise
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """--engine, --backend, --streams, --ahead (for `disco-ray run` and bench)."""
+    p.add_argument("--engine", choices=["ray", "local"], default="ray")
+    p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--streams", type=int, default=5, help="streams per GPU (default 5)")
+    p.add_argument(
+        "--ahead",
+        type=int,
+        default=4,
+        metavar="N",
+        help="kernels a stream may hold, launched, behind the one it runs (default 4; 0: launch when ready)",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """Program keyword arguments from the options of `add_engine_args`, checked."""
+    if args.streams < 1:
+        raise UsageError(f"--streams must be >= 1, got {args.streams}")
+    if args.ahead < 0:
+        raise UsageError(f"--ahead must be >= 0, got {args.ahead}")
+    return {"engine": args.engine, "backend": args.backend, "streams": args.streams, "ahead": args.ahead}
+
+
 def cmd_run(args) -> int:
     from . import formats
     from .reference import check_inputs, random_inputs
@@ -135,12 +156,10 @@ def cmd_run(args) -> int:
 
     if not str(args.out).endswith(".npz"):
         raise UsageError(f"--out {args.out}: the outputs are written as .npz")
-    if args.streams < 1:
-        raise UsageError(f"--streams must be >= 1, got {args.streams}")
+    kw = engine_kwargs(args)
     tg = formats.load_taskgraph(args.taskgraph)
     inputs = load_npz(args.inputs, tg) if args.inputs else random_inputs(tg, args.seed)
     check_inputs(tg, inputs)  # refused before anything is planned or started
-    kw = {"engine": args.engine, "backend": args.backend, "streams": args.streams}
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     if args.plan:

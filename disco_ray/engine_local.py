@@ -33,6 +33,7 @@ class LocalEngine:
         *,
         backend: str = "cpu",
         streams: int = 5,
+        ahead: int = 4,
         flush_s: float = 1e-3,
         **_: object,
     ):
@@ -54,6 +55,7 @@ class LocalEngine:
                         tg,
                         backend=backend,
                         streams=streams,
+                        ahead=ahead,
                         transport=transport,
                         report=self._report,
                         fail=self._fail,

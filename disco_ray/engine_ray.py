@@ -128,6 +128,7 @@ class RayEngine:
         *,
         backend: str = "cpu",
         streams: int = 5,
+        ahead: int = 4,
         flush_s: float = 1e-3,
         op_modules: Sequence[str] = (),
         num_cpus: int | None = None,
@@ -161,6 +162,7 @@ class RayEngine:
                             self.workers,
                             backend=backend,
                             streams=streams,
+                            ahead=ahead,
                             flush_s=flush_s,
                         )
                         for g, w in enumerate(self.workers)

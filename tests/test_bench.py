@@ -147,7 +147,9 @@ def test_bench_mismatch_fails_naming_the_mode(capsys, tmp_path, monkeypatch):
         ([*CHAIN, "bogus=1"], "has no parameter 'bogus'"),
         ([*CHAIN, "--simulate", "tpu"], "unknown device profile 'tpu'"),
         (["random_dag", "--modes", "torch_naive"], "no torch baseline for workload random_dag"),
-        ([*CHAIN, "--repeat", "0"], "--repeat and --streams must be >= 1"),
+        ([*CHAIN, "--repeat", "0"], "--repeat must be >= 1"),
+        ([*CHAIN, "--streams", "0"], "--streams must be >= 1, got 0"),
+        ([*CHAIN, "--ahead", "-1"], "--ahead must be >= 0, got -1"),
     ],
 )
 def test_bench_usage_errors(capsys, tmp_path, args, fragment):

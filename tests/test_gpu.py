@@ -7,6 +7,10 @@ choice is pure and also tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -87,6 +91,93 @@ def test_lane_turns_follow_submission_order():
     assert entered == [t for t in tickets if t % 2 == 0], "seed 5"
 
 
+# ---- the cuda backend's threads on a fake device (runs everywhere) ------------------------------
+class _FakeEvent:
+    """Host-side stand-in for torch.cuda.Event: work runs synchronously at launch, so an event is
+    complete once recorded."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        assert self.t is not None, "waited on an event never recorded"
+
+    def elapsed_time(self, end):
+        if self.t is None or end.t is None:
+            raise RuntimeError("event not recorded")
+        return (end.t - self.t) * 1e3
+
+
+class _FakeStream:
+    waited: list = []
+
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, ev):
+        assert ev.t is not None, "a stream waited on an event its launcher had not recorded"
+        _FakeStream.waited.append(ev)
+
+    def wait_stream(self, other):
+        pass
+
+
+def _fake_torch():
+    cuda = SimpleNamespace(
+        is_available=lambda: True,
+        current_device=lambda: 0,
+        set_device=lambda d: None,
+        synchronize=lambda d=None: None,
+        device=lambda d: contextlib.nullcontext(),
+        stream=lambda s: contextlib.nullcontext(),
+        current_stream=lambda: _FakeStream(),
+        Stream=_FakeStream,
+        Event=_FakeEvent,
+    )
+    return SimpleNamespace(
+        cuda=cuda,
+        device=lambda *a: torch.device("cpu"),
+        empty=lambda n, dtype, device=None, pin_memory=False: torch.zeros(n, dtype=dtype),
+        uint8=torch.uint8,
+    )
+
+
+@pytest.mark.parametrize("ahead", [0, 4])
+def test_cuda_backend_launcher_and_waiter_threads_on_a_fake_device(monkeypatch, ahead):
+    """The cuda backend's launch/wait threads, tickets, event waits and shutdown, with torch.cuda
+    replaced by host stand-ins (kernels run on the CPU at launch): outputs match the reference,
+    launch ahead waits on events, and nothing hangs."""
+    from actors import backend_cuda
+    from actors.executor import Executor
+
+    monkeypatch.setattr(backend_cuda, "torch", _fake_torch())
+    monkeypatch.setattr(backend_cuda, "_warm", lambda *a: None)
+    _FakeStream.waited = []
+    tg = random_taskgraph(404, n=60, gpus=1, size=16)
+    mg = plan(tg, "tight")
+    ex = Executor(0, mg, tg, backend=backend_cuda.CudaBackend(), streams=3, ahead=ahead)
+    try:
+        for run in range(2):
+            inputs = random_inputs(tg, run)
+            ex.begin(inputs, delay=(0, 2e-4), seed=run)
+            ex.dispatch(list(ex.core.mine))
+            assert ex.wait(timeout=60), "the run hung"
+            assert ex.error is None, ex.error
+            out = {k: ex.output(k, mg.outputs[k]) for k in tg.outputs}
+            _same(out, evaluate(tg, inputs), f"run {run} ahead {ahead}")
+            assert all(t0 <= t1 for _, _, t0, t1 in ex.trace)
+        assert (ex.launched_ahead > 0) == (ahead > 0)
+        assert bool(_FakeStream.waited) == (ahead > 0)
+        threads = list(ex.backend._threads)
+        assert len(threads) == 6  # a launcher and a waiter per stream
+    finally:
+        ex.close()
+    assert not any(t.is_alive() for t in threads)
+
+
 # ---- local engine: one process, every worker's arena on the GPU ---------------------------------
 @pytest.mark.gpu
 @needs_cuda
@@ -101,6 +192,24 @@ def test_local_engine_matches_reference(seed, mode):
             out = prog.run(inputs, check=True, delay=(0, 2e-4) if run else None, seed=run, timeout=120)
             _same(out, evaluate(tg, inputs), f"seed {seed} run {run} mode {mode}")
         assert prog.last_summary["vertices"] == len(mg)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("ahead", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_launch_ahead_on_cuda_matches_reference(seed, ahead):
+    """Kernels launched behind running predecessors (the stream waits on their events), on tight
+    plans whose ranges are reused at once: a missing wait shows as a wrong output. The sanitizer
+    is off (it turns launch ahead off on cuda), so the outputs are the check."""
+    tg = random_taskgraph(500 + seed, n=60, gpus=1 + seed % 2, size=64)
+    mg = plan(tg, "tight")
+    with Program(tg, mg, engine="local", backend="cuda", streams=3, ahead=ahead) as prog:
+        for run in range(3):
+            inputs = random_inputs(tg, run)
+            out = prog.run(inputs, delay=(0, 1e-4) if run == 2 else None, seed=run, timeout=120)
+            _same(out, evaluate(tg, inputs), f"seed {seed} run {run} ahead {ahead}")
+        assert sum(ex.launched_ahead for ex in prog.engine.execs) > 0
 
 
 @pytest.mark.gpu

@@ -243,11 +243,51 @@ def test_top_level_run_and_compile_plan_with_the_real_planner():
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), gpus=st.integers(1, 3), slack=st.integers(0, 8), streams=st.integers(1, 5))
-def test_property_any_capacity_any_order_same_result(seed, gpus, slack, streams):
-    """Between barely-fitting and roomy capacities, under random delays, outputs match the reference."""
+@given(
+    seed=st.integers(0, 10**6),
+    gpus=st.integers(1, 3),
+    slack=st.integers(0, 8),
+    streams=st.integers(1, 5),
+    ahead=st.integers(0, 4),
+)
+def test_property_any_capacity_any_order_same_result(seed, gpus, slack, streams, ahead):
+    """Between barely-fitting and roomy capacities, under random delays, with or without launch
+    ahead, outputs match the reference and the sanitizer finds no race."""
     tg = random_dag(40, gpus, seed)
     mg = build_memgraph(tg, tight_capacity(tg) + slack * 4096)
     inputs = random_inputs(tg, seed)
-    out = run_memgraph(tg, mg, inputs, engine=ENGINE, streams=streams, check=True, delay=(0, 3e-4), seed=seed)
-    assert_same(out, evaluate(tg, inputs), (seed, gpus, slack, streams))
+    out = run_memgraph(
+        tg, mg, inputs, engine=ENGINE, streams=streams, ahead=ahead, check=True, delay=(0, 3e-4), seed=seed
+    )
+    assert_same(out, evaluate(tg, inputs), (seed, gpus, slack, streams, ahead))
+
+
+def chain_graph(n: int = 12) -> TaskGraph:
+    """x -> silu -> scale -> silu ... on one GPU: every kernel waits on the one before."""
+    g = TaskGraph(gpus=1)
+    v = g.input("x", (16, 16))
+    for i in range(n):
+        v = g.silu(v, id=f"u{i}") if i % 2 == 0 else g.scale(v, 1.5, id=f"s{i}")
+    g.output(v)
+    return g
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 4])
+def test_launch_ahead_queues_kernels_behind_running_ones(ahead):
+    """Kernels of a chain are launched behind their running predecessor (waiting on it, checked by
+    the sanitizer under random delays), at most `ahead` per stream; ahead=0 launches when ready."""
+    tg = chain_graph()
+    inputs = random_inputs(tg, 3)
+    prog = Program(tg, plan(tg, "roomy"), engine=ENGINE, streams=2, ahead=ahead)
+    with prog:
+        out = prog.run(inputs, check=True, delay=(0, 2e-3), seed=ahead, trace=None)
+        (ex,) = prog.engine.execs
+        stats = ex.statistics()
+    assert_same(out, evaluate(tg, inputs))
+    kernels = sum(1 for v in prog.mg.vertices if v.kind is MKind.KERNEL)
+    if ahead == 0:
+        assert stats["launched_ahead"] == 0
+    else:  # the chain's kernels all go behind their predecessor, on its stream
+        assert stats["launched_ahead"] == kernels, stats
+        assert {s for vid, s, *_ in ex.trace if vid != 0} == {0}, ex.trace
+    assert max(ex._depth) == 0 and not ex._inflight

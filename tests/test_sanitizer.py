@@ -53,7 +53,8 @@ def test_partial_overwrite_unwritten_and_in_flight_writes_are_named():
 def racy_memgraph(with_mem_edge: bool) -> tuple[TaskGraph, MemGraph]:
     """silu(y) overwrites x's range while silu(x) still needs it; only a memory edge orders them.
 
-    Ids put the overwriter first, so one stream (lowest id first) runs it before the reader.
+    Ids put the overwriter first, so one stream (lowest id first, no launch ahead) runs it
+    before the reader.
     """
     tg = TaskGraph(gpus=1)
     tg.input("x", (8, 8))
@@ -91,7 +92,7 @@ def test_a_missing_memory_edge_is_caught():
         match=r"sanitizer: vertex 3 \(kernel 'sx'\) .* reads 'x' .*expected the write "
         r"of vertex 0 \(input 'x'\), found vertex 2 \(kernel 'sy'\)",
     ):
-        run_memgraph(tg, bad, inputs, engine="local", streams=1, check=True)
+        run_memgraph(tg, bad, inputs, engine="local", streams=1, ahead=0, check=True)
     # without the sanitizer the run "succeeds" with a wrong result: what the check is for
-    out = run_memgraph(tg, bad, inputs, engine="local", streams=1)
+    out = run_memgraph(tg, bad, inputs, engine="local", streams=1, ahead=0)
     assert not out["sx"].allclose(inputs["x"] * inputs["x"].sigmoid())

@@ -120,6 +120,35 @@ def test_worker_core_runs_a_chain_locally_lowest_id_first():
     assert w.pop() == 3
 
 
+def test_worker_core_queues_kernels_behind_launched_predecessors():
+    # 0 input -> 1 kernel -> 2 kernel; 0 -> 3 reload (a copy: never queued); 4 kernel on gpu 1 -> 2
+    kinds = {0: MKind.INPUT, 3: MKind.RELOAD}
+    mg = mgraph([0, 0, 0, 0, 1], [(0, 1), (1, 2), (0, 3), (4, 2)], kinds)
+    w = WorkerCore(mg, 0)
+    w.dispatch([0, 1, 3])
+    assert w.pop() == 0 and w.pop() is None
+    assert w.pop_queued() is None  # nothing launched yet
+    w.launch(0)
+    assert w.pop_queued() == 1  # its one predecessor is launched
+    assert w.pop_queued() is None  # 3 is a copy: it waits until 0 is done
+    w.launch(1)
+    assert w.pop_queued() is None  # 2 is not dispatched yet (its predecessor 4 is on gpu 1)
+    w.dispatch([2])
+    assert w.pop_queued() == 2
+    w.requeue([2])  # found no stream: back in the queue
+    w.complete(0)
+    assert w.pop() == 3  # ready now; 1 was launched, so it is not ready a second time
+    assert w.pop() is None
+    w.complete(1)
+    assert w.pop() == 2  # its predecessors are done: served as ready ...
+    assert w.pop_queued() is None  # ... and no longer as queued
+    w.launch(2)
+    w.complete(2)
+    w.launch(3)
+    w.complete(3)
+    assert w.finished
+
+
 def test_worker_core_waits_for_dispatch_of_remote_ready_vertices():
     mg = mgraph([0, 1, 0], [(0, 2), (1, 2)])
     w = WorkerCore(mg, 0)
