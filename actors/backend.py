@@ -72,11 +72,13 @@ class CpuBackend:
     name = "cpu"
     device = torch.device("cpu")
     async_launch = False  # `work` has finished when it returns
+    default_ahead = 0  # a stream thread runs its work itself: launching ahead gains nothing
 
     def __init__(self) -> None:
         self._queues: list[queue.SimpleQueue] = []
         self._threads: list[threading.Thread] = []
-        self._finished: dict[int, threading.Event] = {}  # vid -> set once its `done` returned
+        # vid -> set once its `done` returned; made only for a vertex another one waits on
+        self._finished: dict[int, threading.Event] = {}
 
     def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
@@ -99,9 +101,10 @@ class CpuBackend:
             vid, waits = get()
             if vid == _STOP:
                 return
-            mine = finished[vid]  # taken now: a next run makes a new one once `done` ends this one
             for u in waits:
-                finished[u].wait()
+                ev = finished.get(u)
+                if ev is not None:  # None: u finished and dropped its event already
+                    ev.wait()
             exc = None
             t0 = clock()
             try:
@@ -111,10 +114,16 @@ class CpuBackend:
             try:
                 done(vid, s, t0, clock(), exc)
             finally:
-                mine.set()
+                ev = finished.pop(vid, None)
+                if ev is not None:
+                    ev.set()
 
     def submit(self, stream: int, vid: int, waits: tuple[int, ...] = ()) -> None:
-        self._finished[vid] = threading.Event()  # before any vertex that waits on it is submitted
+        # the executor submits under its lock, and a vertex of `waits` has not had its `done`
+        # yet (it counts as running), so its event is made here before it could be looked up
+        for u in waits:
+            if u not in self._finished:
+                self._finished[u] = threading.Event()
         self._queues[stream].put((vid, waits))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:

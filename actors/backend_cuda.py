@@ -68,6 +68,7 @@ class CudaBackend:
     name = "cuda"
     stages_inputs = True  # the executor copies graph inputs into a pinned buffer from `alloc`
     async_launch = True  # `work` only enqueues: it has not run when it returns
+    default_ahead = 4  # the host prepares the next kernels of a chain while the device runs
 
     def __init__(self, device: int | str | torch.device | None = None, workspace: int | None = None):
         if not torch.cuda.is_available():

@@ -106,16 +106,17 @@ class Executor:
         report: Report | None = None,
         fail: Fail | None = None,
         flush_s: float = 1e-3,
-        ahead: int = 4,
+        ahead: int | None = None,
     ):
         if streams < 1:
             raise RunError(f"gpu:{gpu}: streams must be >= 1, got {streams}")
-        if ahead < 0:
+        if ahead is not None and ahead < 0:
             raise RunError(f"gpu:{gpu}: ahead must be >= 0, got {ahead}")
         self.gpu, self.mg, self.tg = gpu, mg, tg
         self.backend = make_backend(backend) if isinstance(backend, str) else backend
         self.streams = streams
-        self.ahead = ahead
+        # None: the backend's default (cuda 4; cpu 0, where a stream thread runs its work itself)
+        self.ahead = getattr(self.backend, "default_ahead", 0) if ahead is None else ahead
         self.transport = transport
         self._report = report
         self._fail_cb = fail
@@ -162,7 +163,7 @@ class Executor:
         self._inflight: dict[int, tuple[int, int]] = {}  # vid -> (launch number, stream)
         self._launches = 0
         self.launched_ahead = 0  # this run's vertices launched behind running predecessors
-        self._ahead = ahead  # this run's: 0 while the sanitizer runs on an asynchronous backend
+        self._ahead = self.ahead  # this run's: 0 while the sanitizer runs on an asynchronous backend
         self.trace: list[tuple[int, int, int, int]] = []
         self.reports = 0
         self.backend.open(streams, self._work, self._done)
@@ -269,7 +270,7 @@ class Executor:
             self._ahead = 0 if check and getattr(self.backend, "async_launch", False) else self.ahead
             self._delay = delay
             self._rng = random.Random(seed * 7919 + self.gpu)
-            self.core.start()
+            self.core.start(ahead=self._ahead > 0)
             self.trace = []
             self._done_q.clear()
             self._error = None
@@ -308,28 +309,30 @@ class Executor:
             vid = core.pop_queued()
             if vid is None:
                 break
-            waits = tuple(u for u in core.local_preds[vid] if u in inflight)  # launched, not done
-            s = max(inflight[u] for u in waits)[1]  # behind the most recently launched of them
+            running = [u for u in core.local_preds[vid] if u in inflight]  # launched, not done
+            s = max(inflight[u] for u in running)[1]  # behind the most recently launched of them
             if depth[s] < limit:
-                self._launch(vid, s, waits)
+                # what runs on stream s finishes before vid starts there: no wait for it
+                self.launched_ahead += 1
+                self._launch(vid, s, tuple(u for u in running if inflight[u][1] != s))
             else:
                 aside.append(vid)
         core.requeue(aside)
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> None:
         # caller holds the lock
-        self._launches += 1
-        self._inflight[vid] = (self._launches, s)
-        self._depth[s] += 1
         self._running += 1
-        if waits:
-            self.launched_ahead += 1
-        self.core.launch(vid)
+        self._depth[s] += 1
+        if self._ahead:
+            self._launches += 1
+            self._inflight[vid] = (self._launches, s)
+            self.core.launch(vid)
         self.backend.submit(s, vid, waits)
 
     def _landed(self, vid: int, s: int) -> None:
         # caller holds the lock: `vid` left stream `s`
-        self._inflight.pop(vid, None)
+        if self._ahead:
+            del self._inflight[vid]
         d = self._depth[s] - 1
         self._depth[s] = d
         if d == 0:

@@ -47,7 +47,7 @@ class GpuWorker:
         *,
         backend: str = "cpu",
         streams: int = 5,
-        ahead: int = 4,
+        ahead: int | None = None,
         flush_s: float = 1e-3,
     ) -> dict:
         """Drops the previous graph and allocates the arena and host store of `mg` for GPU `gpu`."""

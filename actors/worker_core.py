@@ -44,7 +44,9 @@ class WorkerCore:
         self._preds0 = preds
         self.start()
 
-    def start(self) -> None:
+    def start(self, ahead: bool = True) -> None:
+        """A new run; `ahead`: track launches for launch ahead (`launch`, `pop_queued`)."""
+        self.ahead = ahead
         self.left = dict(self._preds0)  # local predecessors not done
         self.unlaunched = dict(self._preds0)  # local predecessors not launched
         self.dispatched: set[int] = set()
@@ -63,12 +65,14 @@ class WorkerCore:
             self.dispatched.add(v)
             if self.left[v] == 0:
                 heapq.heappush(self.ready, v)
-            elif self.unlaunched[v] == 0 and v in self.kernels:
+            elif self.ahead and self.unlaunched[v] == 0 and v in self.kernels:
                 heapq.heappush(self.queued, v)
 
     def launch(self, vid: int) -> None:
         """`vid` was handed to a stream; its kernel successors whose every local predecessor is now
-        launched become queued."""
+        launched become queued (only while tracking launches: `start(ahead=True)`)."""
+        if not self.ahead:
+            return
         self.launched.add(vid)
         for w in self.local_succs.get(vid, ()):
             k = self.unlaunched[w] - 1

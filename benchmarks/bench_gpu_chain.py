@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--weights", type=int, default=3, help="weight tiles the capacity holds")
     ap.add_argument("--streams", type=int, default=5)
+    ap.add_argument("--ahead", type=int, help="kernels launched ahead per stream (default: the backend's, 4)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--engines", default="local,ray")
     ap.add_argument("--trace", default="", help="folder for the best run's trace JSON per engine")
@@ -182,7 +183,7 @@ def main() -> None:
     rows = []
     for engine in [e for e in args.engines.split(",") if e]:
         t0 = time.perf_counter()
-        with Program(tg, mg, engine=engine, backend="cuda", streams=args.streams) as prog:
+        with Program(tg, mg, engine=engine, backend="cuda", streams=args.streams, ahead=args.ahead) as prog:
             best = None
             for r in range(args.repeat + 1):  # run 0 warms the caching allocator and cuBLAS
                 res = prog.run(inputs, timeout=600)

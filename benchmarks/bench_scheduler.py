@@ -58,10 +58,17 @@ def wide(n: int, gpus: int, width: int = 200) -> tuple[TaskGraph, MemGraph]:
 
 
 def bench(
-    engine: str, name: str, tg: TaskGraph, mg: MemGraph, repeat: int, streams: int, flush_s: float
+    engine: str,
+    name: str,
+    tg: TaskGraph,
+    mg: MemGraph,
+    repeat: int,
+    streams: int,
+    flush_s: float,
+    ahead: int | None,
 ) -> dict:
     with Program(
-        tg, mg, engine=engine, streams=streams, flush_s=flush_s, op_modules=["actors.testops"]
+        tg, mg, engine=engine, streams=streams, ahead=ahead, flush_s=flush_s, op_modules=["actors.testops"]
     ) as prog:
         prog.run({})  # warm up: actors started, graph loaded
         best = float("inf")
@@ -91,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--streams", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ahead", type=int, help="kernels launched ahead per stream (default: the backend's)")
     ap.add_argument("--flush-ms", type=float, default=1.0, help="longest a busy worker holds back reports")
     ap.add_argument("--width", type=int, default=1000, help="vertices per layer of the wide graph")
     ap.add_argument("--engines", default="local,ray")
@@ -110,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 ray_started = True
         for name in args.graphs.split(","):
             tg, mg = graphs[name](args.n, args.gpus)
-            r = bench(engine, name, tg, mg, args.repeat, args.streams, args.flush_ms / 1e3)
+            r = bench(engine, name, tg, mg, args.repeat, args.streams, args.flush_ms / 1e3, args.ahead)
             rows.append(r)
             print(
-                f"{engine:6s} {name:6s} {r['vertices']:6d} vertices  {r['seconds'] * 1e3:8.1f} ms  "
+                f"{engine:6s} {name:6s} ahead {args.ahead} {r['vertices']:6d} vertices  {r['seconds'] * 1e3:8.1f} ms  "
                 f"{r['vertices_per_s']:9.0f} vertices/s  {r['us_per_vertex']:6.1f} us/vertex  "
                 f"(cross-worker edges {r['cross_edges']}, dispatch msgs {r['dispatch_msgs']}, "
                 f"report batches {r['report_batches']})",

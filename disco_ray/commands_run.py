@@ -1,7 +1,7 @@
 """`disco-ray run`: plan a TaskGraph (or take a given MemGraph) and run it on the ray or local engine.
 
     disco-ray run TASKGRAPH --inputs IN.npz --capacity 64MiB --out OUT.npz
-        [--plan MEMGRAPH] [--engine ray|local] [--backend cpu|cuda] [--streams 5] [--ahead 4] [--check]
+        [--plan MEMGRAPH] [--engine ray|local] [--backend cpu|cuda] [--streams 5] [--ahead N] [--check]
         [--trace trace.json] [--seed 0] [--delay LO,HI] [--timeout S]
 
 Inputs and outputs are .npz files keyed by TaskGraph ids. Without --inputs, random inputs are
@@ -133,9 +133,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ahead",
         type=int,
-        default=4,
         metavar="N",
-        help="kernels a stream may hold, launched, behind the one it runs (default 4; 0: launch when ready)",
+        help="kernels a stream may hold, launched, behind the one it runs (0: launch when ready; "
+        "default: 4 on cuda, 0 on cpu)",
     )
 
 
@@ -143,7 +143,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """Program keyword arguments from the options of `add_engine_args`, checked."""
     if args.streams < 1:
         raise UsageError(f"--streams must be >= 1, got {args.streams}")
-    if args.ahead < 0:
+    if args.ahead is not None and args.ahead < 0:
         raise UsageError(f"--ahead must be >= 0, got {args.ahead}")
     return {"engine": args.engine, "backend": args.backend, "streams": args.streams, "ahead": args.ahead}
 

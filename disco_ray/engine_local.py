@@ -33,7 +33,7 @@ class LocalEngine:
         *,
         backend: str = "cpu",
         streams: int = 5,
-        ahead: int = 4,
+        ahead: int | None = None,
         flush_s: float = 1e-3,
         **_: object,
     ):

@@ -128,7 +128,7 @@ class RayEngine:
         *,
         backend: str = "cpu",
         streams: int = 5,
-        ahead: int = 4,
+        ahead: int | None = None,
         flush_s: float = 1e-3,
         op_modules: Sequence[str] = (),
         num_cpus: int | None = None,

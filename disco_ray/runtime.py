@@ -51,7 +51,8 @@ class Program:
         backend: "cpu" (arena in host memory, streams are threads) or "cuda" once available.
         streams: streams per GPU (TURNIP appendix A uses 5).
         ahead: how many kernels a stream may hold behind the one it runs, launched before their
-            predecessors on that GPU finished (the stream waits on them); 0: launch when ready.
+            predecessors on that GPU finished (the stream waits on them); 0: launch when ready;
+            None: the backend's default (cuda 4, cpu 0).
         op_modules: modules the workers import before loading (extra ops, e.g. "actors.testops").
         flush_s: longest a worker holds back a completion report while busy.
         num_cpus: CPUs of a Ray the engine starts (default: all).
@@ -68,7 +69,7 @@ class Program:
         engine: str = "ray",
         backend: str = "cpu",
         streams: int = 5,
-        ahead: int = 4,
+        ahead: int | None = None,
         op_modules: Sequence[str] = (),
         flush_s: float = 1e-3,
         num_cpus: int | None = None,
