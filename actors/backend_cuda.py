@@ -145,7 +145,11 @@ class CudaBackend:
                     return
                 evs = events.get(vid)
                 if evs is None:
-                    evs = events[vid] = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+                    evs = events[vid] = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
                 start, end, local.lane_start = evs
                 local.lane_used = False
                 local.ticket = ticket

@@ -196,13 +196,15 @@ class Executor:
         local = tuple((r.value, r.loc, r.src) for r in v.ins if r.loc.device in (self.gpu, HOST))
         if v.kind is MKind.KERNEL:
             tv = self.tg[v.value]
+            op = tv.op
+            assert op is not None  # a kernel vertex names its op
             return _Plan(
                 K_KERNEL,
                 v.value,
                 self._typed(v.out, v.value, v.id),
                 [self._typed(r.loc, r.value, v.id) for r in v.ins],
-                tv.op,
-                OPS[tv.op].full_attrs(tv.attrs),
+                op,
+                OPS[op].full_attrs(tv.attrs),
                 out_loc=v.out,
                 checks=local,
             )
@@ -298,13 +300,15 @@ class Executor:
         # caller holds the lock
         core, free = self.core, self._free
         while free and core.ready and self._error is None:
-            self._launch(core.pop(), free.pop(), ())
+            vid = core.pop()
+            assert vid is not None  # core.ready is not empty
+            self._launch(vid, free.pop(), ())
         if not self._ahead or not core.queued or self._error is not None:
             return
         limit, depth, inflight = self._ahead + 1, self._depth, self._inflight
         if min(depth) >= limit:
             return
-        aside = []
+        aside: list[int] = []
         while len(aside) < 2 * self.streams:  # bounded: the lowest ids whose stream is full wait
             vid = core.pop_queued()
             if vid is None:
@@ -349,15 +353,18 @@ class Executor:
         if san is not None:
             for value, loc, src in p.checks:
                 san.check_read(vid, value, loc, src, "before it ran")
+            assert p.out_loc is not None  # every plan has one
             san.begin_write(p.out_loc, vid)
         k = p.kind
         if k == K_KERNEL:
+            assert p.op is not None and p.attrs is not None  # a kernel's plan has both
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
         elif k == K_COPY:
             self.backend.copy(p.out, p.ins[0])
         elif k == K_TRANSFER:
             if self.transport is None:
                 raise RunError(f"gpu:{self.gpu}: no transport for {describe(self.mg, vid)}")
+            assert p.src_loc is not None  # a transfer's plan has one
             self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
         else:
             self.backend.copy(p.out, self._inputs[p.value])
@@ -368,6 +375,7 @@ class Executor:
             try:
                 for value, loc, src in p.checks:
                     self._sanitizer.check_read(vid, value, loc, src, "after it ran")
+                assert p.out_loc is not None  # every plan has one
                 self._sanitizer.end_write(p.out_loc, vid)
             except RunError as e:
                 exc = e

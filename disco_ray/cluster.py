@@ -35,7 +35,8 @@ def connect(address: str, **kw: Any) -> None:
     if ray.is_initialized():
         return
     try:
-        ray.init(address=address, logging_level="WARNING", **kw)
+        # ray.init takes a level name too (setup_logger converts it); its annotation says int
+        ray.init(address=address, logging_level="WARNING", **kw)  # type: ignore[arg-type]
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise RunError(f"cannot connect to the Ray cluster at {address!r}: {e}") from None
 

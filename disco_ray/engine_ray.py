@@ -73,7 +73,7 @@ class RayPool:
                 num_cpus=self.num_cpus or os.cpu_count(),
                 num_gpus=gpus,
                 include_dashboard=False,
-                logging_level="WARNING",
+                logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
             )
             self.started_ray = True
         mods = tuple(dict.fromkeys((*self.op_modules, *op_modules)))

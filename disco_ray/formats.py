@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import overload
 
 import msgpack
 
@@ -59,7 +60,13 @@ def _with_path(exc: GraphError, path) -> GraphError:
     return type(exc)(msg if msg.startswith(str(path)) else f"{path}: {msg}")
 
 
-def _load(path: str | os.PathLike, kind: type | None) -> TaskGraph | MemGraph:
+@overload
+def _load(path: str | os.PathLike, kind: type[TaskGraph]) -> TaskGraph: ...
+@overload
+def _load(path: str | os.PathLike, kind: type[MemGraph]) -> MemGraph: ...
+@overload
+def _load(path: str | os.PathLike, kind: None) -> TaskGraph | MemGraph: ...
+def _load(path: str | os.PathLike, kind: type[TaskGraph] | type[MemGraph] | None) -> TaskGraph | MemGraph:
     """Reads a document and parses it as `kind` (None: by its "format" field)."""
     doc = read_doc(path)
     if kind is None:

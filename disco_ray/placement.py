@@ -124,11 +124,12 @@ def describe(info: dict, mg, backend: str, opened: dict[str, str] | None = None)
     """
     nodes = [w["node_id"] for w in info["workers"]]
     paths = transfer_paths(nodes, backend, [p for p in transfer_pairs(mg) if max(p) < len(nodes)])
-    for key in paths if opened else ():
-        a, b = sorted(int(x) for x in key.split("->"))
-        got = opened.get(f"{a}-{b}")
-        if got is not None:
-            paths[key] = OPENED.get(got, got)
+    if opened:
+        for key in paths:
+            a, b = sorted(int(x) for x in key.split("->"))
+            got = opened.get(f"{a}-{b}")
+            if got is not None:
+                paths[key] = OPENED.get(got, got)
     counts: dict[str, int] = {}
     for p in paths.values():
         counts[p] = counts.get(p, 0) + 1

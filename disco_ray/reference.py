@@ -41,6 +41,7 @@ def evaluate(
         elif v.kind is Kind.TRANSFER:
             vals[v.id] = vals[v.inputs[0]].clone()
         else:
+            assert v.op is not None  # a kernel vertex names its op
             out = torch.empty(v.shape, dtype=torch_dtype(v.dtype), device=device)
             run_kernel(v.op, out, [vals[i] for i in v.inputs], v.attrs)
             vals[v.id] = out

@@ -11,6 +11,7 @@ import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import cast
 
 from . import ops
 from .dtypes import ITEMSIZE, nbytes
@@ -256,7 +257,7 @@ class TaskGraph:
         raw = doc.get("vertices")
         if not isinstance(raw, list):
             raise FormatError('taskgraph: "vertices" must be a list')
-        g = cls(doc.get("gpus"))
+        g = cls(cast(int, doc.get("gpus")))  # __init__ checks it
         by_id: dict[str, dict] = {}
         for n, r in enumerate(raw):
             if not isinstance(r, dict):

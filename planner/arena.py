@@ -14,6 +14,8 @@ Free-range choice (TURNIP section 6): among places that fit, the one whose newes
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Mapping
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -55,6 +57,15 @@ def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         table[k, : n - span] = np.minimum(table[k - 1, : n - span], table[k - 1, span:])
     level = np.log2(length).astype(np.int64)
     return np.minimum(table[level, lo], table[level, hi - (1 << level)])
+
+
+class Victim(Protocol):
+    """What `best_window` reads of an owner (the planner's Inst)."""
+
+    @property
+    def dist(self) -> float: ...
+    @property
+    def off(self) -> int: ...
 
 
 class Block:
@@ -208,7 +219,7 @@ class Arena:
 
     # ---- eviction -----------------------------------------------------------------------------
     def best_window(
-        self, size: int, pinned: dict[int, object], at: int | None = None
+        self, size: int, pinned: Mapping[int, Victim], at: int | None = None
     ) -> tuple[int, list[Block]] | None:
         """The window of `size` bytes whose evicted owners' minimum distance is largest.
 
@@ -219,6 +230,8 @@ class Arena:
         Windows start at block starts; numpy does every window at once (a sparse-table range minimum).
         """
         blocks = self.blocks
+        capacity = self.capacity
+        assert capacity is not None  # a GPU arena: host stores grow instead
         if at is not None:
             i = self._find(at)
             j = i
@@ -229,10 +242,11 @@ class Arena:
                         return None
                     victims.append(blocks[j])
                 j += 1
-            return (at, victims) if at + size <= self.capacity else None
+            return (at, victims) if at + size <= capacity else None
         offs = np.array(self.offs, dtype=np.int64)
         # per block: its owner's distance (inf: free; _FAR: an owner never used again; -1: may not move)
-        keys = np.array([_INF if o is None else o.dist for o in self.owner_at], dtype=np.float64)
+        owner_at = cast("list[Victim | None]", self.owner_at)  # every owner here is one
+        keys = np.array([_INF if o is None else o.dist for o in owner_at], dtype=np.float64)
         owned = keys < _INF
         keys[keys == _INF] = _FAR
         keys[~owned] = _INF
@@ -244,7 +258,7 @@ class Arena:
         moves[:-1] = offs[1:] - offs[:-1]
         moves[-1] = self.top - offs[-1]
         moves *= owned
-        starts = np.flatnonzero(offs + size <= self.capacity)
+        starts = np.flatnonzero(offs + size <= capacity)
         if not len(starts):
             return None
         ends = np.searchsorted(offs, offs[starts] + size)  # window i covers blocks [i, ends)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from disco_ray.errors import CapacityError, PlanError
 from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
@@ -61,6 +62,7 @@ class Planner:
         self.next = dict.fromkeys(self.order, 0)  # index into uses[value] of the next unexecuted use
         self.outputs = set(tg.outputs)
         self.allocated = [False] * len(self.order)
+        self.alloc_hzn = 0  # the allocation horizon (run() moves it)
         self.step = 0
         self.seq = 0
         self.nbytes = {v.id: v.nbytes for v in tg}
@@ -82,6 +84,7 @@ class Planner:
     def _check_fits(self) -> None:
         for v, g, need in vertex_needs(self.tg, self.arenas[0].align):
             cap = self.arenas[g].capacity
+            assert cap is not None  # GPU arenas are bounded
             if need > cap:
                 what = "its output" if v.kind is Kind.INPUT else "its inputs plus output"
                 raise CapacityError(
@@ -123,6 +126,7 @@ class Planner:
             self.counts["evictions"] += 1
             host = self.hosts[inst.gpu]
             hoff = host.best_free(inst.size)
+            assert hoff is not None  # a host store always has room
             o = self._new(MKind.OFFLOAD, inst.value, inst.gpu, key or self._aux_key())
             ghosts = host.take(hoff, inst.size, o)
             rec = self.recs[o]
@@ -152,7 +156,9 @@ class Planner:
         self.allocated[inst.pos] = False
         self.alloc_hzn = min(self.alloc_hzn, inst.pos)
 
-    def _make_room(self, gpu: int, size: int, pinned: dict[int, Inst], at: int | None = None) -> int | None:
+    def _make_room(
+        self, gpu: int, size: int, pinned: Mapping[int, Inst], at: int | None = None
+    ) -> int | None:
         """Evicts or retracts the best victims for `size` bytes on `gpu`; returns the freed offset."""
         arena = self.arenas[gpu]
         if at is None:
@@ -164,7 +170,7 @@ class Planner:
             return None
         off, victims = found
         for b in victims:
-            inst = b.owner
+            inst = cast(Inst, b.owner)  # a GPU arena's owners are Insts
             if inst.produced:
                 self._evict(inst)
             else:
@@ -260,7 +266,9 @@ class Planner:
             src = inst.src
             if deps.get(src) == "mem":
                 self.counts["superfluous_mem_edges"] += 1
-                rec.alloc_deps.discard(src)  # a mem dep exists only if it came from an allocation
+                alloc_deps = rec.alloc_deps
+                assert alloc_deps is not None  # a mem dep exists only if it came from an allocation
+                alloc_deps.discard(src)
             deps[src] = "data"
             inst.readers.append(r)
         rec.ins = [(x, resident[x].src, resident[x].loc) for x in v.inputs]
@@ -285,6 +293,7 @@ class Planner:
         self.arenas[inst.gpu].release(inst.off, tuple(inst.readers) or (inst.src,), self.step)
         if value in self.host and self.host[value][1] is not None:
             loc, o = self.host.pop(value)
+            assert o is not None  # checked above
             self.hosts[inst.gpu].release(loc.offset, tuple(self.host_readers.pop(value)) or (o,), self.step)
 
     def run(self) -> None:
@@ -335,7 +344,9 @@ class Planner:
         for new, old in enumerate(live):
             rec = recs[old]
             ins = tuple(Read(val, None if src is None else new_id[src], loc) for val, src, loc in rec.ins)
-            verts.append(MemVertex(new, rec.kind, rec.value, rec.gpu, ins, rec.out))
+            out = rec.out
+            assert out is not None  # live
+            verts.append(MemVertex(new, rec.kind, rec.value, rec.gpu, ins, out))
             edges += [(new_id[u], new, kind) for u, kind in rec.deps.items()]
         bad = next((e for e in edges if e[0] >= e[1]), None)
         if bad is not None:  # section 7: every edge points forward in V
@@ -343,7 +354,12 @@ class Planner:
         outputs = {}
         for o in self.tg.outputs:
             inst = self.resident.get(o)
-            outputs[o] = new_id[inst.src] if inst is not None else new_id[self.host[o][1]]
+            if inst is not None:
+                outputs[o] = new_id[inst.src]
+            else:
+                off_rec = self.host[o][1]
+                assert off_rec is not None  # run() brought back every output the host holds no offload of
+                outputs[o] = new_id[off_rec]
         moved = {k: 0 for k in ("offload", "reload")}
         for v in verts:
             if v.kind in (MKind.OFFLOAD, MKind.RELOAD):

@@ -118,10 +118,12 @@ def execute(
     if policy not in ("uniform", "priority"):
         raise ValueError(f"policy must be 'uniform' or 'priority', got {policy!r}")
     prio = [rng.random() for _ in verts] if policy == "priority" else None
-    ready = [i for i, c in enumerate(waiting) if c == 0]
+    ready = [i for i, c in enumerate(waiting) if c == 0]  # policy "uniform"
+    heap: list[tuple[float, int]] = []  # policy "priority": (priority, vertex)
     if prio is not None:
-        ready = [(prio[i], i) for i in ready]
-        heapq.heapify(ready)
+        heap = [(prio[i], i) for i in ready]
+        heapq.heapify(heap)
+        ready = []
     running: list[int] = []
     done = 0
 
@@ -171,16 +173,16 @@ def execute(
                 if prio is None:
                     ready.append(w)
                 else:
-                    heapq.heappush(ready, (prio[w], w))
+                    heapq.heappush(heap, (prio[w], w))
 
-    while ready or running:
-        if ready and len(running) < in_flight and (not running or rng.random() < 0.5):
+    while ready or heap or running:
+        if (ready or heap) and len(running) < in_flight and (not running or rng.random() < 0.5):
             if prio is None:
                 k = rng.randrange(len(ready))
                 ready[k], ready[-1] = ready[-1], ready[k]
                 start(ready.pop())
             else:
-                start(heapq.heappop(ready)[1])
+                start(heapq.heappop(heap)[1])
         else:
             k = rng.randrange(len(running))
             running[k], running[-1] = running[-1], running[k]
@@ -193,8 +195,8 @@ def execute(
         if vid is None or vid not in pos:
             raise VerifyError(f"output {name!r}: no MemGraph vertex holds it")
         o = verts[pos[vid]]
-        k, a, b = m.segs(o.out, o.gpu)
-        for tag in arenas[k][a:b]:
+        seg_key, a, b = m.segs(o.out, o.gpu)
+        for tag in arenas[seg_key][a:b]:
             if tag < 0 or verts[tag].value != name:
                 raise VerifyError(
                     f"output {name!r} at {_name(o.out, o.gpu)} (vertex {vid}): at the end "

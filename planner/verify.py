@@ -343,21 +343,21 @@ def _check_races(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarr
         if o.out.nbytes:
             queries[_key(o.out, o.gpu)].append((o.out.offset, o.out.end, j, -1, -1))
     for key in sorted(queries):
-        for s, w, r, n in _racing_pairs(writers.get(key, []), queries[key], anc):
+        for s, w, reader, n in _racing_pairs(writers.get(key, []), queries[key], anc):
             sv, wv = verts[s], verts[w]
-            if r < 0:
+            if reader < 0:
                 sink.add(
                     f"output {sv.value!r} of {describe(sv)} at {where(sv.out, sv.gpu)} may be overwritten: "
                     f"{describe(wv)} writes {where(wv.out, wv.gpu)} and is not an ancestor of {sv.id}"
                 )
-            elif r == w:
+            elif reader == w:
                 rd = wv.ins[n]
                 sink.add(
                     f"{describe(wv)}: output {where(wv.out, wv.gpu)} overlaps its own input "
                     f"{rd.value!r} at {where(rd.loc, wv.gpu)}"
                 )
             else:
-                rv = verts[r]
+                rv = verts[reader]
                 rd = rv.ins[n]
                 sink.add(
                     f"race: {describe(wv)} writes {where(wv.out, wv.gpu)}, overlapping {rd.value!r} at "
