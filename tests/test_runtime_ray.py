@@ -31,13 +31,18 @@ def test_random_graphs_match_reference_under_random_delays(pool, mode):  # noqa:
                 assert_same(out, evaluate(tg, inputs), (seed, run))
 
 
-def test_workload_random_dags_with_tight_capacity(pool):  # noqa: F811
+@pytest.mark.parametrize("ahead", [None, 2])
+def test_workload_random_dags_with_tight_capacity(pool, ahead):  # noqa: F811
+    """Also with launch ahead across Ray workers (the sanitizer checks every read under it)."""
+    launched_ahead = 0
     for seed in range(3):
         tg = random_dag(80, 2 + seed % 2, seed)
         inputs = random_inputs(tg, seed)
-        with Program(tg, plan(tg, "tight"), engine="ray", pool=pool) as prog:
+        with Program(tg, plan(tg, "tight"), engine="ray", pool=pool, ahead=ahead) as prog:
             out = prog.run(inputs, check=True, delay=(0, 5e-4), seed=seed, timeout=120)
+            launched_ahead += sum(w["launched_ahead"] for w in prog.statistics()["engine"]["workers"])
         assert_same(out, evaluate(tg, inputs), seed)
+    assert (launched_ahead > 0) == (ahead is not None), launched_ahead  # cpu backend default: 0
 
 
 def test_trace_has_every_gpu_and_vertex(pool, tmp_path):  # noqa: F811
