@@ -160,13 +160,21 @@ def test_worker_core_waits_for_dispatch_of_remote_ready_vertices():
     assert w.pop() == 2
 
 
-def simulate(mg: MemGraph, rng: random.Random, streams: int = 2) -> list[int]:
-    """Cores + a random message schedule: reports and dispatches are delayed and batched at random."""
+def simulate(mg: MemGraph, rng: random.Random, streams: int = 2, ahead: bool = False) -> list[int]:
+    """Cores + a random message schedule: reports and dispatches are delayed and batched at random.
+
+    With `ahead`, queued kernels are also launched (into `waiting`, the way an executor hands
+    them to a stream) and start only once their predecessors are done."""
     s = Scheduler(mg)
     cores = [WorkerCore(mg, g) for g in range(mg.gpus)]
+    for c in cores:
+        c.start(ahead=ahead)
+    gpu_of = {v.id: v.gpu for v in mg}
     preds: dict[int, set[int]] = {v.id: set() for v in mg}
     for u, w, _ in mg.edges:
         preds[w].add(u)
+    launched: set[int] = set()
+    waiting: list[list[int]] = [[] for _ in cores]
     inbox: list[Dispatch] = [i for i in s.start() if isinstance(i, Dispatch)]
     running: list[list[int]] = [[] for _ in cores]
     unreported: list[list[int]] = [[] for _ in cores]
@@ -180,9 +188,26 @@ def simulate(mg: MemGraph, rng: random.Random, streams: int = 2) -> list[int]:
         if choice < 0.3 and inbox:
             d = inbox.pop(rng.randrange(len(inbox)))
             cores[d.gpu].dispatch(d.vids)
-        elif choice < 0.6:
+        elif choice < 0.5:
             while len(running[g]) < streams and (v := cores[g].pop()) is not None:
                 assert preds[v] <= set(done), f"vertex {v} started before its preds {preds[v] - set(done)}"
+                assert v not in launched, f"vertex {v} launched twice"
+                launched.add(v)
+                cores[g].launch(v)
+                running[g].append(v)
+        elif choice < 0.6 and ahead:
+            if (v := cores[g].pop_queued()) is not None:
+                assert v not in launched, f"vertex {v} launched twice"
+                assert mg.vertex(v).kind is MKind.KERNEL, f"copy {v} launched ahead"
+                local = {u for u in preds[v] if gpu_of[u] == g}
+                assert local <= launched, f"vertex {v} launched before its preds {local - launched}"
+                assert preds[v] - local <= set(done), f"vertex {v} launched before its remote preds"
+                assert not preds[v] <= set(done), f"ready vertex {v} served as queued"
+                launched.add(v)
+                cores[g].launch(v)
+                waiting[g].append(v)
+            for v in [v for v in waiting[g] if preds[v] <= set(done)]:  # its stream reached it
+                waiting[g].remove(v)
                 running[g].append(v)
         elif choice < 0.85 and running[g]:
             v = running[g].pop(rng.randrange(len(running[g])))
@@ -197,18 +222,22 @@ def simulate(mg: MemGraph, rng: random.Random, streams: int = 2) -> list[int]:
                     finished = True
             unreported[g] = []
     assert finished, f"not finished: {len(done)} of {len(mg)} done"
+    assert not any(waiting), waiting
     return done
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 10**6))
-def test_random_dags_complete_in_dependency_order(seed):
+@given(st.integers(0, 10**6), st.booleans())
+def test_random_dags_complete_in_dependency_order(seed, ahead):
+    """Every vertex runs once, after its predecessors; launched ahead only when its local
+    predecessors are launched and its remote ones done (and never a copy)."""
     rng = random.Random(seed)
     n = rng.randint(1, 40)
     gpus = [rng.randrange(3) for _ in range(n)]
     gpus[0] = 0
     gpus[-1] = max(gpus[-1], 2) if n > 1 else 0
     edges = [(u, w) for w in range(n) for u in range(w) if rng.random() < 0.15]
-    mg = mgraph(gpus, edges)
-    done = simulate(mg, rng)
+    kinds = {v: rng.choice([MKind.KERNEL, MKind.KERNEL, MKind.RELOAD]) for v in range(n)}
+    mg = mgraph(gpus, edges, kinds)
+    done = simulate(mg, rng, ahead=ahead)
     assert sorted(done) == list(range(n)), f"seed {seed}"
