@@ -32,7 +32,9 @@ Times: the interval of a vertex is measured on the GPU (two timing events around
 start one recorded after the waits; for a lane copy the start event is recorded on the lane, so
 time spent queued behind earlier copies is not counted as busy); its end is the wall-clock
 instant the waiter returned, its start that minus the GPU interval. The events are made once per
-vertex (the first time it runs) and kept for later runs.
+vertex (the first time it runs) and kept for later runs. `statistics()["host"]` sums, since
+`open`, the launchers' host time per vertex (launching, and waiting on another launcher): a mean
+launch time above the device time of a vertex means the host, not the GPU, sets the pace.
 
 Nothing is allocated while a graph runs: the arena and host store come once from `alloc`, graph
 inputs are staged once per run into a pinned buffer before it starts (`stages_inputs`, see
@@ -88,6 +90,9 @@ class CudaBackend:
         self._threads: list[threading.Thread] = []
         self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = {}
         self._recorded: dict[int, threading.Event] = {}  # vid -> set once its end event is recorded
+        # per launcher since `open`: [vertices launched, ns launching them, ns waiting for a
+        # waited-on vertex's launcher]: is the host keeping up with the device?
+        self._host: list[list[int]] = []
         self.allocated = {"device": 0, "pinned": 0}
 
     def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
@@ -105,6 +110,7 @@ class CudaBackend:
             self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         self._queues = [queue.SimpleQueue() for _ in range(streams)]
         self._landing = [queue.SimpleQueue() for _ in range(streams)]
+        self._host = [[0, 0, 0] for _ in range(streams)]
         self._turns = Turns()
         warmed = threading.Barrier(streams + 1)
         self._threads = [
@@ -137,6 +143,7 @@ class CudaBackend:
         warmed.wait(timeout=120)
         get, land = self._queues[s].get, self._landing[s].put
         events, recorded, local = self._events, self._recorded, self._local
+        acc, ns = self._host[s], time.perf_counter_ns
         with torch.cuda.stream(stream):
             while True:
                 vid, ticket, waits = get()
@@ -154,10 +161,12 @@ class CudaBackend:
                 local.lane_used = False
                 local.ticket = ticket
                 exc: BaseException | None = None
+                t0 = t1 = ns()
                 try:
                     for u in waits:
                         recorded[u].wait()  # its launcher has recorded its end event
                         stream.wait_event(events[u][1])
+                    t1 = ns()
                     start.record(stream)
                     work(vid, s)
                 except BaseException as e:  # reported to the executor, which stops the run
@@ -166,6 +175,10 @@ class CudaBackend:
                     self._turns.resolve(ticket)  # no-op after a lane copy resolved it
                     end.record(stream)
                     recorded[vid].set()
+                t2 = ns()
+                acc[0] += 1
+                acc[1] += t2 - t1
+                acc[2] += t1 - t0
                 land((vid, exc, evs, local.lane_used))
 
     def _wait_loop(self, s: int, done: Done) -> None:
@@ -240,7 +253,20 @@ class CudaBackend:
             "device": str(self.device),
             "streams": len(self.streams),
             **self.allocated,
+            "host": host_statistics(self._host),
         }
+
+
+def host_statistics(per_launcher: list[list[int]]) -> dict:
+    """Totals of the launchers' [launches, ns launching, ns waiting] counters."""
+    n = sum(c[0] for c in per_launcher)
+    launch_ns = sum(c[1] for c in per_launcher)
+    return {
+        "launches": n,
+        "launch_s": launch_ns / 1e9,
+        "launch_us_mean": launch_ns / n / 1e3 if n else 0.0,
+        "wait_s": sum(c[2] for c in per_launcher) / 1e9,
+    }
 
 
 class Turns:

@@ -481,6 +481,7 @@ class Executor:
             "host_bytes": self.host.numel(),
             "granule": self.granule,
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
+            **({"backend": self.backend.statistics()} if hasattr(self.backend, "statistics") else {}),
         }
 
     def close(self) -> None:

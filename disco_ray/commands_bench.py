@@ -305,9 +305,13 @@ def _measured(args, w, modes) -> dict:
                     from .cluster import measure_links
 
                     cluster = measure_links(prog, backend=args.backend)
+                workers = prog.statistics()["engine"]["workers"]
             check = bench.check_outputs(outs, ref)
             rows.append(bench.row(mode, best["makespan_s"], best, check))
             rows[-1]["summary"] = {**best, "plan": mg.statistics()}
+            host = [wk["backend"]["host"] for wk in workers if "host" in wk.get("backend", {})]
+            if host:  # cuda: the launchers' host time per vertex, over every run of this mode
+                rows[-1]["host"] = host
             per_mode[mode] = (mg, recs)
             if mode in ("dynamic", "levelwise"):
                 timelines[mode] = bench.timeline_from_records(mg, recs, mode)

@@ -171,6 +171,8 @@ def test_cuda_backend_launcher_and_waiter_threads_on_a_fake_device(monkeypatch, 
             assert all(t0 <= t1 for _, _, t0, t1 in ex.trace)
         assert (ex.launched_ahead > 0) == (ahead > 0)
         assert bool(_FakeStream.waited) == (ahead > 0)
+        host = ex.statistics()["backend"]["host"]
+        assert host["launches"] == 2 * len(ex.core.mine) and host["launch_us_mean"] > 0, host
         threads = list(ex.backend._threads)
         assert len(threads) == 6  # a launcher and a waiter per stream
     finally:
