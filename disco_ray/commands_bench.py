@@ -393,7 +393,7 @@ def _write(out: Path, args, w, res, rows, header: str) -> None:
         "backend": None if args.simulate else args.backend,
         "engine": None if args.simulate else args.engine,
         "streams": args.streams,
-        "ahead": None if args.simulate else args.ahead,
+        "ahead": None if args.simulate else _ahead(args),
         "order": args.order,
         "repeat": args.repeat,
         "simulate": args.simulate,
@@ -415,6 +415,19 @@ def _write(out: Path, args, w, res, rows, header: str) -> None:
         os.replace(tmp, png)
     if res["trace"] is not None:
         write_doc(res["trace"], out / "trace.json")
+
+
+def _ahead(args) -> int:
+    """The launch ahead the runs used: --ahead, or the backend's default."""
+    if args.ahead is not None:
+        return args.ahead
+    if args.backend == "cuda":
+        from actors.backend_cuda import CudaBackend
+
+        return CudaBackend.default_ahead
+    from actors.backend import CpuBackend
+
+    return CpuBackend.default_ahead
 
 
 def _plain(v) -> bool:

@@ -64,6 +64,7 @@ def test_bench_all_modes_local(capsys, tmp_path, args):
     rows = {r["mode"]: r for r in doc["modes"]}
     assert list(rows) == modes
     assert doc["backend"] == "cpu" and doc["engine"] == "local" and doc["simulate"] is None
+    assert doc["ahead"] == 0  # the cpu backend's default, written as used
     lb = doc["lower_bound"]["seconds"]
     assert lb > 0 and "in_memory" in doc["lower_bound"]["source"]
     for m, r in rows.items():
