@@ -30,18 +30,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disco_ray.dtypes import torch_dtype
 from disco_ray.errors import RunError
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MKind
-from disco_ray.ops import OPS
+from disco_ray.memgraph import HOST, Loc, MemGraph
 from disco_ray.taskgraph import TaskGraph
 
 from .backend import Backend, make_backend
+from .plans import (
+    K_COPY,
+    K_INPUT,
+    K_KERNEL,
+    K_RELOAD_INPUT,
+    K_TRANSFER,
+    VertexPlan,
+    Views,
+    as_tensor,
+    describe,
+)
 from .sanitizer import Sanitizer, granule_for
 from .transport import Transport
 from .worker_core import WorkerCore
 
-K_INPUT, K_KERNEL, K_TRANSFER, K_COPY, K_RELOAD_INPUT = range(5)
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
 
@@ -58,37 +66,6 @@ class RunOptions:
 
 
 DEFAULT_RUN = RunOptions()
-
-
-@dataclass(slots=True)
-class _Plan:
-    kind: int
-    value: str
-    out: torch.Tensor  # typed view (kernel) or uint8 view (copies)
-    ins: list[torch.Tensor]
-    op: str | None = None
-    attrs: Mapping | None = None
-    src_gpu: int = -1  # transfer: the source GPU
-    src_loc: Loc | None = None
-    src_vid: int = -1
-    out_loc: Loc | None = None
-    checks: tuple = ()  # (value, loc, expected writer) of the reads of this worker's own memory
-
-
-def as_tensor(data: np.ndarray, tv) -> torch.Tensor:
-    """uint8 bytes as a CPU tensor of TaskGraph vertex `tv`'s dtype and shape."""
-    if not data.flags.writeable:  # Ray hands back read-only views of its object store
-        data = data.copy()
-    t = torch.from_numpy(np.ascontiguousarray(data))
-    return t.view(torch_dtype(tv.dtype)).view(tv.shape)
-
-
-def describe(mg: MemGraph, vid: int) -> str:
-    try:
-        v = mg.vertex(vid)
-    except KeyError:
-        return f"vertex {vid}"
-    return f"vertex {vid} ({v.kind.value} {v.value!r})"
 
 
 class Executor:
@@ -132,7 +109,8 @@ class Executor:
         self.arena = self.backend.alloc(mg.capacity[gpu], host=False)
         self.host = self.backend.alloc(max(declared, host_need), host=True)
         self.granule = granule_for([v.out for v in mine] + [r.loc for v in mine for r in v.ins])
-        self.plans: dict[int, _Plan] = {v.id: self._plan(v) for v in mine}
+        self.views = Views(gpu, mg, tg, self.arena, self.host)
+        self.plans: dict[int, VertexPlan] = {v.id: self.views.plan(v) for v in mine}
         self.input_values = sorted(
             {p.value for p in self.plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)}
         )
@@ -169,68 +147,6 @@ class Executor:
         self.backend.open(streams, self._work, self._done)
         self._reporter = threading.Thread(target=self._report_loop, daemon=True, name=f"reporter-{gpu}")
         self._reporter.start()
-
-    # ---- planning: one view per operand, built once --------------------------------------------
-    def _buf(self, loc: Loc, vid: int) -> torch.Tensor:
-        buf = self.arena if loc.device == self.gpu else self.host if loc.device == HOST else None
-        if buf is None:
-            raise RunError(f"gpu:{self.gpu} {describe(self.mg, vid)} uses memory of device {loc.device}")
-        if loc.end > buf.numel():
-            where = "host store" if loc.device == HOST else "arena"
-            raise RunError(
-                f"gpu:{self.gpu} {describe(self.mg, vid)}: range [{loc.offset}, {loc.end}) lies "
-                f"outside the {where} of {buf.numel()} bytes"
-            )
-        return buf[loc.offset : loc.end]
-
-    def _typed(self, loc: Loc, value: str, vid: int) -> torch.Tensor:
-        tv = self.tg[value]
-        if loc.nbytes != tv.nbytes:
-            raise RunError(
-                f"gpu:{self.gpu} {describe(self.mg, vid)}: range of {value!r} has {loc.nbytes} "
-                f"bytes, the value needs {tv.nbytes}"
-            )
-        return self._buf(loc, vid).view(torch_dtype(tv.dtype)).view(tv.shape)
-
-    def _plan(self, v) -> _Plan:
-        local = tuple((r.value, r.loc, r.src) for r in v.ins if r.loc.device in (self.gpu, HOST))
-        if v.kind is MKind.KERNEL:
-            tv = self.tg[v.value]
-            op = tv.op
-            assert op is not None  # a kernel vertex names its op
-            return _Plan(
-                K_KERNEL,
-                v.value,
-                self._typed(v.out, v.value, v.id),
-                [self._typed(r.loc, r.value, v.id) for r in v.ins],
-                op,
-                OPS[op].full_attrs(tv.attrs),
-                out_loc=v.out,
-                checks=local,
-            )
-        out = self._buf(v.out, v.id)
-        if v.kind is MKind.INPUT:
-            return _Plan(K_INPUT, v.value, out, [], out_loc=v.out)
-        r = v.ins[0]
-        if r.loc.nbytes != v.out.nbytes:
-            raise RunError(
-                f"gpu:{self.gpu} {describe(self.mg, v.id)} moves {r.loc.nbytes} bytes into a range "
-                f"of {v.out.nbytes}"
-            )
-        if v.kind is MKind.TRANSFER:
-            return _Plan(
-                K_TRANSFER,
-                v.value,
-                out,
-                [],
-                src_gpu=r.loc.device,
-                src_loc=r.loc,
-                src_vid=-1 if r.src is None else r.src,
-                out_loc=v.out,
-            )
-        if v.kind is MKind.RELOAD and (r.src is None or r.loc.device == INPUT):
-            return _Plan(K_RELOAD_INPUT, v.value, out, [], out_loc=v.out)
-        return _Plan(K_COPY, v.value, out, [self._buf(r.loc, v.id)], out_loc=v.out, checks=local)
 
     # ---- a run ---------------------------------------------------------------------------------
     def begin(
@@ -353,11 +269,9 @@ class Executor:
         if san is not None:
             for value, loc, src in p.checks:
                 san.check_read(vid, value, loc, src, "before it ran")
-            assert p.out_loc is not None  # every plan has one
             san.begin_write(p.out_loc, vid)
         k = p.kind
         if k == K_KERNEL:
-            assert p.op is not None and p.attrs is not None  # a kernel's plan has both
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
         elif k == K_COPY:
             self.backend.copy(p.out, p.ins[0])
@@ -375,7 +289,6 @@ class Executor:
             try:
                 for value, loc, src in p.checks:
                     self._sanitizer.check_read(vid, value, loc, src, "after it ran")
-                assert p.out_loc is not None  # every plan has one
                 self._sanitizer.end_write(p.out_loc, vid)
             except RunError as e:
                 exc = e
@@ -446,7 +359,7 @@ class Executor:
         Copies into `into` when given; otherwise returns a fresh numpy copy (what a Ray call
         ships; the only allocation during a run, on the cpu transport).
         """
-        src = self._buf(loc, reader)
+        src = self.views.buf(loc, reader)
         san = self._sanitizer if self._check else None
         value = self.mg.vertex(expect).value if expect >= 0 else "?"
         if san is not None and expect >= 0:

@@ -202,7 +202,7 @@ class RayEngine:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        from actors.executor import as_tensor
+        from actors.plans import as_tensor
 
         wants: list[list[str]] = [[] for _ in self.workers]
         for v in self.mg.vertices:
