@@ -6,14 +6,12 @@ run only issues copies and kernels on those views (TURNIP section 5: no allocati
 runs; the host-side copy a Ray transfer returns is the one exception, see `read_range`).
 
 Launch path (hot): a completion, in the stream thread that ran the vertex, updates the local
-counters under one lock and, while a stream is free, starts the lowest-id ready vertex on it; the
-stream that just freed is reused first, so a chain on one worker never leaves its thread.
-Launch ahead (`ahead` > 0): a kernel whose local predecessors are all launched but not all done
-is handed to the stream of its most recently launched running predecessor, up to `ahead`
-vertices behind the one that stream is running; the backend starts it once those predecessors
-are done (CUDA: the stream waits on their events; cpu: the stream thread waits), so on a GPU the
-host prepares the next kernels of a chain while the current one runs. It is off while the
-sanitizer runs on a backend that launches asynchronously (its checks run at launch). The
+counters (`actors.worker_core.WorkerCore`) under one lock, and `StreamSlots` picks what to start
+on which stream: a ready vertex on a free stream, or with launch ahead (`ahead` > 0) a kernel
+behind its running predecessors, which the backend starts once they are done (CUDA: the stream
+waits on their events; cpu: the stream thread waits), so on a GPU the host prepares the next
+kernels of a chain while the current one runs. Launch ahead is off while the sanitizer runs on a
+backend that launches asynchronously (its checks run at launch). The
 completion is appended to a deque that a reporter thread drains and sends as one batch to the
 coordinator: at once when the worker goes idle, else every `flush_s` (1 ms) while it is busy.
 """
@@ -48,7 +46,7 @@ from .plans import (
 )
 from .sanitizer import Sanitizer, granule_for
 from .transport import Transport
-from .worker_core import WorkerCore
+from .worker_core import StreamSlots, WorkerCore
 
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
@@ -135,13 +133,7 @@ class Executor:
         self._finished = threading.Event()
         self._closing = False
         self._error: str | None = None
-        self._running = 0
-        self._free: list[int] = []  # streams with nothing in flight; the last freed on top
-        self._depth = [0] * streams  # vertices in flight per stream
-        self._inflight: dict[int, tuple[int, int]] = {}  # vid -> (launch number, stream)
-        self._launches = 0
-        self.launched_ahead = 0  # this run's vertices launched behind running predecessors
-        self._ahead = self.ahead  # this run's: 0 while the sanitizer runs on an asynchronous backend
+        self.slots = StreamSlots(self.core, streams)
         self.trace: list[tuple[int, int, int, int]] = []
         self.reports = 0
         self.backend.open(streams, self._work, self._done)
@@ -159,7 +151,7 @@ class Executor:
     ) -> None:
         """Resets the counters for a new run on `inputs` (the caller's tensors this GPU reads)."""
         with self._lock:
-            if self._running:
+            if self.slots.running:
                 raise RunError(f"gpu:{self.gpu}: a run is still in progress")
             self._inputs = {}
             for name in self.input_values:
@@ -185,18 +177,14 @@ class Executor:
                     )
                 self._sanitizer.reset()
             self._check = check
-            self._ahead = 0 if check and getattr(self.backend, "async_launch", False) else self.ahead
             self._delay = delay
             self._rng = random.Random(seed * 7919 + self.gpu)
-            self.core.start(ahead=self._ahead > 0)
+            # launch ahead is off while the sanitizer runs on a backend that launches
+            # asynchronously: its checks run at launch
+            self.slots.start(0 if check and getattr(self.backend, "async_launch", False) else self.ahead)
             self.trace = []
             self._done_q.clear()
             self._error = None
-            self._free = list(range(self.streams - 1, -1, -1))  # pop() takes stream 0 first
-            self._depth = [0] * self.streams
-            self._inflight = {}
-            self._launches = 0
-            self.launched_ahead = 0
             self._finished.clear()
             if self.core.finished:
                 self._finished.set()
@@ -214,50 +202,13 @@ class Executor:
 
     def _pump(self) -> None:
         # caller holds the lock
-        core, free = self.core, self._free
-        while free and core.ready and self._error is None:
-            vid = core.pop()
-            assert vid is not None  # core.ready is not empty
-            self._launch(vid, free.pop(), ())
-        if not self._ahead or not core.queued or self._error is not None:
-            return
-        limit, depth, inflight = self._ahead + 1, self._depth, self._inflight
-        if min(depth) >= limit:
-            return
-        aside: list[int] = []
-        while len(aside) < 2 * self.streams:  # bounded: the lowest ids whose stream is full wait
-            vid = core.pop_queued()
-            if vid is None:
-                break
-            running = [u for u in core.local_preds[vid] if u in inflight]  # launched, not done
-            s = max(inflight[u] for u in running)[1]  # behind the most recently launched of them
-            if depth[s] < limit:
-                # what runs on stream s finishes before vid starts there: no wait for it
-                self.launched_ahead += 1
-                self._launch(vid, s, tuple(u for u in running if inflight[u][1] != s))
-            else:
-                aside.append(vid)
-        core.requeue(aside)
+        if self._error is None:
+            for vid, s, waits in self.slots.take():
+                self.backend.submit(s, vid, waits)
 
-    def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> None:
-        # caller holds the lock
-        self._running += 1
-        self._depth[s] += 1
-        if self._ahead:
-            self._launches += 1
-            self._inflight[vid] = (self._launches, s)
-            self.core.launch(vid)
-        self.backend.submit(s, vid, waits)
-
-    def _landed(self, vid: int, s: int) -> None:
-        # caller holds the lock: `vid` left stream `s`
-        if self._ahead:
-            del self._inflight[vid]
-        d = self._depth[s] - 1
-        self._depth[s] = d
-        if d == 0:
-            self._free.append(s)
-        self._running -= 1
+    @property
+    def launched_ahead(self) -> int:
+        return self.slots.launched_ahead
 
     def _work(self, vid: int, s: int) -> None:
         if self._error is not None:  # the run failed: what was launched ahead is skipped
@@ -294,13 +245,13 @@ class Executor:
                 exc = e
         if exc is not None:
             with self._lock:
-                self._landed(vid, s)
+                self.slots.landed(vid, s)
             self._fail(vid, exc)
             return
         self.trace.append((vid, s, t0, t1))
         with self._lock:
             self.core.complete(vid)
-            self._landed(vid, s)
+            self.slots.landed(vid, s)
             self._pump()
             if self.core.finished:
                 self._finished.set()
@@ -341,7 +292,7 @@ class Executor:
                             self._report(self.gpu, batch)
                     except Exception as e:
                         self._fail(None, RunError(f"gpu:{self.gpu}: reporting completions failed: {e}"))
-                if not self._running or self._error is not None:
+                if not self.slots.running or self._error is not None:
                     break
                 time.sleep(self.flush_s)
 

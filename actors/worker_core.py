@@ -1,4 +1,5 @@
-"""A worker's local dependency core: counters over its own GPU's edges and the ready heaps (pure).
+"""A worker's local dependency core (counters over its own GPU's edges, the ready heaps) and its
+stream slots (which vertex goes to which stream): pure, driven by `actors.executor`.
 
 A vertex of this GPU is ready when (a) the coordinator has dispatched it (its predecessors on
 other GPUs are done, see `actors.scheduler`) and (b) its predecessors on this GPU are done; the
@@ -112,3 +113,75 @@ class WorkerCore:
     @property
     def finished(self) -> bool:
         return self.done == len(self.mine)
+
+
+class StreamSlots:
+    """Which vertex goes to which of a worker's S streams, and when (pure; the executor holds its
+    lock around every call).
+
+    A ready vertex goes to a stream with nothing in flight, the one freed last first (a chain on
+    one worker stays on its thread). With launch ahead (`start(ahead)`, ahead > 0) a queued
+    kernel (see `WorkerCore`) goes to the stream of its most recently launched running
+    predecessor, up to `ahead` vertices behind the one that stream runs, and waits on its
+    running predecessors on other streams (the stream itself orders those on it).
+    """
+
+    def __init__(self, core: WorkerCore, streams: int):
+        self.core, self.streams = core, streams
+        self.start(0)
+
+    def start(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.core.start(ahead=ahead > 0)
+        self.free = list(range(self.streams - 1, -1, -1))  # nothing in flight; pop() takes stream 0 first
+        self.depth = [0] * self.streams  # vertices in flight per stream
+        self.inflight: dict[int, tuple[int, int]] = {}  # vid -> (launch number, stream), with ahead
+        self.launches = 0
+        self.launched_ahead = 0  # this run's vertices launched behind running predecessors
+        self.running = 0
+
+    def take(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """What to launch now, in order: (vertex, stream, vertices on other streams to wait on)."""
+        core, free, out = self.core, self.free, []
+        while free and core.ready:
+            vid = core.pop()
+            assert vid is not None  # core.ready is not empty
+            out.append(self._launch(vid, free.pop(), ()))
+        if not self.ahead or not core.queued:
+            return out
+        limit, depth, inflight = self.ahead + 1, self.depth, self.inflight
+        if min(depth) >= limit:
+            return out
+        aside: list[int] = []
+        while len(aside) < 2 * self.streams:  # bounded: the lowest ids whose stream is full wait
+            vid = core.pop_queued()
+            if vid is None:
+                break
+            running = [u for u in core.local_preds[vid] if u in inflight]  # launched, not done
+            s = max(inflight[u] for u in running)[1]  # behind the most recently launched of them
+            if depth[s] < limit:
+                self.launched_ahead += 1
+                out.append(self._launch(vid, s, tuple(u for u in running if inflight[u][1] != s)))
+            else:
+                aside.append(vid)
+        core.requeue(aside)
+        return out
+
+    def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+        self.running += 1
+        self.depth[s] += 1
+        if self.ahead:
+            self.launches += 1
+            self.inflight[vid] = (self.launches, s)
+            self.core.launch(vid)
+        return vid, s, waits
+
+    def landed(self, vid: int, s: int) -> None:
+        """`vid` left stream `s` (done or failed)."""
+        if self.ahead:
+            del self.inflight[vid]
+        d = self.depth[s] - 1
+        self.depth[s] = d
+        if d == 0:
+            self.free.append(s)
+        self.running -= 1

@@ -290,4 +290,4 @@ def test_launch_ahead_queues_kernels_behind_running_ones(ahead):
     else:  # the chain's kernels all go behind their predecessor, on its stream
         assert stats["launched_ahead"] == kernels, stats
         assert {s for vid, s, *_ in ex.trace if vid != 0} == {0}, ex.trace
-    assert max(ex._depth) == 0 and not ex._inflight
+    assert max(ex.slots.depth) == 0 and not ex.slots.inflight

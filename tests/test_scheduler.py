@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Scheduler, WorkerFailed
-from actors.worker_core import WorkerCore
+from actors.worker_core import StreamSlots, WorkerCore
 from disco_ray.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
 
 
@@ -147,6 +147,25 @@ def test_worker_core_queues_kernels_behind_launched_predecessors():
     w.launch(3)
     w.complete(3)
     assert w.finished
+
+
+def test_stream_slots_put_a_chain_behind_itself_and_loads_on_free_streams():
+    # 0, 1 inputs -> 2 kernel(0) -> 3 kernel(2, 1); 4 input on its own
+    kinds = {0: MKind.INPUT, 1: MKind.INPUT, 4: MKind.INPUT}
+    mg = mgraph([0] * 5, [(0, 2), (2, 3), (1, 3)], kinds)
+    slots = StreamSlots(WorkerCore(mg, 0), streams=2)
+    slots.start(ahead=2)
+    slots.core.dispatch(range(5))
+    # ready inputs 0 and 1 on the two free streams; 2 behind 0; 3 behind 2, waiting on 1
+    assert slots.take() == [(0, 0, ()), (1, 1, ()), (2, 0, ()), (3, 0, (1,))]
+    assert slots.depth == [3, 1] and slots.launched_ahead == 2
+    for vid, s in [(1, 1), (0, 0)]:
+        slots.core.complete(vid)
+        slots.landed(vid, s)
+    assert slots.take() == [(4, 1, ())]  # stream 1 is free again; stream 0 still holds 2 and 3
+    slots.start(ahead=0)  # a new run without launch ahead: only ready vertices, one per stream
+    slots.core.dispatch(range(5))
+    assert slots.take() == [(0, 0, ()), (1, 1, ())] and slots.launched_ahead == 0
 
 
 def test_worker_core_waits_for_dispatch_of_remote_ready_vertices():
