@@ -66,6 +66,25 @@ class RunOptions:
 DEFAULT_RUN = RunOptions()
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """How every worker of a Program runs its vertices (given once, to each engine and worker)."""
+
+    backend: str = "cpu"  # "cpu" or "cuda"
+    streams: int = 5  # streams per GPU
+    ahead: int | None = None  # kernels launched ahead per stream; None: the backend's default
+    flush_s: float = 1e-3  # longest a busy worker holds back a completion report
+
+    def __post_init__(self) -> None:
+        if self.streams < 1:
+            raise RunError(f"streams must be >= 1, got {self.streams}")
+        if self.ahead is not None and self.ahead < 0:
+            raise RunError(f"ahead must be >= 0, got {self.ahead}")
+
+
+DEFAULT_WORKER = WorkerConfig()
+
+
 class Executor:
     """The vertices of GPU `gpu` of `mg`; `begin` starts a run, `dispatch` feeds it, `wait` ends it."""
 
@@ -74,28 +93,23 @@ class Executor:
         gpu: int,
         mg: MemGraph,
         tg: TaskGraph,
+        config: WorkerConfig = DEFAULT_WORKER,
         *,
-        backend: str | Backend = "cpu",
-        streams: int = 5,
+        backend: Backend | None = None,
         transport: Transport | None = None,
         report: Report | None = None,
         fail: Fail | None = None,
-        flush_s: float = 1e-3,
-        ahead: int | None = None,
     ):
-        if streams < 1:
-            raise RunError(f"gpu:{gpu}: streams must be >= 1, got {streams}")
-        if ahead is not None and ahead < 0:
-            raise RunError(f"gpu:{gpu}: ahead must be >= 0, got {ahead}")
+        """`backend`: an instance to use instead of making `config.backend`'s."""
         self.gpu, self.mg, self.tg = gpu, mg, tg
-        self.backend = make_backend(backend) if isinstance(backend, str) else backend
-        self.streams = streams
+        self.backend = make_backend(config.backend) if backend is None else backend
+        self.streams = streams = config.streams
         # None: the backend's default (cuda 4; cpu 0, where a stream thread runs its work itself)
-        self.ahead = getattr(self.backend, "default_ahead", 0) if ahead is None else ahead
+        self.ahead = getattr(self.backend, "default_ahead", 0) if config.ahead is None else config.ahead
         self.transport = transport
         self._report = report
         self._fail_cb = fail
-        self.flush_s = flush_s
+        self.flush_s = config.flush_s
         self.core = WorkerCore(mg, gpu)
         mine = [mg.vertex(v) for v in self.core.mine]
         host_need = max(

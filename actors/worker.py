@@ -18,7 +18,7 @@ from disco_ray.errors import RunError
 from disco_ray.memgraph import Loc, MemGraph
 from disco_ray.taskgraph import TaskGraph
 
-from .executor import Executor
+from .executor import Executor, WorkerConfig
 from .transport import RayTransport
 
 
@@ -44,16 +44,12 @@ class GpuWorker:
         tg: TaskGraph,
         coordinator: Any,
         workers: Sequence[Any],
-        *,
-        backend: str = "cpu",
-        streams: int = 5,
-        ahead: int | None = None,
-        flush_s: float = 1e-3,
+        config: WorkerConfig,
     ) -> dict:
         """Drops the previous graph and allocates the arena and host store of `mg` for GPU `gpu`."""
         self.unload()
         self.coord = coordinator
-        if backend == "cuda":  # IPC / NCCL peers, opened by `transport_connect` once all have loaded
+        if config.backend == "cuda":  # IPC / NCCL peers, opened by `transport_connect` once all have loaded
             from .transport_cuda import CudaTransport
 
             self.transport = CudaTransport(gpu, workers)
@@ -63,13 +59,10 @@ class GpuWorker:
             gpu,
             mg,
             tg,
-            backend=backend,
-            streams=streams,
-            ahead=ahead,
+            config,
             transport=self.transport,
             report=self._report,
             fail=self._fail,
-            flush_s=flush_s,
         )
         if hasattr(self.transport, "attach"):
             self.transport.attach(self.ex)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from actors.executor import DEFAULT_RUN, Executor, RunOptions
+from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, Executor, RunOptions, WorkerConfig
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
 from actors.transport import LocalTransport
 
@@ -31,10 +31,7 @@ class LocalEngine:
         tg: TaskGraph,
         mg: MemGraph,
         *,
-        backend: str = "cpu",
-        streams: int = 5,
-        ahead: int | None = None,
-        flush_s: float = 1e-3,
+        config: WorkerConfig = DEFAULT_WORKER,
         **_: object,
     ):
         self.tg, self.mg = tg, mg
@@ -53,13 +50,10 @@ class LocalEngine:
                         g,
                         mg,
                         tg,
-                        backend=backend,
-                        streams=streams,
-                        ahead=ahead,
+                        config,
                         transport=transport,
                         report=self._report,
                         fail=self._fail,
-                        flush_s=flush_s,
                     )
                 )
         except BaseException:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from actors.executor import DEFAULT_RUN, RunOptions
+from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
 
 from .cluster import connect
 from .errors import RunError
@@ -126,10 +126,7 @@ class RayEngine:
         tg: TaskGraph,
         mg: MemGraph,
         *,
-        backend: str = "cpu",
-        streams: int = 5,
-        ahead: int | None = None,
-        flush_s: float = 1e-3,
+        config: WorkerConfig = DEFAULT_WORKER,
         op_modules: Sequence[str] = (),
         num_cpus: int | None = None,
         pool: RayPool | None = None,
@@ -148,7 +145,7 @@ class RayEngine:
         self.workers: list = []
         self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
         try:
-            self.coord, self.workers = self.pool.acquire(mg.gpus, backend, op_modules)
+            self.coord, self.workers = self.pool.acquire(mg.gpus, config.backend, op_modules)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
             ray.get(
                 [
@@ -160,10 +157,7 @@ class RayEngine:
                             tg_ref,
                             self.coord,
                             self.workers,
-                            backend=backend,
-                            streams=streams,
-                            ahead=ahead,
-                            flush_s=flush_s,
+                            config,
                         )
                         for g, w in enumerate(self.workers)
                     ],
@@ -171,12 +165,12 @@ class RayEngine:
             )
             n = len(self.workers)
             self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
-            if backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
+            if config.backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
                 from actors.transport_cuda import connect_workers
 
                 self.transports = connect_workers(self.workers)
             if self.pool.placed is not None:  # node of each worker, path of each transferring pair
-                self.placement_summary = describe(self.pool.placed.info, mg, backend, self.transports)
+                self.placement_summary = describe(self.pool.placed.info, mg, config.backend, self.transports)
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()

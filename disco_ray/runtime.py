@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from actors.executor import RunOptions
+from actors.executor import RunOptions, WorkerConfig
 
 from .errors import GraphError, RunError, UsageError
 from .memgraph import MemGraph
@@ -87,11 +87,8 @@ class Program:
         self.tg, self.mg = tg, mg
         self.engine_name, self.backend, self.streams = engine, backend, streams
         self._kw = {
-            "backend": backend,
-            "streams": streams,
-            "ahead": ahead,
+            "config": WorkerConfig(backend, streams, ahead, flush_s),
             "op_modules": tuple(op_modules),
-            "flush_s": flush_s,
             "num_cpus": num_cpus,
             "pool": pool,
             "placement": placement,

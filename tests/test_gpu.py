@@ -151,14 +151,14 @@ def test_cuda_backend_launcher_and_waiter_threads_on_a_fake_device(monkeypatch, 
     replaced by host stand-ins (kernels run on the CPU at launch): outputs match the reference,
     launch ahead waits on events, and nothing hangs."""
     from actors import backend_cuda
-    from actors.executor import Executor
+    from actors.executor import Executor, WorkerConfig
 
     monkeypatch.setattr(backend_cuda, "torch", _fake_torch())
     monkeypatch.setattr(backend_cuda, "_warm", lambda *a: None)
     _FakeStream.waited = []
     tg = random_taskgraph(404, n=60, gpus=1, size=16)
     mg = plan(tg, "tight")
-    ex = Executor(0, mg, tg, backend=backend_cuda.CudaBackend(), streams=3, ahead=ahead)
+    ex = Executor(0, mg, tg, WorkerConfig(streams=3, ahead=ahead), backend=backend_cuda.CudaBackend())
     try:
         for run in range(2):
             inputs = random_inputs(tg, run)
@@ -243,11 +243,11 @@ def test_no_device_allocation_while_graphs_run():
 @pytest.mark.gpu
 @needs_cuda
 def test_inputs_are_staged_in_pinned_memory():
-    from actors.executor import Executor
+    from actors.executor import Executor, WorkerConfig
 
     tg = random_taskgraph(22, n=20, gpus=1, size=32)
     mg = plan(tg, "tight")
-    ex = Executor(0, mg, tg, backend="cuda", streams=2)
+    ex = Executor(0, mg, tg, WorkerConfig("cuda", streams=2))
     try:
         assert ex.staging is not None and ex.staging.is_pinned()
         assert ex.host.numel() == 0 or ex.host.is_pinned()
