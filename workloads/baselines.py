@@ -99,6 +99,13 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _finished(name: str, dev: str, t0: float, prog, state) -> BaselineResult:
+    """Waits for the device, stops the clock started at `t0`, and hands back the outputs."""
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    return BaselineResult(name, dev, seconds, prog.finish(state))
+
+
 def torch_naive(w: Workload, device: str | None = None) -> BaselineResult:
     """Copies each level's weights to the device, waits, then computes the level."""
     dev = _device(device)
@@ -111,9 +118,7 @@ def torch_naive(w: Workload, device: str | None = None) -> BaselineResult:
         wt = {k: t.to(dev) for k, t in lv.items()}
         _sync(dev)
         state = prog.step(state, wt)
-    _sync(dev)
-    t1 = time.perf_counter()
-    return BaselineResult("torch_naive", dev, t1 - t0, prog.finish(state))
+    return _finished("torch_naive", dev, t0, prog, state)
 
 
 def torch_prefetch(w: Workload, device: str | None = None) -> BaselineResult:
@@ -154,9 +159,7 @@ def torch_prefetch(w: Workload, device: str | None = None) -> BaselineResult:
         state = prog.step(state, bufs[i % 2])
         if cuda:
             freed[i % 2].record()
-    _sync(dev)
-    t1 = time.perf_counter()
-    return BaselineResult("torch_prefetch", dev, t1 - t0, prog.finish(state))
+    return _finished("torch_prefetch", dev, t0, prog, state)
 
 
 def torch_in_memory(w: Workload, device: str | None = None) -> BaselineResult:
@@ -170,9 +173,7 @@ def torch_in_memory(w: Workload, device: str | None = None) -> BaselineResult:
     state = prog.init(dev, act)
     for wt in on_dev:
         state = prog.step(state, wt)
-    _sync(dev)
-    t1 = time.perf_counter()
-    return BaselineResult("torch_in_memory", dev, t1 - t0, prog.finish(state))
+    return _finished("torch_in_memory", dev, t0, prog, state)
 
 
 BASELINES = {"torch_naive": torch_naive, "torch_prefetch": torch_prefetch, "torch_in_memory": torch_in_memory}
