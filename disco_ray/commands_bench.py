@@ -284,6 +284,7 @@ def _measured(args, w, modes) -> dict:
         pool = RayPool(placement=ck["placement"], address=ck["address"])
         kw = {"pool": pool}
     rows, timelines, per_mode = [], {}, {}
+    ahead = None
     trace = cluster = None
     try:
         for mode in _bar(modes, "bench"):
@@ -306,6 +307,7 @@ def _measured(args, w, modes) -> dict:
 
                     cluster = measure_links(prog, backend=args.backend)
                 workers = prog.statistics()["engine"]["workers"]
+                ahead = workers[0]["ahead"]
             check = bench.check_outputs(outs, ref)
             rows.append(bench.row(mode, best["makespan_s"], best, check))
             rows[-1]["summary"] = {**best, "plan": mg.statistics()}
@@ -343,6 +345,7 @@ def _measured(args, w, modes) -> dict:
         "timelines": timelines,
         "trace": trace,
         "cluster": cluster,
+        "ahead": ahead,  # the launch ahead the workers used (--ahead, or the backend's default)
     }
 
 
@@ -393,7 +396,7 @@ def _write(out: Path, args, w, res, rows, header: str) -> None:
         "backend": None if args.simulate else args.backend,
         "engine": None if args.simulate else args.engine,
         "streams": args.streams,
-        "ahead": None if args.simulate else _ahead(args),
+        "ahead": res.get("ahead"),
         "order": args.order,
         "repeat": args.repeat,
         "simulate": args.simulate,
@@ -415,19 +418,6 @@ def _write(out: Path, args, w, res, rows, header: str) -> None:
         os.replace(tmp, png)
     if res["trace"] is not None:
         write_doc(res["trace"], out / "trace.json")
-
-
-def _ahead(args) -> int:
-    """The launch ahead the runs used: --ahead, or the backend's default."""
-    if args.ahead is not None:
-        return args.ahead
-    if args.backend == "cuda":
-        from actors.backend_cuda import CudaBackend
-
-        return CudaBackend.default_ahead
-    from actors.backend import CpuBackend
-
-    return CpuBackend.default_ahead
 
 
 def _plain(v) -> bool:
