@@ -6,12 +6,14 @@ on those views (`copy`, `kernel`). A backend supplies:
 
 - `alloc(nbytes, host)`: one uint8 buffer, allocated once per worker (the arena when
   host=False, the host store when host=True; a CUDA backend pins the host store).
-- `open(streams, work, done)`: S streams. `submit(stream, vid, waits)` runs `work(vid, stream)` on
+- `open(streams, work, done)`: S streams. `submit(stream, vid, waits, blocking)` runs `work(vid, stream)` on
   that stream once every vertex of `waits` (submitted earlier, to any stream) has finished, and
   after the vertices submitted to that stream before it; when the work has finished (for CUDA:
   when the stream has executed what `work` enqueued) the backend calls
   `done(vid, stream, t0_ns, t1_ns, exc)` from any thread, with wall-clock start and end times in
-  ns (time.time_ns base) and the exception `work` raised (or None). A vertex of `waits` counts as
+  ns (time.time_ns base) and the exception `work` raised (or None). `blocking` says that `work`
+  waits on the host (a transfer whose source is asked by a Ray call), so a backend that launches
+  every stream from one thread runs it elsewhere. A vertex of `waits` counts as
   finished once its `done` has returned (cpu) or once the device has executed it (cuda: the
   stream waits on its event, `async_launch`).
 - `copy(dst, src)`: an asynchronous-on-the-current-stream byte copy between two views.
@@ -20,8 +22,7 @@ on those views (`copy`, `kernel`). A backend supplies:
 - `device`: the torch device of the arena; `close()`.
 
 The CUDA backend (`actors.backend_cuda`) allocates the arena with torch.empty(..., device="cuda"),
-the host store pinned, maps streams to torch.cuda.Stream objects and runs `work` under
-`torch.cuda.stream(s)`.
+the host store pinned, maps streams to torch.cuda.Stream objects and launches `work` on all of them from one thread.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Backend(Protocol):
 
     def open(self, streams: int, work: Work, done: Done) -> None: ...
 
-    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = ()) -> None: ...
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), blocking: bool = False) -> None: ...
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
@@ -118,8 +119,9 @@ class CpuBackend:
                 if ev is not None:
                     ev.set()
 
-    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = ()) -> None:
-        # the executor submits under its lock, and a vertex of `waits` has not had its `done`
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), blocking: bool = False) -> None:
+        # `blocking` (the work waits on the host, e.g. a Ray call) changes nothing here: each
+        # stream has its own thread. The executor submits under its lock, and a vertex of `waits` has not had its `done`
         # yet (it counts as running), so its event is made here before it could be looked up
         for u in waits:
             if u not in self._finished:

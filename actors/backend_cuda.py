@@ -1,40 +1,50 @@
-"""The CUDA backend: one arena on the GPU, one pinned host store, S torch.cuda.Streams.
+"""The CUDA backend: one arena on the GPU, one pinned host store, S CUDA streams, one host thread.
 
-TURNIP appendix A: a vertex is launched as asynchronous CUDA work on a stream, and a callback
-tells the event loop when the stream has executed it. Here each stream has two threads:
-- the launcher (1) makes the stream wait on the end events of the vertices the executor says
-  this one waits on (`Stream.wait_event`: the device orders them, the host does not wait),
-  (2) records a start event, runs `work(vid, s)` under `torch.cuda.stream(...)` (kernels and
-  cudaMemcpyAsync are only enqueued) and records the end event, (3) hands the vertex to
-  the waiter and takes the next one at once: with the executor's launch ahead (see
-  `actors.executor`) the host prepares the next kernels of a chain while the device runs the
-  current one, instead of a host round trip per kernel with the device idle;
-- the waiter waits on each end event in order (`Event.synchronize` releases the GIL and blocks
-  this thread alone) and calls `done`.
+TURNIP appendix A: a vertex is launched as asynchronous CUDA work on a stream, and the event loop
+learns when the stream has executed it. Here one thread, the loop, drives every stream, as a CUDA
+program's host thread does:
+- it launches the submitted vertices in submission order: makes the vertex's stream wait on the
+  end events of the vertices it waits on (`Stream.wait_event`: the device orders them, the host
+  does not wait), records a start event, runs `work(vid, s)` with that stream current (kernels
+  and cudaMemcpyAsync are only enqueued) and records the end event;
+- it takes the completions the waiters hand it and calls `done` itself, so the executor's
+  counters and its next submissions run on this thread too.
+A waiter per stream blocks on that stream's end events in order (`Event.synchronize` releases
+the GIL) and hands each completion to the loop. Launching, the counters and the next launch
+happen on one thread: there is no handoff between Python threads per vertex and no contention
+for the GIL between launchers. Measured with kernels on the CPU behind the same threads (the
+stand-in device of tests/test_gpu.py, benchmarks/bench_host.py): one launcher thread per stream
+cost 120-200 us per vertex of a llama graph whose kernels need 23 us of host time; the loop
+costs a fraction of that (docs/RUNTIME.md). With the executor's launch ahead (see
+`actors.executor`) the loop prepares the next kernels of a chain while the device runs the
+current one.
 Rejected: cupy's `launch_host_func` callbacks (43 us median on the H100, run on CUDA's one
-callback thread for all streams, and may not call CUDA themselves) and a poller thread (a poll
-interval of latency).
+callback thread for all streams, and may not call CUDA themselves) and polling the events (a
+poll interval of latency).
 
-A waited-on vertex may sit on another stream whose launcher has not reached it yet; a launcher
-first waits (host side) until that vertex's end event is recorded. Every wait, like every turn of
-the copy lanes below, is on a vertex submitted earlier, so the earliest unlaunched vertex can
-always go: no deadlock.
+A vertex whose work blocks the host (`submit(..., blocking=True)`: a transfer over NCCL, whose
+source is asked for its send by a Ray call, or over the Ray object store) is not run on the loop:
+a helper thread runs it on its stream while the loop holds that stream (launches nothing else on
+it, nor anything waiting on that vertex) until the helper has recorded its end event; the other
+streams go on.
 
-Copies between host and device go through two FIFO copy lanes (one stream per direction), not
-the vertex's own stream: the vertex's stream waits on the lane after its copy, so completion is
-still one event. Measured on the H100 (bench_gpu_chain): loads issued on several streams run
-concurrently and share PCIe, so each finishes late and the matmul waiting for the first one
-starts late (1.26x the lower bound for the weight-streaming chain); in launch order (the
-runtime launches lowest id first, i.e. the planner's order) the first load gets all the
-bandwidth, as in a hand-written prefetch loop.
+Host-device copies go through two FIFO copy lanes (one stream per direction), not the vertex's
+own stream: the vertex's stream waits on the lane after its copy, so completion is still one
+event. The loop launches in submission order (the executor submits lowest id first, i.e. the
+planner's order), so copies enter the lanes in that order. Measured on the H100
+(bench_gpu_chain): loads issued on several streams run concurrently and share PCIe, so each
+finishes late and the matmul waiting for the first one starts late (1.26x the lower bound for
+the weight-streaming chain); in launch order the first load gets all the bandwidth, as in a
+hand-written prefetch loop.
 
 Times: the interval of a vertex is measured on the GPU (two timing events around its work, the
 start one recorded after the waits; for a lane copy the start event is recorded on the lane, so
 time spent queued behind earlier copies is not counted as busy); its end is the wall-clock
 instant the waiter returned, its start that minus the GPU interval. The events are made once per
 vertex (the first time it runs) and kept for later runs. `statistics()["host"]` sums, since
-`open`, the launchers' host time per vertex (launching, and waiting on another launcher): a mean
-launch time above the device time of a vertex means the host, not the GPU, sets the pace.
+`open`, the host time spent in `work` per vertex and the time the loop slept with vertices in
+flight: a mean launch time above the device time of a vertex, with little idle time, means the
+host, not the GPU, sets the pace.
 
 Nothing is allocated while a graph runs: the arena and host store come once from `alloc`, graph
 inputs are staged once per run into a pinned buffer before it starts (`stages_inputs`, see
@@ -47,11 +57,14 @@ temporaries exceed that still works, at the cost of one cudaMalloc the first tim
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import queue
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -60,7 +73,6 @@ from disco_ray.kernels import IMPLS
 
 from .backend import Done, Work
 
-_STOP = -1
 _WARM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -83,16 +95,20 @@ class CudaBackend:
         self.streams: list[torch.cuda.Stream] = []
         self.h2d: torch.cuda.Stream | None = None  # the copy lanes
         self.d2h: torch.cuda.Stream | None = None
-        self._local = threading.local()  # per launcher: its ticket, the start event of a lane copy
-        self._turns = Turns()  # lane order: copies enter the lanes in submission order
-        self._queues: list[queue.SimpleQueue] = []  # per stream: (vid, ticket, waits) to launch
-        self._landing: list[queue.SimpleQueue] = []  # per stream: launched vertices to wait for
+        self._local = threading.local()  # per launching thread: the vertex's lane start event
+        # (vid, stream, waits, blocking) in submission order; appended by any thread
+        self._submitted: collections.deque = collections.deque()
+        # (vid, stream, evs, lane_used, exc) from the helpers once a blocking vertex is recorded
+        self._recorded: collections.deque = collections.deque()
+        self._wake = threading.Event()  # submitted, recorded, or an armed event completed
+        self._stop = False
+        self._arms: list[queue.SimpleQueue] = []  # per stream: an end event for its waker
         self._threads: list[threading.Thread] = []
+        self._helpers: ThreadPoolExecutor | None = None
         self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = {}
-        self._recorded: dict[int, threading.Event] = {}  # vid -> set once its end event is recorded
-        # per launcher since `open`: [vertices launched, ns launching them, ns waiting for a
-        # waited-on vertex's launcher]: is the host keeping up with the device?
-        self._host: list[list[int]] = []
+        # [vertices launched, ns in `work`, ns the loop slept with vertices in flight, of the
+        # vertices launched those run by a helper]
+        self._host = [0, 0, 0, 0]
         self.allocated = {"device": 0, "pinned": 0}
 
     def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
@@ -108,100 +124,189 @@ class CudaBackend:
         with torch.cuda.device(self.device):
             self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
             self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-        self._queues = [queue.SimpleQueue() for _ in range(streams)]
-        self._landing = [queue.SimpleQueue() for _ in range(streams)]
-        self._host = [[0, 0, 0] for _ in range(streams)]
-        self._turns = Turns()
-        warmed = threading.Barrier(streams + 1)
+        self._submitted.clear()
+        self._recorded.clear()
+        self._stop = False
+        self._arms = [queue.SimpleQueue() for _ in range(streams)]
+        self._host = [0, 0, 0, 0]
+        # the helpers run blocking vertices; one per stream at most (a stream holds one at a time)
+        self._helpers = ThreadPoolExecutor(streams, thread_name_prefix="cuda-blocking")
+        self._warm_error: BaseException | None = None
+        warmed = threading.Event()
         self._threads = [
-            threading.Thread(
-                target=self._launch_loop, args=(s, work, warmed), daemon=True, name=f"cuda-launch-{s}"
-            )
-            for s in range(streams)
-        ] + [
-            threading.Thread(target=self._wait_loop, args=(s, done), daemon=True, name=f"cuda-wait-{s}")
+            threading.Thread(target=self._loop, args=(work, done, warmed), daemon=True, name="cuda-loop")
+        ]
+        self._threads += [
+            threading.Thread(target=self._waker, args=(s,), daemon=True, name=f"cuda-wait-{s}")
             for s in range(streams)
         ]
-        self._warm_error: BaseException | None = None
         for t in self._threads:
             t.start()
-        warmed.wait(timeout=120)  # every stream thread has its cuBLAS handle and workspace
+        warmed.wait(timeout=120)  # the loop has every stream's cuBLAS handle and workspace
         torch.cuda.synchronize(self.device)
         if self._warm_error is not None:
             err = self._warm_error
             self.close()
             raise RunError(f"backend 'cuda' on {self.device}: warming up the streams failed: {err}")
 
-    def _launch_loop(self, s: int, work: Work, warmed: threading.Barrier) -> None:
+    # ---- the loop: launches, completions ---------------------------------------------------------
+    def _loop(self, work: Work, done: Done, warmed: threading.Event) -> None:
         torch.cuda.set_device(self.device)
-        stream = self.streams[s]
         # in this thread: torch keeps a cuBLAS handle per thread and its workspace per (handle, stream)
         try:
-            _warm(stream, self.device, self.workspace)
+            for stream in self.streams:
+                _warm(stream, self.device, self.workspace)
         except BaseException as e:  # e.g. out of memory: `open` raises it
             self._warm_error = e
-        warmed.wait(timeout=120)
-        get, land = self._queues[s].get, self._landing[s].put
-        events, recorded, local = self._events, self._recorded, self._local
-        acc, ns = self._host[s], time.perf_counter_ns
-        with torch.cuda.stream(stream):
-            while True:
-                vid, ticket, waits = get()
-                if vid == _STOP:
-                    land((_STOP, None, None, False))
-                    return
-                evs = events.get(vid)
-                if evs is None:
-                    evs = events[vid] = (
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                    )
-                start, end, local.lane_start = evs
-                local.lane_used = False
-                local.ticket = ticket
-                exc: BaseException | None = None
-                t0 = t1 = ns()
-                try:
-                    for u in waits:
-                        recorded[u].wait()  # its launcher has recorded its end event
-                        stream.wait_event(events[u][1])
-                    t1 = ns()
-                    start.record(stream)
-                    work(vid, s)
-                except BaseException as e:  # reported to the executor, which stops the run
-                    exc = e
-                finally:
-                    self._turns.resolve(ticket)  # no-op after a lane copy resolved it
-                    end.record(stream)
-                    recorded[vid].set()
-                t2 = ns()
-                acc[0] += 1
-                acc[1] += t2 - t1
-                acc[2] += t1 - t0
-                land((vid, exc, evs, local.lane_used))
-
-    def _wait_loop(self, s: int, done: Done) -> None:
-        torch.cuda.set_device(self.device)
-        get, clock = self._landing[s].get, time.time_ns
+        warmed.set()
+        submitted, recorded, wake = self._submitted, self._recorded, self._wake
+        waiting: collections.deque = collections.deque()  # submitted, not launched, in order
+        held: dict[int, int] = {}  # stream -> the blocking vertex a helper runs on it
+        inflight: list[collections.deque] = [collections.deque() for _ in self.streams]  # in stream order
+        armed: list = [None] * len(self.streams)  # per stream: the end event its waker was given
+        clock = _Clock(self.streams[0])
+        acc, ns = self._host, time.perf_counter_ns
         while True:
-            vid, exc, evs, lane_used = get()
-            if vid == _STOP:
+            wake.clear()
+            if self._stop:
                 return
-            start, end, lane_start = evs
-            try:
-                end.synchronize()  # blocks this thread only (the GIL is released)
-                t1 = clock()
-                gpu_ns = int((lane_start if lane_used else start).elapsed_time(end) * 1e6)
-            except BaseException as e:  # an asynchronous CUDA error of this vertex's work
-                t1, gpu_ns = clock(), 0
-                exc = exc or e
-            done(vid, s, t1 - gpu_ns, t1, exc)
+            busy = False
+            for s, fl in enumerate(inflight):  # completions: a stream runs its vertices in order
+                while fl:
+                    vid, exc, evs, lane_used = fl[0]
+                    try:
+                        if not evs[1].query():
+                            break
+                        t0, t1 = clock.interval(evs[2] if lane_used else evs[0], evs[1])
+                    except BaseException as e:  # an asynchronous CUDA error of this vertex's work
+                        t0 = t1 = time.time_ns()
+                        exc = exc or e
+                    fl.popleft()
+                    if armed[s] is evs[1]:  # its events come back in the next run
+                        armed[s] = None
+                    busy = True
+                    done(vid, s, t0, t1, exc)  # may submit: appends to `submitted`
+            while recorded:
+                vid, s, evs, lane_used, exc = recorded.popleft()
+                del held[s]
+                inflight[s].append((vid, exc, evs, lane_used))
+                busy = True
+            while submitted:
+                waiting.append(submitted.popleft())
+            if waiting:
+                if not any(inflight) and not held:
+                    clock.rebase()  # idle: the device's clock against the host's, again
+                waiting, launched = self._launch_waiting(waiting, held, inflight, work)
+                busy = busy or launched > 0
+            if busy or submitted or recorded:
+                continue
+            if any(inflight):
+                for s, fl in enumerate(inflight):  # wake me when a stream finishes its next vertex
+                    if fl and armed[s] is not fl[0][2][1]:
+                        armed[s] = fl[0][2][1]
+                        self._arms[s].put(armed[s])
+                t = ns()
+                wake.wait()
+                acc[2] += ns() - t
+            else:
+                wake.wait()
 
-    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = ()) -> None:
-        # tickets number vertices in submission order (the executor submits lowest id first)
-        self._recorded[vid] = threading.Event()  # before any vertex that waits on it is submitted
-        self._queues[stream].put((vid, self._turns.take(), waits))
+    def _launch_waiting(self, waiting: collections.deque, held: dict[int, int], inflight: list, work: Work):
+        """Launches, in order, every waiting vertex whose stream is free of a blocking vertex and
+        that waits on no vertex still held back; returns (those left, in order; number launched)."""
+        left: collections.deque = collections.deque()
+        blocked: set[int] = set()  # vids left waiting
+        stalled: set[int] = set()  # streams with a vertex left waiting
+        held_vids = set(held.values())
+        launched = 0
+        for item in waiting:
+            vid, s, waits, blocking = item
+            if s in held or s in stalled or any(u in blocked or u in held_vids for u in waits):
+                left.append(item)
+                blocked.add(vid)
+                stalled.add(s)
+                continue
+            launched += 1
+            if blocking:
+                held[s] = vid
+                held_vids.add(vid)
+                stream = self.streams[s]
+                for u in waits:
+                    stream.wait_event(self._events[u][1])
+                self._host[0] += 1
+                self._host[3] += 1
+                assert self._helpers is not None
+                self._helpers.submit(self._run_blocking, vid, s, self._events_of(vid), work)
+            else:
+                inflight[s].append(self._launch(vid, s, waits, work))
+        return left, launched
+
+    def _events_of(self, vid: int):
+        evs = self._events.get(vid)
+        if evs is None:
+            evs = self._events[vid] = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+        return evs
+
+    def _launch(self, vid: int, s: int, waits: tuple[int, ...], work: Work):
+        """Enqueues vertex `vid` on stream `s`: waits, start event, work, end event."""
+        stream = self.streams[s]
+        evs = self._events_of(vid)
+        start, end, self._local.lane_start = evs
+        self._local.lane_used = False
+        exc: BaseException | None = None
+        t0 = time.perf_counter_ns()
+        torch.cuda.set_stream(stream)
+        try:
+            for u in waits:
+                stream.wait_event(self._events[u][1])
+            start.record(stream)
+            work(vid, s)
+        except BaseException as e:  # reported to the executor, which stops the run
+            exc = e
+        finally:
+            end.record(stream)
+        self._host[0] += 1
+        self._host[1] += time.perf_counter_ns() - t0
+        return vid, exc, evs, self._local.lane_used
+
+    def _run_blocking(self, vid: int, s: int, evs, work: Work) -> None:
+        """In a helper: `work` of a blocking vertex on its held stream (its waits are enqueued)."""
+        stream = self.streams[s]
+        start, end, self._local.lane_start = evs
+        self._local.lane_used = False
+        exc: BaseException | None = None
+        torch.cuda.set_device(self.device)
+        try:
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                work(vid, s)
+        except BaseException as e:
+            exc = e
+        finally:
+            end.record(stream)
+            self._recorded.append((vid, s, evs, self._local.lane_used, exc))
+            self._wake.set()
+
+    def _waker(self, s: int) -> None:
+        """Wakes the sleeping loop when stream `s` finishes the vertex the loop armed it with."""
+        torch.cuda.set_device(self.device)
+        get, wake = self._arms[s].get, self._wake
+        while True:
+            end = get()
+            if end is None:
+                return
+            with contextlib.suppress(BaseException):  # the loop's query reports the error
+                end.synchronize()  # blocks this thread only (the GIL is released)
+            wake.set()
+
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), blocking: bool = False) -> None:
+        # the executor submits under its lock, lowest id first: this deque holds its order
+        self._submitted.append((vid, stream, waits, blocking))
+        self._wake.set()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Host <-> device: on that direction's lane, the current stream waiting on it after the
@@ -218,30 +323,29 @@ class CudaBackend:
             return
         cur = torch.cuda.current_stream()
         local = self._local
-        first = getattr(local, "lane_used", True) is False  # a stream thread's first lane copy of a vertex
-        if first:
-            # lanes are FIFO: enqueue in submission order, not in the order the threads woke up
-            self._turns.wait(local.ticket)
         lane.wait_stream(cur)  # after whatever this vertex enqueued before
         with torch.cuda.stream(lane):
-            if first:
+            if getattr(local, "lane_used", True) is False:  # the vertex's first lane copy
                 local.lane_start.record(lane)
                 local.lane_used = True
             dst.copy_(src, non_blocking=True)
         cur.wait_stream(lane)  # the vertex's end event follows its copy
-        if first:
-            self._turns.resolve(local.ticket)
 
     def kernel(self, op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
         IMPLS[op](out, ins, attrs)
 
     def close(self) -> None:
-        for q in self._queues:
-            q.put((_STOP, -1, ()))
+        self._stop = True
+        self._wake.set()
+        for q in self._arms:
+            q.put(None)
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
-        self._queues, self._landing, self._threads = [], [], []
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False, cancel_futures=True)
+            self._helpers = None
+        self._arms, self._threads = [], []
         if self.streams:
             torch.cuda.synchronize(self.device)
         self.streams = []
@@ -253,51 +357,21 @@ class CudaBackend:
             "device": str(self.device),
             "streams": len(self.streams),
             **self.allocated,
-            "host": host_statistics(self._host),
+            "host": host_statistics(*self._host),
         }
 
 
-def host_statistics(per_launcher: list[list[int]]) -> dict:
-    """Totals of the launchers' [launches, ns launching, ns waiting] counters."""
-    n = sum(c[0] for c in per_launcher)
-    launch_ns = sum(c[1] for c in per_launcher)
+def host_statistics(launches: int, launch_ns: int, idle_ns: int, blocking: int) -> dict:
+    """The loop's counters: vertices launched, host time in the `work` of those it ran itself,
+    time asleep with vertices in flight (the host waiting on the device), vertices a helper ran."""
+    own = launches - blocking
     return {
-        "launches": n,
+        "launches": launches,
         "launch_s": launch_ns / 1e9,
-        "launch_us_mean": launch_ns / n / 1e3 if n else 0.0,
-        "wait_s": sum(c[2] for c in per_launcher) / 1e9,
+        "launch_us_mean": launch_ns / own / 1e3 if own else 0.0,
+        "idle_s": idle_ns / 1e9,
+        "blocking": blocking,
     }
-
-
-class Turns:
-    """Tickets in submission order; `wait(t)` returns once every earlier ticket is resolved (its
-    vertex enqueued its lane copy, or finished launching without one). Never waits on a later
-    ticket, so it cannot deadlock."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._next = 0
-        self._low = 0  # every ticket below is resolved
-        self._resolved: set[int] = set()
-
-    def take(self) -> int:
-        with self._cv:
-            self._next += 1
-            return self._next - 1
-
-    def wait(self, ticket: int, timeout: float | None = None) -> bool:
-        with self._cv:
-            return self._cv.wait_for(lambda: self._low >= ticket, timeout)
-
-    def resolve(self, ticket: int) -> None:
-        with self._cv:
-            if ticket < self._low:
-                return
-            self._resolved.add(ticket)
-            while self._low in self._resolved:
-                self._resolved.discard(self._low)
-                self._low += 1
-            self._cv.notify_all()
 
 
 def _warm(stream: torch.cuda.Stream, device: torch.device, workspace: int) -> None:
@@ -311,3 +385,31 @@ def _warm(stream: torch.cuda.Stream, device: torch.device, workspace: int) -> No
         if workspace > (1 << 20):
             keep.append(torch.empty(workspace, dtype=torch.uint8, device=device))
         del keep  # freed into this stream's pools, not to the device
+
+
+class _Clock:
+    """Wall-clock times of device events: the host time of one synchronized base event plus the
+    device's elapsed time since it (cudaEventElapsedTime, any two events of one device)."""
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream = stream
+        self.base = torch.cuda.Event(enable_timing=True)
+        self.base_ns = 0
+        self.at = -1e18  # perf_counter of the last rebase
+        self.rebase()
+
+    def rebase(self, every_s: float = 0.5) -> None:
+        if time.perf_counter() - self.at < every_s:
+            return
+        self.base.record(self.stream)
+        self.base.synchronize()
+        self.base_ns = time.time_ns()
+        self.at = time.perf_counter()
+
+    def interval(self, start: torch.cuda.Event, end: torch.cuda.Event) -> tuple[int, int]:
+        """(t0_ns, t1_ns) of two completed events."""
+        base = self.base
+        return (
+            self.base_ns + int(base.elapsed_time(start) * 1e6),
+            self.base_ns + int(base.elapsed_time(end) * 1e6),
+        )

@@ -140,6 +140,7 @@ class Executor:
         self._inputs: dict[str, torch.Tensor] = {}
         self._sanitizer: Sanitizer | None = None
         self._check = False
+        self._blocking: set[int] = set()
         self._delay: tuple[float, float] | None = None
         self._rng = random.Random(0)
         self._done_q: collections.deque[int] = collections.deque()
@@ -191,6 +192,13 @@ class Executor:
                     )
                 self._sanitizer.reset()
             self._check = check
+            # transfers whose pull waits on the host: a one-thread backend runs them aside
+            tr = self.transport
+            self._blocking = {
+                vid
+                for vid, p in self.plans.items()
+                if p.kind == K_TRANSFER and (tr is None or tr.blocks(p.src_gpu))
+            }
             self._delay = delay
             self._rng = random.Random(seed * 7919 + self.gpu)
             # launch ahead is off while the sanitizer runs on a backend that launches
@@ -217,8 +225,9 @@ class Executor:
     def _pump(self) -> None:
         # caller holds the lock
         if self._error is None:
+            blocking = self._blocking
             for vid, s, waits in self.slots.take():
-                self.backend.submit(s, vid, waits)
+                self.backend.submit(s, vid, waits, vid in blocking)
 
     @property
     def launched_ahead(self) -> int:

@@ -25,6 +25,10 @@ from disco_ray.memgraph import Loc
 class Transport(Protocol):
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None: ...
 
+    def blocks(self, src_gpu: int) -> bool:
+        """True when a pull from `src_gpu` waits on the host (a Ray call), not only enqueues."""
+        ...
+
 
 class LocalTransport:
     """Peers are `actors.executor.Executor` objects of this process."""
@@ -35,12 +39,18 @@ class LocalTransport:
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
         self.executors[src_gpu].read_range(loc, reader, expect, into=dst)
 
+    def blocks(self, src_gpu: int) -> bool:
+        return False  # one copy_ call (enqueued on CUDA, done at return on the cpu backend)
+
 
 class RayTransport:
     """Peers are GpuWorker actor handles; one Ray call per transfer, made from the stream thread."""
 
     def __init__(self, handles: Sequence[Any]):
         self.handles = handles
+
+    def blocks(self, src_gpu: int) -> bool:
+        return True
 
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
         import ray

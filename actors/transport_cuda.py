@@ -138,6 +138,12 @@ class CudaTransport:
         return dict(self.paths)
 
     # ---- a transfer ----------------------------------------------------------------------------
+    def blocks(self, src_gpu: int) -> bool:
+        """IPC enqueues one copy; NCCL asks the source for its send (a Ray call) and the Ray path
+        waits for the bytes; the sanitizer's check of a pull waits for its copy."""
+        checking = self.ex is not None and self.ex._check
+        return checking or self.paths.get(src_gpu, "ray") != "ipc"
+
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
         path = self.paths.get(src_gpu, "ray")
         self.pulls[path] += 1

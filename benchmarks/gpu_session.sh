@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_session.sh chain OUT             # matmul chain: launch ahead off / on
 #   bash benchmarks/gpu_session.sh llama OUT 512 4096    # llama_prefill 7b-shaped per tile: ahead 0 / 4
 #   bash benchmarks/gpu_session.sh torch OUT             # llama_prefill: the torch baselines
-#   bash benchmarks/gpu_session.sh streams1 OUT          # llama tile 512 on one stream (one launcher
-#                                                        # thread: is per-kernel cost host contention?)
+#   bash benchmarks/gpu_session.sh streams1 OUT          # llama tile 512 on one stream: does the
+#                                                        # device gain from several streams?
 set -euo pipefail
 part=${1:?usage: gpu_session.sh tests|chain|llama|torch|streams1 OUT [TILE ...]}
 out=${2:-gpu_out}

@@ -7,9 +7,8 @@ choice is pure and also tested without a GPU.
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch
 from actors.transport_cuda import choose_path, choose_paths
 from disco_ray.reference import evaluate, random_inputs
 from disco_ray.runtime import Program
+from tests.fake_cuda import FakeStream, install
 from tests.runtime_helpers import plan, random_taskgraph
 
 CUDA = torch.cuda.is_available()
@@ -62,122 +62,127 @@ def test_path_choice():
     assert choose_paths(infos) == {(0, 1): "ipc", (0, 2): "nccl", (1, 2): "nccl"}
 
 
-def test_lane_turns_follow_submission_order():
-    import random
-    import threading
-
-    from actors.backend_cuda import Turns
-
-    turns = Turns()
-    tickets = [turns.take() for _ in range(40)]
-    rng = random.Random(5)
-    entered: list[int] = []
-    lock = threading.Lock()
-
-    def vertex(t: int) -> None:  # threads start in a shuffled order; half of them use a lane
-        if t % 2 == 0:
-            assert turns.wait(t, timeout=10), f"ticket {t} waited for ever"
-            with lock:
-                entered.append(t)
-        turns.resolve(t)
-
-    order = tickets[:]
-    rng.shuffle(order)
-    threads = [threading.Thread(target=vertex, args=(t,)) for t in order]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=20)
-    assert entered == [t for t in tickets if t % 2 == 0], "seed 5"
-
-
-# ---- the cuda backend's threads on a fake device (runs everywhere) ------------------------------
-class _FakeEvent:
-    """Host-side stand-in for torch.cuda.Event: work runs synchronously at launch, so an event is
-    complete once recorded."""
-
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self, stream=None):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        assert self.t is not None, "waited on an event never recorded"
-
-    def elapsed_time(self, end):
-        if self.t is None or end.t is None:
-            raise RuntimeError("event not recorded")
-        return (end.t - self.t) * 1e3
-
-
-class _FakeStream:
-    waited: list = []
-
-    def __init__(self, device=None):
-        pass
-
-    def wait_event(self, ev):
-        assert ev.t is not None, "a stream waited on an event its launcher had not recorded"
-        _FakeStream.waited.append(ev)
-
-    def wait_stream(self, other):
-        pass
-
-
-def _fake_torch():
-    cuda = SimpleNamespace(
-        is_available=lambda: True,
-        current_device=lambda: 0,
-        set_device=lambda d: None,
-        synchronize=lambda d=None: None,
-        device=lambda d: contextlib.nullcontext(),
-        stream=lambda s: contextlib.nullcontext(),
-        current_stream=lambda: _FakeStream(),
-        Stream=_FakeStream,
-        Event=_FakeEvent,
-    )
-    return SimpleNamespace(
-        cuda=cuda,
-        device=lambda *a: torch.device("cpu"),
-        empty=lambda n, dtype, device=None, pin_memory=False: torch.zeros(n, dtype=dtype),
-        uint8=torch.uint8,
-    )
-
-
-@pytest.mark.parametrize("ahead", [0, 4])
-def test_cuda_backend_launcher_and_waiter_threads_on_a_fake_device(monkeypatch, ahead):
-    """The cuda backend's launch/wait threads, tickets, event waits and shutdown, with torch.cuda
-    replaced by host stand-ins (kernels run on the CPU at launch): outputs match the reference,
-    launch ahead waits on events, and nothing hangs."""
+# ---- the cuda backend's threads on a stand-in device (tests/fake_cuda.py; runs everywhere) -------
+@pytest.mark.parametrize(
+    "ahead,device_s,streams", [(0, 0.0, 3), (4, 0.0, 3), (0, 2e-4, 3), (4, 2e-4, 3), (2, 2e-4, 1)]
+)
+def test_cuda_backend_loop_and_wakers_on_a_fake_device(monkeypatch, ahead, device_s, streams):
+    """The cuda backend's loop and waker threads, event waits and shutdown, with torch.cuda
+    replaced by host stand-ins (kernels run on the CPU at launch, events complete `device_s`
+    later): outputs match the reference, the loop launches in submission order, launch ahead
+    waits on events, the loop sleeps while the device works and is woken, nothing hangs."""
     from actors import backend_cuda
     from actors.executor import Executor, WorkerConfig
 
-    monkeypatch.setattr(backend_cuda, "torch", _fake_torch())
-    monkeypatch.setattr(backend_cuda, "_warm", lambda *a: None)
-    _FakeStream.waited = []
+    install(monkeypatch.setattr)
+    monkeypatch.setattr(FakeStream, "device_s", device_s)
+    FakeStream.waited = []
     tg = random_taskgraph(404, n=60, gpus=1, size=16)
     mg = plan(tg, "tight")
-    ex = Executor(0, mg, tg, WorkerConfig(streams=3, ahead=ahead), backend=backend_cuda.CudaBackend())
+    be = backend_cuda.CudaBackend()
+    submitted, launched = [], []
+    submit, launch = be.submit, be._launch
+    monkeypatch.setattr(be, "submit", lambda s, vid, *a: (submitted.append(vid), submit(s, vid, *a)))
+    monkeypatch.setattr(be, "_launch", lambda vid, *a: (launched.append(vid), launch(vid, *a))[1])
+    ex = Executor(0, mg, tg, WorkerConfig(streams=streams, ahead=ahead), backend=be)
     try:
         for run in range(2):
             inputs = random_inputs(tg, run)
             ex.begin(inputs, delay=(0, 2e-4), seed=run)
             ex.dispatch(list(ex.core.mine))
-            assert ex.wait(timeout=60), "the run hung"
+            assert ex.wait(timeout=20), f"run {run} hung"
             assert ex.error is None, ex.error
             out = {k: ex.output(k, mg.outputs[k]) for k in tg.outputs}
             _same(out, evaluate(tg, inputs), f"run {run} ahead {ahead}")
             assert all(t0 <= t1 for _, _, t0, t1 in ex.trace)
+        assert launched == submitted and len(launched) == 2 * len(ex.core.mine)
         assert (ex.launched_ahead > 0) == (ahead > 0)
-        assert bool(_FakeStream.waited) == (ahead > 0)
+        assert bool(FakeStream.waited) == (ahead > 0 and streams > 1)  # one stream: no waits
         host = ex.statistics()["backend"]["host"]
         assert host["launches"] == 2 * len(ex.core.mine) and host["launch_us_mean"] > 0, host
+        assert host["blocking"] == 0
+        assert (host["idle_s"] > 0) == (device_s > 0), host
         threads = list(ex.backend._threads)
-        assert len(threads) == 6  # a launcher and a waiter per stream
+        assert [t.name for t in threads] == ["cuda-loop"] + [f"cuda-wait-{s}" for s in range(streams)]
     finally:
         ex.close()
     assert not any(t.is_alive() for t in threads)
+
+
+def test_fake_device_loop_is_woken_by_the_same_vertex_twice(monkeypatch):
+    """A vertex's events come back in the next run: the loop must arm its waker with them again."""
+    from actors import backend_cuda
+
+    install(monkeypatch.setattr)
+    monkeypatch.setattr(FakeStream, "device_s", 2e-3)
+    be = backend_cuda.CudaBackend()
+    finished = threading.Semaphore(0)
+    be.open(1, lambda vid, s: None, lambda *a: finished.release())
+    try:
+        for run in range(3):
+            be.submit(0, 7)
+            assert finished.acquire(timeout=10), f"run {run}: the loop was never woken"
+        assert be.statistics()["host"]["idle_s"] > 0
+    finally:
+        be.close()
+
+
+def test_bench_host_runs_the_llama_structure_on_the_stand_in_device(monkeypatch, capsys):
+    """benchmarks/bench_host.py: llama_prefill's 7B vertex structure on the loop, outputs checked."""
+    import importlib.util
+    import pathlib
+
+    from tests import fake_cuda
+
+    monkeypatch.setattr(fake_cuda, "install", lambda: install(monkeypatch.setattr))  # undone after
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_host.py"
+    spec = importlib.util.spec_from_file_location("bench_host", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--repeat", "1", "--streams", "2", "--ahead", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("llama_prefill structure: 572 vertices")
+    assert lines[-1].split()[:2] == ["2", "4"]
+
+
+@pytest.mark.parametrize("seed,check", [(0, False), (1, False), (2, True)])
+def test_blocking_transfers_run_beside_the_loop_on_a_fake_device(monkeypatch, seed, check):
+    """Transfers whose pull waits on the host run in helper threads while the loop holds their
+    stream: the other streams go on, and nothing queued behind them (launch ahead; off under the
+    sanitizer, which checks every read) starts early: the outputs match the reference."""
+    from actors import backend_cuda, executor
+    from actors.executor import WorkerConfig
+    from actors.transport import LocalTransport
+    from disco_ray.engine_local import LocalEngine
+    from disco_ray.runtime import RunOptions
+
+    install(monkeypatch.setattr)
+    monkeypatch.setattr(executor, "make_backend", lambda name: backend_cuda.CudaBackend())
+    helpers = set()
+    pull = LocalTransport.pull
+
+    def slow_pull(self, *a):  # a pull that waits on the host, like a Ray call
+        helpers.add(threading.current_thread().name)
+        time.sleep(1e-3)
+        pull(self, *a)
+
+    monkeypatch.setattr(LocalTransport, "pull", slow_pull)
+    monkeypatch.setattr(LocalTransport, "blocks", lambda self, src: True)
+    tg = random_taskgraph(seed, n=80, gpus=3, size=16)
+    mg = plan(tg, "tight")
+    eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2, ahead=2))
+    try:
+        inputs = random_inputs(tg, seed)
+        out, _ = eng.run(inputs, RunOptions(check=check, delay=(0, 2e-4), seed=seed))
+        _same(out, evaluate(tg, inputs), f"seed {seed}")
+        blocking = sum(w["backend"]["host"]["blocking"] for w in eng.statistics()["workers"])
+        transfers = sum(1 for v in mg.vertices if v.kind.value == "transfer")
+        assert blocking == transfers > 0
+        assert helpers and all(n.startswith("cuda-blocking") for n in helpers), helpers
+    finally:
+        eng.close()
 
 
 # ---- local engine: one process, every worker's arena on the GPU ---------------------------------

@@ -1,0 +1,86 @@
+"""Host cost per vertex of the cuda backend's threads, measured without a GPU.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_host.py [--repeat 5] [--streams 1,5]
+
+Runs one worker's Executor with the cuda backend on the stand-in device of tests/fake_cuda.py:
+torch.cuda replaced by host objects, every kernel run by the same torch code on tiny CPU tensors
+at launch, so the device is never the bottleneck and the wall time is what the host spends:
+the kernels' own host time plus the runtime's (loop, wakers, counters, events). The graph is
+llama_prefill with the 7B run's vertex structure (4 layers, 8 sequence tiles: 512 kernels, as
+`--capacity 2GiB` at seq 4096 tile 512 on the H100) and tiny tensors (dim 64, 4 heads).
+`serial` is the same kernels run one after another in one thread (disco_ray.reference.evaluate):
+the floor. The outputs are checked against the workload's torch reference. Figures are host-CPU figures of this machine; no GPU is involved. OMP_NUM_THREADS=1
+keeps torch's CPU thread pool out of it (on a GPU, kernels do not use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from actors.executor import Executor, WorkerConfig
+from disco_ray.bench import check_outputs
+from disco_ray.reference import evaluate
+from planner import build_memgraph
+from tests import fake_cuda
+from workloads.llama import llama_prefill
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per setting; the best counts")
+    ap.add_argument("--streams", default="1,5", help="comma-separated stream counts")
+    ap.add_argument("--ahead", default="0,4", help="comma-separated launch-ahead depths")
+    args = ap.parse_args(argv)
+    fake_cuda.install()
+    from actors.backend_cuda import CudaBackend
+
+    w = llama_prefill(
+        preset="7b", layers=4, gpus=1, seq=64, tile=8, dim=64, heads=4, ffn=128, dtype="float32"
+    )
+    tg = w.taskgraph
+    mg = build_memgraph(tg, 1 << 30)
+    n = len(mg.vertices)
+    evaluate(tg, w.inputs)
+    serial = min(_timed(evaluate, tg, w.inputs) for _ in range(args.repeat))
+    print(f"llama_prefill structure: {n} vertices; serial kernels {serial * 1e3:.1f} ms")
+    print("streams  ahead  wall ms  us/vertex  over serial us/vertex  launch us (mean)")
+    for streams in map(int, args.streams.split(",")):
+        for ahead in map(int, args.ahead.split(",")):
+            be = CudaBackend()
+            ex = Executor(0, mg, tg, WorkerConfig(streams=streams, ahead=ahead), backend=be)
+            try:
+                best = float("inf")
+                for _ in range(args.repeat + 1):  # the first run makes the events
+                    t = _timed(_run, ex, w.inputs)
+                    best = min(best, t)
+                host = be.statistics()["host"]
+                outs = {k: ex.output(k, mg.outputs[k]) for k in tg.outputs}
+                got = check_outputs(outs, w.reference(w.inputs))
+                if not got["ok"]:
+                    raise SystemExit(f"bench_host: output {got['output']} is off by {got['max_rel_err']:.2g}")
+            finally:
+                ex.close()
+            print(
+                f"{streams:7d}  {ahead:5d}  {best * 1e3:7.1f}  {best / n * 1e6:9.1f}  "
+                f"{(best - serial) / n * 1e6:21.1f}  {host['launch_us_mean']:16.1f}"
+            )
+    return 0
+
+
+def _run(ex: Executor, inputs) -> None:
+    ex.begin(inputs)
+    ex.dispatch(list(ex.core.mine))
+    if not ex.wait(timeout=300) or ex.error is not None:
+        raise SystemExit(f"bench_host: run failed: {ex.error or 'timed out'}")
+
+
+def _timed(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    sys.exit(main())
