@@ -193,6 +193,23 @@ def test_rope_op_matches_reference_rotation():
     torch.testing.assert_close((xr**2).sum(2), (orr**2).sum(2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rmsnorm_op_matches_the_formula(dtype, weighted):
+    """x / sqrt(mean(x^2) + eps) in float32, cast back, times the weight (LLaMA's RMSNorm)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(5, 32, generator=gen)).to(dtype)
+    w = (1 + 0.1 * torch.randn(32, generator=gen)).to(dtype)
+    out = torch.empty(5, 32, dtype=dtype)
+    run_kernel("rmsnorm", out, [x, w] if weighted else [x], {"eps": 1e-5})
+    xf = x.float()
+    want = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+    if weighted:
+        want = want * w.float()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
 def test_concat_op_and_shape_errors():
     g = TaskGraph(1)
     a = g.input("a", (2, 3))
