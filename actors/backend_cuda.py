@@ -159,57 +159,74 @@ class CudaBackend:
         except BaseException as e:  # e.g. out of memory: `open` raises it
             self._warm_error = e
         warmed.set()
-        submitted, recorded, wake = self._submitted, self._recorded, self._wake
-        waiting: collections.deque = collections.deque()  # submitted, not launched, in order
-        held: dict[int, int] = {}  # stream -> the blocking vertex a helper runs on it
-        inflight: list[collections.deque] = [collections.deque() for _ in self.streams]  # in stream order
-        armed: list = [None] * len(self.streams)  # per stream: the end event its waker was given
-        clock = _Clock(self.streams[0])
-        acc, ns = self._host, time.perf_counter_ns
+        st = _LoopState(len(self.streams), _Clock(self.streams[0]))
+        wake, acc, ns = self._wake, self._host, time.perf_counter_ns
         while True:
             wake.clear()
             if self._stop:
                 return
-            busy = False
-            for s, fl in enumerate(inflight):  # completions: a stream runs its vertices in order
-                while fl:
-                    vid, exc, evs, lane_used = fl[0]
-                    try:
-                        if not evs[1].query():
-                            break
-                        t0, t1 = clock.interval(evs[2] if lane_used else evs[0], evs[1])
-                    except BaseException as e:  # an asynchronous CUDA error of this vertex's work
-                        t0 = t1 = time.time_ns()
-                        exc = exc or e
-                    fl.popleft()
-                    if armed[s] is evs[1]:  # its events come back in the next run
-                        armed[s] = None
-                    busy = True
-                    done(vid, s, t0, t1, exc)  # may submit: appends to `submitted`
-            while recorded:
-                vid, s, evs, lane_used, exc = recorded.popleft()
-                del held[s]
-                inflight[s].append((vid, exc, evs, lane_used))
-                busy = True
-            while submitted:
-                waiting.append(submitted.popleft())
-            if waiting:
-                if not any(inflight) and not held:
-                    clock.rebase()  # idle: the device's clock against the host's, again
-                waiting, launched = self._launch_waiting(waiting, held, inflight, work)
-                busy = busy or launched > 0
-            if busy or submitted or recorded:
+            try:
+                if self._turn(st, work, done):
+                    continue
+            except BaseException as e:  # a CUDA error outside any vertex, or a bug: never hang
+                self._fail_in_hand(st, done, e)
                 continue
-            if any(inflight):
-                for s, fl in enumerate(inflight):  # wake me when a stream finishes its next vertex
-                    if fl and armed[s] is not fl[0][2][1]:
-                        armed[s] = fl[0][2][1]
-                        self._arms[s].put(armed[s])
+            if any(st.inflight):
+                for s, fl in enumerate(st.inflight):  # wake me when a stream finishes its next vertex
+                    if fl and st.armed[s] is not fl[0][2][1]:
+                        st.armed[s] = fl[0][2][1]
+                        self._arms[s].put(st.armed[s])
                 t = ns()
                 wake.wait()
                 acc[2] += ns() - t
             else:
                 wake.wait()
+
+    def _turn(self, st: _LoopState, work: Work, done: Done) -> bool:
+        """One pass: completions, helpers' records, launches. False: nothing happened, nothing new."""
+        busy = False
+        for s, fl in enumerate(st.inflight):  # completions: a stream runs its vertices in order
+            while fl:
+                vid, exc, evs, lane_used = fl[0]
+                try:
+                    if not evs[1].query():
+                        break
+                    t0, t1 = st.clock.interval(evs[2] if lane_used else evs[0], evs[1])
+                except BaseException as e:  # an asynchronous CUDA error of this vertex's work
+                    t0 = t1 = time.time_ns()
+                    exc = exc or e
+                fl.popleft()
+                if st.armed[s] is evs[1]:  # its events come back in the next run
+                    st.armed[s] = None
+                busy = True
+                done(vid, s, t0, t1, exc)  # may submit: appends to `_submitted`
+        recorded, submitted = self._recorded, self._submitted
+        while recorded:
+            vid, s, evs, lane_used, exc = recorded.popleft()
+            del st.held[s]
+            st.inflight[s].append((vid, exc, evs, lane_used))
+            busy = True
+        while submitted:
+            st.waiting.append(submitted.popleft())
+        if st.waiting:
+            if not any(st.inflight) and not st.held:
+                st.clock.rebase()  # idle: the device's clock against the host's, again
+            st.waiting, launched = self._launch_waiting(st.waiting, st.held, st.inflight, work)
+            busy = busy or launched > 0
+        return busy or bool(submitted) or bool(recorded)
+
+    def _fail_in_hand(self, st: _LoopState, done: Done, err: BaseException) -> None:
+        """Every vertex the loop holds (waiting, in flight; not one a helper runs) ends with `err`."""
+        e = RunError(f"backend 'cuda' on {self.device}: the launch loop failed: {type(err).__name__}: {err}")
+        t = time.time_ns()
+        items = [(vid, s) for vid, s, _, _ in st.waiting]
+        items += [(rec[0], s) for s, fl in enumerate(st.inflight) for rec in fl]
+        st.waiting.clear()
+        for fl in st.inflight:
+            fl.clear()
+        for vid, s in items:
+            with contextlib.suppress(BaseException):
+                done(vid, s, t, t, e)
 
     def _launch_waiting(self, waiting: collections.deque, held: dict[int, int], inflight: list, work: Work):
         """Launches, in order, every waiting vertex whose stream is free of a blocking vertex and
@@ -385,6 +402,17 @@ def _warm(stream: torch.cuda.Stream, device: torch.device, workspace: int) -> No
         if workspace > (1 << 20):
             keep.append(torch.empty(workspace, dtype=torch.uint8, device=device))
         del keep  # freed into this stream's pools, not to the device
+
+
+class _LoopState:
+    """What the loop holds between passes."""
+
+    def __init__(self, streams: int, clock: _Clock):
+        self.waiting: collections.deque = collections.deque()  # submitted, not launched, in order
+        self.held: dict[int, int] = {}  # stream -> the blocking vertex a helper runs on it
+        self.inflight: list[collections.deque] = [collections.deque() for _ in range(streams)]  # launched
+        self.armed: list = [None] * streams  # per stream: the end event its waker was given
+        self.clock = clock
 
 
 class _Clock:

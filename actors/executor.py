@@ -13,7 +13,9 @@ waits on their events; cpu: the stream thread waits), so on a GPU the host prepa
 kernels of a chain while the current one runs. Launch ahead is off while the sanitizer runs on a
 backend that launches asynchronously (its checks run at launch). The
 completion is appended to a deque that a reporter thread drains and sends as one batch to the
-coordinator: at once when the worker goes idle, else every `flush_s` (1 ms) while it is busy.
+coordinator: at once when the worker goes idle, else within `flush_s` (1 ms) while it is busy if
+another GPU waits for one of them, and within `lazy_s` (50 ms) if none (the coordinator only
+counts those: each report is a Ray call, host time the launches would otherwise get).
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class WorkerConfig:
     backend: str = "cpu"  # "cpu" or "cuda"
     streams: int = 5  # streams per GPU
     ahead: int | None = None  # kernels launched ahead per stream; None: the backend's default
-    flush_s: float = 1e-3  # longest a busy worker holds back a completion report
+    flush_s: float = 1e-3  # longest a busy worker holds back a completion another GPU waits for
+    lazy_s: float = 0.05  # longest it holds back the others (only the end of the run waits on them)
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -109,8 +112,12 @@ class Executor:
         self.transport = transport
         self._report = report
         self._fail_cb = fail
-        self.flush_s = config.flush_s
+        self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self.core = WorkerCore(mg, gpu)
+        # vertices with a successor on another GPU: their completions are reported within flush_s
+        gpu_of = {v.id: v.gpu for v in mg.vertices}
+        self.awaited = frozenset(u for u, w, *_ in mg.edges if gpu_of[u] == gpu and gpu_of[w] != gpu)
+        self._urgent = False  # an awaited completion is queued
         mine = [mg.vertex(v) for v in self.core.mine]
         host_need = max(
             [v.out.end for v in mine if v.out.device == HOST]
@@ -279,6 +286,8 @@ class Executor:
             if self.core.finished:
                 self._finished.set()
         self._done_q.append(vid)
+        if vid in self.awaited:
+            self._urgent = True
         if not self._wake.is_set():
             self._wake.set()
 
@@ -305,17 +314,24 @@ class Executor:
             self._wake.clear()
             if self._closing:
                 return
+            sent = time.perf_counter()
             while True:
                 n = len(q)
-                if n:
+                busy = self.slots.running and self._error is None
+                # a completion another GPU waits for goes within flush_s; the others (the
+                # coordinator only counts them) wait up to lazy_s while the worker is busy:
+                # each report is a Ray call, host time taken from launching
+                if n and (self._urgent or not busy or time.perf_counter() - sent >= self.lazy_s):
+                    self._urgent = False
                     batch = [q.popleft() for _ in range(n)]
                     self.reports += 1
+                    sent = time.perf_counter()
                     try:
                         if self._report is not None:
                             self._report(self.gpu, batch)
                     except Exception as e:
                         self._fail(None, RunError(f"gpu:{self.gpu}: reporting completions failed: {e}"))
-                if not self.slots.running or self._error is not None:
+                if not busy:
                     break
                 time.sleep(self.flush_s)
 

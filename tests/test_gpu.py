@@ -127,6 +127,31 @@ def test_fake_device_loop_is_woken_by_the_same_vertex_twice(monkeypatch):
         be.close()
 
 
+def test_a_failing_launch_loop_fails_the_run_instead_of_hanging(monkeypatch):
+    """An error of the loop outside any vertex (here: re-reading the device clock) ends the run
+    with an error naming the loop; nothing hangs."""
+    from actors import backend_cuda
+    from actors.executor import Executor, WorkerConfig
+
+    install(monkeypatch.setattr)
+    tg = random_taskgraph(7, n=20, gpus=1, size=16)
+    mg = plan(tg, "roomy")
+    ex = Executor(0, mg, tg, WorkerConfig(streams=2), backend=backend_cuda.CudaBackend())
+
+    def broken(self, every_s=0.5):
+        raise RuntimeError("device clock unreadable")
+
+    monkeypatch.setattr(backend_cuda._Clock, "rebase", broken)
+    try:
+        ex.begin(random_inputs(tg, 0))
+        ex.dispatch(list(ex.core.mine))
+        assert ex.wait(timeout=20), "the run hung"
+        assert ex.error is not None and "launch loop failed" in ex.error, ex.error
+        assert "device clock unreadable" in ex.error
+    finally:
+        ex.close()
+
+
 def test_bench_host_runs_the_llama_structure_on_the_stand_in_device(monkeypatch, capsys):
     """benchmarks/bench_host.py: llama_prefill's 7B vertex structure on the loop, outputs checked."""
     import importlib.util

@@ -291,3 +291,33 @@ def test_launch_ahead_queues_kernels_behind_running_ones(ahead):
         assert stats["launched_ahead"] == kernels, stats
         assert {s for vid, s, *_ in ex.trace if vid != 0} == {0}, ex.trace
     assert max(ex.slots.depth) == 0 and not ex.slots.inflight
+
+
+def test_completions_another_gpu_waits_for_are_reported_at_once_the_others_lazily():
+    """GPU 0 runs a long chain whose first vertex feeds GPU 1. With lazy reports held for 100 s,
+    GPU 0 reports its chain once, when idle, but the one completion GPU 1 waits for at once."""
+    from actors.executor import RunOptions, WorkerConfig
+    from disco_ray.engine_local import LocalEngine
+
+    g = TaskGraph(gpus=2)
+    prev = g.input("x", (4, 8))
+    chain = []
+    for i in range(60):
+        prev = g.rmsnorm(prev, id=f"c{i}")
+        chain.append(prev)
+    far = g.rmsnorm(g.transfer(chain[0], 1, id="to1"), id="far", gpu=1)
+    g.output(prev, far)
+    mg = build_memgraph(g, 1 << 20)
+    eng = LocalEngine(g, mg, config=WorkerConfig(streams=1, lazy_s=100.0))
+    try:
+        inputs = random_inputs(g, 0)
+        out, traces = eng.run(inputs, RunOptions(delay=(2e-3, 2e-3)))
+        for k, want in evaluate(g, inputs).items():
+            torch.testing.assert_close(out[k], want)
+        ends = {mg.vertex(vid).value: t1 for vid, _, _, t1 in traces[0]}
+        starts = {mg.vertex(vid).value: t0 for vid, _, t0, _ in traces[1]}
+        assert starts["far"] < ends[chain[-1]], "GPU 1 waited for GPU 0's whole chain"
+        reports = eng.statistics()["workers"][0]["reports"]
+        assert reports <= 6, f"gpu:0 sent {reports} reports for a chain nobody else waits on"
+    finally:
+        eng.close()
