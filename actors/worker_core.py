@@ -105,11 +105,6 @@ class WorkerCore:
                 return v
         return None
 
-    def requeue(self, vids: Iterable[int]) -> None:
-        """Puts back queued kernels that found no stream."""
-        for v in vids:
-            heapq.heappush(self.queued, v)
-
     @property
     def finished(self) -> bool:
         return self.done == len(self.mine)
@@ -122,8 +117,10 @@ class StreamSlots:
     A ready vertex goes to a stream with nothing in flight, the one freed last first (a chain on
     one worker stays on its thread). With launch ahead (`start(ahead)`, ahead > 0) a queued
     kernel (see `WorkerCore`) goes to the stream of its most recently launched running
-    predecessor, up to `ahead` vertices behind the one that stream runs, and waits on its
-    running predecessors on other streams (the stream itself orders those on it).
+    predecessor when it is queued, up to `ahead` vertices behind the one that stream runs, and
+    waits on its running predecessors on other streams (the stream itself orders those on it).
+    Each queued kernel's stream is chosen once and kept in that stream's heap, so `take` costs
+    per launch, not per queued kernel.
     """
 
     def __init__(self, core: WorkerCore, streams: int):
@@ -136,6 +133,8 @@ class StreamSlots:
         self.free = list(range(self.streams - 1, -1, -1))  # nothing in flight; pop() takes stream 0 first
         self.depth = [0] * self.streams  # vertices in flight per stream
         self.inflight: dict[int, tuple[int, int]] = {}  # vid -> (launch number, stream), with ahead
+        # with ahead: queued kernels by the stream they go behind (heaps of ids), chosen once
+        self.behind: list[list[int]] = [[] for _ in range(self.streams)]
         self.launches = 0
         self.launched_ahead = 0  # this run's vertices launched behind running predecessors
         self.running = 0
@@ -147,25 +146,35 @@ class StreamSlots:
             vid = core.pop()
             assert vid is not None  # core.ready is not empty
             out.append(self._launch(vid, free.pop(), ()))
-        if not self.ahead or not core.queued:
+        if not self.ahead:
             return out
-        limit, depth, inflight = self.ahead + 1, self.depth, self.inflight
-        if min(depth) >= limit:
-            return out
-        aside: list[int] = []
-        while len(aside) < 2 * self.streams:  # bounded: the lowest ids whose stream is full wait
-            vid = core.pop_queued()
-            if vid is None:
-                break
-            running = [u for u in core.local_preds[vid] if u in inflight]  # launched, not done
-            s = max(inflight[u] for u in running)[1]  # behind the most recently launched of them
-            if depth[s] < limit:
-                self.launched_ahead += 1
-                out.append(self._launch(vid, s, tuple(u for u in running if inflight[u][1] != s)))
-            else:
-                aside.append(vid)
-        core.requeue(aside)
-        return out
+        limit, depth, inflight, behind = self.ahead + 1, self.depth, self.inflight, self.behind
+        left, launched, preds = core.left, core.launched, core.local_preds
+        while True:
+            self._sort_queued()
+            # the lowest queued id among the streams with room (the planner's order)
+            vid, s = -1, -1
+            for t in range(self.streams):
+                h = behind[t]
+                if depth[t] < limit:
+                    while h and (h[0] in launched or not left[h[0]]):  # launched, or ready: `pop` serves it
+                        heapq.heappop(h)
+                    if h and (vid < 0 or h[0] < vid):
+                        vid, s = h[0], t
+            if vid < 0:
+                return out
+            heapq.heappop(behind[s])
+            self.launched_ahead += 1
+            waits = tuple(u for u in preds[vid] if u in inflight and inflight[u][1] != s)
+            out.append(self._launch(vid, s, waits))
+
+    def _sort_queued(self) -> None:
+        """Moves newly queued kernels to the heap of the stream of their most recently launched
+        running predecessor: behind it, they wait on no vertex of that stream."""
+        core, inflight = self.core, self.inflight
+        while (vid := core.pop_queued()) is not None:
+            s = max(inflight[u] for u in core.local_preds[vid] if u in inflight)[1]
+            heapq.heappush(self.behind[s], vid)
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
         self.running += 1

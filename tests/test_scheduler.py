@@ -135,7 +135,6 @@ def test_worker_core_queues_kernels_behind_launched_predecessors():
     assert w.pop_queued() is None  # 2 is not dispatched yet (its predecessor 4 is on gpu 1)
     w.dispatch([2])
     assert w.pop_queued() == 2
-    w.requeue([2])  # found no stream: back in the queue
     w.complete(0)
     assert w.pop() == 3  # ready now; 1 was launched, so it is not ready a second time
     assert w.pop() is None
