@@ -7,24 +7,26 @@ program's host thread does:
   end events of the vertices it waits on (`Stream.wait_event`: the device orders them, the host
   does not wait), records a start event, runs `work(vid, s)` with that stream current (kernels
   and cudaMemcpyAsync are only enqueued) and records the end event;
-- it takes the completions the waiters hand it and calls `done` itself, so the executor's
-  counters and its next submissions run on this thread too.
-A waiter per stream blocks on that stream's end events in order (`Event.synchronize` releases
-the GIL) and hands each completion to the loop. Launching, the counters and the next launch
-happen on one thread: there is no handoff between Python threads per vertex and no contention
-for the GIL between launchers. Measured with kernels on the CPU behind the same threads (the
-stand-in device of tests/test_gpu.py, benchmarks/bench_host.py): one launcher thread per stream
-cost 120-200 us per vertex of a llama graph whose kernels need 23 us of host time; the loop
-costs a fraction of that (docs/RUNTIME.md). With the executor's launch ahead (see
-`actors.executor`) the loop prepares the next kernels of a chain while the device runs the
-current one.
+- it finds completions itself, by querying the end event at the head of each stream (a stream
+  runs its vertices in order), and calls `done`, so the executor's counters and its next
+  submissions run on this thread too;
+- only when nothing completed and nothing is left to launch does it sleep. Before that it arms
+  one waker thread per stream with the end event at that stream's head; the waker blocks in
+  `Event.synchronize` (the GIL released) and wakes the loop.
+A busy host thus makes no handoff between Python threads per vertex, and nothing contends for the
+GIL with the launches; an idle one is woken as soon as a stream finishes. Measured with kernels
+on the CPU behind the same threads (the stand-in device of tests/fake_cuda.py,
+benchmarks/bench_host.py; CPU figures): a launcher and a waiter thread per stream, the earlier
+design, cost 105-227 us per vertex of the llama graph above its kernels' own host time; the loop
+costs 1-19 us (docs/RUNTIME.md). With the executor's launch ahead (see `actors.executor`) the
+loop prepares the next kernels of a chain while the device runs the current one.
 Rejected: cupy's `launch_host_func` callbacks (43 us median on the H100, run on CUDA's one
-callback thread for all streams, and may not call CUDA themselves) and polling the events (a
-poll interval of latency).
+callback thread for all streams, and may not call CUDA themselves) and polling the events on a
+timer (a poll interval of latency).
 
 A vertex whose work blocks the host (`submit(..., blocking=True)`: a transfer over NCCL, whose
 source is asked for its send by a Ray call, or over the Ray object store) is not run on the loop:
-a helper thread runs it on its stream while the loop holds that stream (launches nothing else on
+that stream's helper thread runs it while the loop holds that stream (launches nothing else on
 it, nor anything waiting on that vertex) until the helper has recorded its end event; the other
 streams go on.
 
@@ -64,7 +66,6 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -104,7 +105,7 @@ class CudaBackend:
         self._stop = False
         self._arms: list[queue.SimpleQueue] = []  # per stream: an end event for its waker
         self._threads: list[threading.Thread] = []
-        self._helpers: ThreadPoolExecutor | None = None
+        self._helpers: list[queue.SimpleQueue] = []  # per stream: the blocking vertex to run
         self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = {}
         # [vertices launched, ns in `work`, ns the loop slept with vertices in flight, of the
         # vertices launched those run by a helper]
@@ -129,8 +130,9 @@ class CudaBackend:
         self._stop = False
         self._arms = [queue.SimpleQueue() for _ in range(streams)]
         self._host = [0, 0, 0, 0]
-        # the helpers run blocking vertices; one per stream at most (a stream holds one at a time)
-        self._helpers = ThreadPoolExecutor(streams, thread_name_prefix="cuda-blocking")
+        # a helper per stream runs its blocking vertices (daemons: one stuck in a Ray call to a
+        # lost peer must not keep the process from exiting)
+        self._helpers = [queue.SimpleQueue() for _ in range(streams)]
         self._warm_error: BaseException | None = None
         warmed = threading.Event()
         self._threads = [
@@ -138,6 +140,10 @@ class CudaBackend:
         ]
         self._threads += [
             threading.Thread(target=self._waker, args=(s,), daemon=True, name=f"cuda-wait-{s}")
+            for s in range(streams)
+        ]
+        self._threads += [
+            threading.Thread(target=self._helper, args=(s, work), daemon=True, name=f"cuda-blocking-{s}")
             for s in range(streams)
         ]
         for t in self._threads:
@@ -252,8 +258,7 @@ class CudaBackend:
                     stream.wait_event(self._events[u][1])
                 self._host[0] += 1
                 self._host[3] += 1
-                assert self._helpers is not None
-                self._helpers.submit(self._run_blocking, vid, s, self._events_of(vid), work)
+                self._helpers[s].put((vid, self._events_of(vid)))
             else:
                 inflight[s].append(self._launch(vid, s, waits, work))
         return left, launched
@@ -290,23 +295,26 @@ class CudaBackend:
         self._host[1] += time.perf_counter_ns() - t0
         return vid, exc, evs, self._local.lane_used
 
-    def _run_blocking(self, vid: int, s: int, evs, work: Work) -> None:
-        """In a helper: `work` of a blocking vertex on its held stream (its waits are enqueued)."""
-        stream = self.streams[s]
-        start, end, self._local.lane_start = evs
-        self._local.lane_used = False
-        exc: BaseException | None = None
+    def _helper(self, s: int, work: Work) -> None:
+        """Runs the blocking vertices of stream `s`, which the loop holds meanwhile (their waits
+        are enqueued already), and hands each back to the loop once its end event is recorded."""
         torch.cuda.set_device(self.device)
-        try:
-            with torch.cuda.stream(stream):
-                start.record(stream)
-                work(vid, s)
-        except BaseException as e:
-            exc = e
-        finally:
-            end.record(stream)
-            self._recorded.append((vid, s, evs, self._local.lane_used, exc))
-            self._wake.set()
+        get, stream, local = self._helpers[s].get, self.streams[s], self._local
+        while (item := get()) is not None:
+            vid, evs = item
+            start, end, local.lane_start = evs
+            local.lane_used = False
+            exc: BaseException | None = None
+            try:
+                with torch.cuda.stream(stream):
+                    start.record(stream)
+                    work(vid, s)
+            except BaseException as e:  # reported to the executor, which stops the run
+                exc = e
+            finally:
+                end.record(stream)
+                self._recorded.append((vid, s, evs, local.lane_used, exc))
+                self._wake.set()
 
     def _waker(self, s: int) -> None:
         """Wakes the sleeping loop when stream `s` finishes the vertex the loop armed it with."""
@@ -354,15 +362,12 @@ class CudaBackend:
     def close(self) -> None:
         self._stop = True
         self._wake.set()
-        for q in self._arms:
+        for q in self._arms + self._helpers:
             q.put(None)
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=False, cancel_futures=True)
-            self._helpers = None
-        self._arms, self._threads = [], []
+        self._arms, self._helpers, self._threads = [], [], []
         if self.streams:
             torch.cuda.synchronize(self.device)
         self.streams = []

@@ -103,7 +103,8 @@ def test_cuda_backend_loop_and_wakers_on_a_fake_device(monkeypatch, ahead, devic
         assert host["blocking"] == 0
         assert (host["idle_s"] > 0) == (device_s > 0), host
         threads = list(ex.backend._threads)
-        assert [t.name for t in threads] == ["cuda-loop"] + [f"cuda-wait-{s}" for s in range(streams)]
+        names = ["cuda-loop"] + [f"cuda-{k}-{s}" for k in ("wait", "blocking") for s in range(streams)]
+        assert [t.name for t in threads] == names
     finally:
         ex.close()
     assert not any(t.is_alive() for t in threads)
