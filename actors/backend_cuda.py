@@ -250,15 +250,12 @@ class CudaBackend:
                 stalled.add(s)
                 continue
             launched += 1
-            if blocking:
+            if blocking:  # its waits are all recorded: the helper may enqueue them
                 held[s] = vid
                 held_vids.add(vid)
-                stream = self.streams[s]
-                for u in waits:
-                    stream.wait_event(self._events[u][1])
                 self._host[0] += 1
                 self._host[3] += 1
-                self._helpers[s].put((vid, self._events_of(vid)))
+                self._helpers[s].put((vid, waits, self._events_of(vid)))
             else:
                 inflight[s].append(self._launch(vid, s, waits, work))
         return left, launched
@@ -274,14 +271,21 @@ class CudaBackend:
         return evs
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...], work: Work):
-        """Enqueues vertex `vid` on stream `s`: waits, start event, work, end event."""
-        stream = self.streams[s]
+        """Enqueues vertex `vid` on stream `s` from the loop; returns its in-flight record."""
         evs = self._events_of(vid)
-        start, end, self._local.lane_start = evs
-        self._local.lane_used = False
-        exc: BaseException | None = None
         t0 = time.perf_counter_ns()
-        torch.cuda.set_stream(stream)
+        torch.cuda.set_stream(self.streams[s])
+        exc, lane_used = self._enqueue(vid, s, waits, evs, work)
+        self._host[0] += 1
+        self._host[1] += time.perf_counter_ns() - t0
+        return vid, exc, evs, lane_used
+
+    def _enqueue(self, vid: int, s: int, waits: tuple[int, ...], evs, work: Work):
+        """On stream `s` (current): waits, start event, `work`, end event; (exception, lane used)."""
+        stream, local = self.streams[s], self._local
+        start, end, local.lane_start = evs
+        local.lane_used = False
+        exc: BaseException | None = None
         try:
             for u in waits:
                 stream.wait_event(self._events[u][1])
@@ -291,30 +295,19 @@ class CudaBackend:
             exc = e
         finally:
             end.record(stream)
-        self._host[0] += 1
-        self._host[1] += time.perf_counter_ns() - t0
-        return vid, exc, evs, self._local.lane_used
+        return exc, local.lane_used
 
     def _helper(self, s: int, work: Work) -> None:
-        """Runs the blocking vertices of stream `s`, which the loop holds meanwhile (their waits
-        are enqueued already), and hands each back to the loop once its end event is recorded."""
+        """Runs the blocking vertices of stream `s`, which the loop holds meanwhile, and hands each
+        back to the loop once its end event is recorded."""
         torch.cuda.set_device(self.device)
-        get, stream, local = self._helpers[s].get, self.streams[s], self._local
+        get = self._helpers[s].get
         while (item := get()) is not None:
-            vid, evs = item
-            start, end, local.lane_start = evs
-            local.lane_used = False
-            exc: BaseException | None = None
-            try:
-                with torch.cuda.stream(stream):
-                    start.record(stream)
-                    work(vid, s)
-            except BaseException as e:  # reported to the executor, which stops the run
-                exc = e
-            finally:
-                end.record(stream)
-                self._recorded.append((vid, s, evs, local.lane_used, exc))
-                self._wake.set()
+            vid, waits, evs = item
+            with torch.cuda.stream(self.streams[s]):
+                exc, lane_used = self._enqueue(vid, s, waits, evs, work)
+            self._recorded.append((vid, s, evs, lane_used, exc))
+            self._wake.set()
 
     def _waker(self, s: int) -> None:
         """Wakes the sleeping loop when stream `s` finishes the vertex the loop armed it with."""

@@ -114,9 +114,6 @@ class Executor:
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self.core = WorkerCore(mg, gpu)
-        # vertices with a successor on another GPU: their completions are reported within flush_s
-        gpu_of = {v.id: v.gpu for v in mg.vertices}
-        self.awaited = frozenset(u for u, w, *_ in mg.edges if gpu_of[u] == gpu and gpu_of[w] != gpu)
         self._urgent = False  # an awaited completion is queued
         mine = [mg.vertex(v) for v in self.core.mine]
         host_need = max(
@@ -286,7 +283,7 @@ class Executor:
             if self.core.finished:
                 self._finished.set()
         self._done_q.append(vid)
-        if vid in self.awaited:
+        if vid in self.core.awaited:  # another GPU waits for it: reported within flush_s
             self._urgent = True
         if not self._wake.is_set():
             self._wake.set()

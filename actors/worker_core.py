@@ -37,11 +37,15 @@ class WorkerCore:
         preds: dict[int, int] = dict.fromkeys(self.mine, 0)
         self.local_succs: dict[int, list[int]] = {}
         self.local_preds: dict[int, list[int]] = {}
+        awaited = set()  # this GPU's vertices with a successor on another GPU
         for u, w in dict.fromkeys((e[0], e[1]) for e in mg.edges):
             if gpu_of[w] == gpu and gpu_of[u] == gpu:
                 preds[w] += 1
                 self.local_succs.setdefault(u, []).append(w)
                 self.local_preds.setdefault(w, []).append(u)
+            elif gpu_of[u] == gpu:
+                awaited.add(u)
+        self.awaited = frozenset(awaited)
         self._preds0 = preds
         self.start()
 

@@ -32,7 +32,7 @@ REPS = 9  # timed copies of the H2D probe
 
 
 def add_bench(sub) -> None:
-    from .commands_run import add_engine_args, capacity_arg
+    from .commands_run import add_capacity_arg, add_engine_args
     from .placement import add_cluster_args
 
     p = sub.add_parser(
@@ -43,12 +43,7 @@ def add_bench(sub) -> None:
     )
     p.add_argument("workload", metavar="WORKLOAD", help="workload name (disco-ray workload --list)")
     p.add_argument("params", nargs="*", metavar="key=value", help="workload parameters, e.g. n=8 gpus=2")
-    p.add_argument(
-        "--capacity",
-        type=capacity_arg,
-        metavar="SIZE[,SIZE...]",
-        help="arena bytes per GPU, e.g. 64MiB (default: everything fits)",
-    )
+    add_capacity_arg(p)
     p.add_argument(
         "--modes",
         default="dynamic,deterministic,levelwise,in_memory,torch_naive,torch_prefetch",

@@ -35,6 +35,16 @@ def capacity_arg(text: str) -> int | list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_capacity_arg(p: argparse.ArgumentParser) -> None:
+    """`--capacity SIZE[,SIZE...]` of run and bench."""
+    p.add_argument(
+        "--capacity",
+        type=capacity_arg,
+        metavar="SIZE[,SIZE...]",
+        help="arena bytes per GPU, e.g. 64MiB (default: everything fits)",
+    )
+
+
 def delay_arg(text: str) -> tuple[float, float]:
     try:
         lo, hi = (float(x) for x in text.split(","))
@@ -56,12 +66,7 @@ def add_run(sub) -> None:
     )
     p.add_argument("taskgraph", metavar="TASKGRAPH", help="TaskGraph file (.json or .msgpack)")
     p.add_argument("--inputs", metavar="IN.npz", help="input tensors keyed by TaskGraph id (default: random)")
-    p.add_argument(
-        "--capacity",
-        type=capacity_arg,
-        metavar="SIZE[,SIZE...]",
-        help="arena bytes per GPU, e.g. 64MiB (default: everything fits)",
-    )
+    add_capacity_arg(p)
     p.add_argument("--plan", metavar="MEMGRAPH", help="run this MemGraph instead of planning")
     p.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
     add_engine_args(p)
