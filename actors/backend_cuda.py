@@ -69,8 +69,8 @@ from collections.abc import Mapping
 
 import torch
 
-from disco_ray.errors import RunError
-from disco_ray.kernels import IMPLS
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.kernels import IMPLS
 
 from .backend import Done, Work
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import ray
 
-from disco_ray.errors import RunError
-from disco_ray.memgraph import MemGraph
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import MemGraph
 
 from .scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
 

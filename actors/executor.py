@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disco_ray.errors import RunError
-from disco_ray.memgraph import HOST, Loc, MemGraph
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.errors import RunError, UsageError
+from disco_ray.graph.memgraph import HOST, Loc, MemGraph
+from disco_ray.graph.taskgraph import TaskGraph
 
-from .backend import Backend, make_backend
+from .backend import Backend
+from .backend_cpu import CpuBackend
 from .plans import (
     K_COPY,
     K_INPUT,
@@ -389,3 +390,16 @@ class Executor:
         self._wake.set()
         self.backend.close()
         self._reporter.join(timeout=5)
+
+
+def make_backend(name: str) -> Backend:
+    """The backend called `name` ("cpu"; "cuda" once that backend is added)."""
+    if name == "cpu":
+        return CpuBackend()
+    if name == "cuda":
+        try:
+            from .backend_cuda import CudaBackend
+        except ImportError:
+            raise UsageError("backend 'cuda' is not available in this build (use --backend cpu)") from None
+        return CudaBackend()
+    raise UsageError(f"unknown backend {name!r} (cpu or cuda)")

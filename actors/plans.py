@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from disco_ray.dtypes import torch_dtype
-from disco_ray.errors import RunError
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
-from disco_ray.ops import OPS
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.dtypes import torch_dtype
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
+from disco_ray.graph.ops import OPS
+from disco_ray.graph.taskgraph import TaskGraph
 
 K_INPUT, K_KERNEL, K_TRANSFER, K_COPY, K_RELOAD_INPUT = range(5)
 

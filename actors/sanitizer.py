@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from disco_ray.errors import RunError
-from disco_ray.memgraph import HOST, Loc
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import HOST, Loc
 
 NEVER = -1
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from disco_ray.memgraph import MemGraph
+from disco_ray.graph.memgraph import MemGraph
 
 # ---- events (shell -> core) ------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from disco_ray import kernels, ops
+from disco_ray.graph import kernels, ops
 
 
 def _infer_noop(shapes, dtypes, attrs):

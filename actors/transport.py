@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from disco_ray.errors import RunError
-from disco_ray.memgraph import Loc
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import Loc
 
 
 class Transport(Protocol):

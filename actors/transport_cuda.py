@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from disco_ray.errors import RunError
-from disco_ray.memgraph import Loc
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import Loc
 
 from .transport import RayTransport
 

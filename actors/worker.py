@@ -14,9 +14,9 @@ from typing import Any
 import ray
 import torch
 
-from disco_ray.errors import RunError
-from disco_ray.memgraph import Loc, MemGraph
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import Loc, MemGraph
+from disco_ray.graph.taskgraph import TaskGraph
 
 from .executor import Executor, WorkerConfig
 from .transport import RayTransport
@@ -120,7 +120,7 @@ class GpuWorker:
         return out
 
     def call(self, fn, *args):
-        """Runs `fn(self, *args)` in this actor (link probes and diagnostics: disco_ray/cluster.py)."""
+        """Runs `fn(self, *args)` in this actor (link probes and diagnostics: disco_ray/driver/cluster.py)."""
         return fn(self, *args)
 
     def _ex(self) -> Executor:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from disco_ray.errors import RunError
-from disco_ray.memgraph import MemGraph, MKind
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import MemGraph, MKind
 
 
 class WorkerCore:

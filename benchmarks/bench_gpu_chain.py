@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from disco_ray.runtime import Program
-from disco_ray.taskgraph import TaskGraph
-from disco_ray.trace import write_trace
+from disco_ray.driver.program import Program
+from disco_ray.graph.taskgraph import TaskGraph
+from disco_ray.graph.trace import write_trace
 from planner import build_memgraph
 
 

@@ -8,7 +8,7 @@ at launch, so the device is never the bottleneck and the wall time is what the h
 the kernels' own host time plus the runtime's (loop, wakers, counters, events). The graph is
 llama_prefill with the 7B run's vertex structure (4 layers, 8 sequence tiles: 512 kernels, as
 `--capacity 2GiB` at seq 4096 tile 512 on the H100) and tiny tensors (dim 64, 4 heads).
-`serial` is the same kernels run one after another in one thread (disco_ray.reference.evaluate):
+`serial` is the same kernels run one after another in one thread (disco_ray.graph.reference.evaluate):
 the floor. The outputs are checked against the workload's torch reference. Figures are host-CPU figures of this machine; no GPU is involved. OMP_NUM_THREADS=1
 keeps torch's CPU thread pool out of it (on a GPU, kernels do not use it).
 """
@@ -20,8 +20,8 @@ import sys
 import time
 
 from actors.executor import Executor, WorkerConfig
-from disco_ray.bench import check_outputs
-from disco_ray.reference import evaluate
+from disco_ray.bench.report import check_outputs
+from disco_ray.graph.reference import evaluate
 from planner import build_memgraph
 from tests import fake_cuda
 from workloads.llama import llama_prefill

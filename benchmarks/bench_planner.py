@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from disco_ray.memgraph import MKind
+from disco_ray.graph.memgraph import MKind
 from planner import build_memgraph, min_capacity, tight_capacity
 from workloads.random_dag import random_dag
 

@@ -19,9 +19,9 @@ import sys
 import time
 
 import actors.testops  # noqa: F401  (registers noop)
-from disco_ray.memgraph import MemGraph, MKind
-from disco_ray.runtime import Program
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.driver.program import Program
+from disco_ray.graph.memgraph import MemGraph, MKind
+from disco_ray.graph.taskgraph import TaskGraph
 from planner import build_memgraph
 
 

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 
 import workloads
-from disco_ray import modes, profiles
-from disco_ray.errors import CapacityError
-from disco_ray.simulate import simulate
+from disco_ray.bench import modes, profiles
+from disco_ray.bench.simulate import simulate
+from disco_ray.graph.errors import CapacityError
 from workloads.llama import PRESETS
 
 MACHINES = {"p100": (profiles.p100, 4), "a100": (profiles.a100, 8)}
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration()
     short = tuple(int(x) for x in args.short.split(","))
     print(
-        "LLaMA prefill, one prompt, fp16, weights start in host memory; simulated (disco_ray.simulate); "
+        "LLaMA prefill, one prompt, fp16, weights start in host memory; simulated (disco_ray.bench.simulate); "
         f"serial order layer by layer, tile by tile, lookahead {args.lookahead}"
     )
     for m, (p, g) in MACHINES.items():

@@ -1,12 +1,51 @@
-"""disco-ray: run ML workloads larger than GPU memory on multi-GPU nodes with CPU-RAM offload, on Ray."""
+"""disco-ray: run ML workloads larger than GPU memory on multi-GPU nodes with CPU-RAM offload, on Ray.
 
-_RUNTIME = ("run", "compile", "run_memgraph", "Program")
+The public API, imported lazily (so `import disco_ray` pulls in neither torch nor ray):
+
+    disco_ray.TaskGraph, disco_ray.MemGraph          the data model (disco_ray.graph)
+    disco_ray.load_taskgraph, load_memgraph, save      TaskGraph/MemGraph files (.json, .msgpack)
+    disco_ray.run, compile, run_memgraph, Program    plan and run (disco_ray.driver.program)
+    disco_ray.DiscoError, GraphError, RunError, ...  the error hierarchy (disco_ray.graph.errors)
+
+The packages, in the direction imports flow: `disco_ray.graph` (data model) <- `planner`,
+`actors`, `workloads` <- `disco_ray.driver`, `disco_ray.bench` <- `disco_ray.models` <-
+`disco_ray.cli`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# public name -> module that defines it
+_API = {
+    "TaskGraph": "disco_ray.graph.taskgraph",
+    "MemGraph": "disco_ray.graph.memgraph",
+    "load_taskgraph": "disco_ray.graph.formats",
+    "load_memgraph": "disco_ray.graph.formats",
+    "save": "disco_ray.graph.formats",
+    "run": "disco_ray.driver.program",
+    "compile": "disco_ray.driver.program",
+    "run_memgraph": "disco_ray.driver.program",
+    "Program": "disco_ray.driver.program",
+    **{
+        e: "disco_ray.graph.errors"
+        for e in (
+            "DiscoError",
+            "GraphError",
+            "FormatError",
+            "CapacityError",
+            "PlanError",
+            "VerifyError",
+            "RunError",
+            "UsageError",
+        )
+    },
+}
+
+__all__ = sorted(_API)
 
 
 def __getattr__(name: str):
-    # lazy, so `import disco_ray` does not pull in torch and ray
-    if name in _RUNTIME:
-        from . import runtime
-
-        return getattr(runtime, name)
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
     raise AttributeError(f"module 'disco_ray' has no attribute {name!r}")

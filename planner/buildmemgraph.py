@@ -25,9 +25,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import cast
 
-from disco_ray.errors import CapacityError, PlanError
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph.errors import CapacityError, PlanError
+from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import Arena
 from .capacity import capacities, vertex_needs

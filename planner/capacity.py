@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
-from disco_ray.errors import GraphError
-from disco_ray.taskgraph import Kind, TaskGraph, Vertex
+from disco_ray.graph.errors import GraphError
+from disco_ray.graph.taskgraph import Kind, TaskGraph, Vertex
 
 ALIGN = 256
 

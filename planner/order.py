@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from disco_ray.errors import GraphError
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.errors import GraphError
+from disco_ray.graph.taskgraph import TaskGraph
 
 
 def default_order(tg: TaskGraph) -> list[str]:

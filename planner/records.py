@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disco_ray.memgraph import Loc, MKind
+from disco_ray.graph.memgraph import Loc, MKind
 
 
 class Rec:

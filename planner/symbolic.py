@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from disco_ray.errors import VerifyError
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph.errors import VerifyError
+from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 EMPTY = -1  # nothing written yet
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from disco_ray.errors import VerifyError
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, device_name
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph.errors import VerifyError
+from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, device_name
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 _PAIR_CHUNK = 4_000_000  # candidate (read, writer) pairs tested per numpy batch: bounds memory
 

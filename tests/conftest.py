@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.taskgraph import TaskGraph
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from disco_ray.memgraph import Loc, MemGraph, MemVertex, MKind, Read
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph.memgraph import Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 
 def naive_memgraph(tg: TaskGraph, extra_edges=()) -> MemGraph:
@@ -32,8 +32,8 @@ def execute_random_order(mg: MemGraph, tg: TaskGraph, inputs, seed: int = 0) -> 
 
     import torch
 
-    from disco_ray.dtypes import torch_dtype
-    from disco_ray.memgraph import HOST, INPUT
+    from disco_ray.graph.dtypes import torch_dtype
+    from disco_ray.graph.memgraph import HOST, INPUT
 
     rng = random.Random(seed)
     gpu_arena = [torch.zeros(max(c, 1), dtype=torch.uint8) for c in mg.capacity]
@@ -64,7 +64,7 @@ def execute_random_order(mg: MemGraph, tg: TaskGraph, inputs, seed: int = 0) -> 
 
 
 def _run(mg, tg, inputs, rng, view, succs, indeg, ready) -> None:
-    from disco_ray.kernels import run_kernel
+    from disco_ray.graph.kernels import run_kernel
 
     while ready:
         p = ready.pop(rng.randrange(len(ready)))

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from disco_ray.memgraph import MemGraph
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 from planner import build_memgraph, min_capacity
 
 

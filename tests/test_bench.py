@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import workloads
-from disco_ray import bench
+from disco_ray.bench import report as bench
 from disco_ray.cli import main
-from disco_ray.commands_run import load_npz
+from disco_ray.cli.run import load_npz
 from tests.test_cli import assert_one_line_error
 
 ALL = "dynamic,deterministic,levelwise,in_memory,torch_naive,torch_prefetch"

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from disco_ray import cli as cli_module
-from disco_ray import formats
-from disco_ray.errors import UsageError
-from disco_ray.memgraph import INPUT
-from disco_ray.sizes import format_size, parse_size
+from disco_ray.cli import app as cli_module
+from disco_ray.graph import formats
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.memgraph import INPUT
+from disco_ray.graph.sizes import format_size, parse_size
 from tests.conftest import ROOT, plan_of_two_gpu_graph, sample_memgraph, two_gpu_graph
 
 EXAMPLE = ROOT / "examples" / "matmul3.json"

@@ -2,7 +2,8 @@
 
 import json
 
-from disco_ray import demo, formats
+from disco_ray.cli import demo
+from disco_ray.graph import formats
 
 
 def test_demo_plans_runs_and_checks(tmp_path, capsys):

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from disco_ray.errors import RunError
-from disco_ray.reference import evaluate, random_inputs
-from disco_ray.runtime import Program, run_memgraph
+from disco_ray.driver.program import Program, run_memgraph
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.reference import evaluate, random_inputs
 from tests.runtime_helpers import noop_op, plan, random_taskgraph  # noqa: F401
 from tests.test_runtime_local import assert_same, noop_graph
 

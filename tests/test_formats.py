@@ -7,10 +7,10 @@ import json
 import msgpack
 import pytest
 
-from disco_ray import formats
-from disco_ray.errors import FormatError, GraphError
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MKind, Read
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph import formats
+from disco_ray.graph.errors import FormatError, GraphError
+from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MKind, Read
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 from tests.conftest import sample_memgraph
 
 # Verbatim from FORMATS.md.

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from actors.transport_cuda import choose_path, choose_paths
-from disco_ray.reference import evaluate, random_inputs
-from disco_ray.runtime import Program
+from disco_ray.driver.program import Program
+from disco_ray.graph.reference import evaluate, random_inputs
 from tests.fake_cuda import FakeStream, install
 from tests.runtime_helpers import plan, random_taskgraph
 
@@ -181,8 +181,8 @@ def test_blocking_transfers_run_beside_the_loop_on_a_fake_device(monkeypatch, se
     from actors import backend_cuda, executor
     from actors.executor import WorkerConfig
     from actors.transport import LocalTransport
-    from disco_ray.engine_local import LocalEngine
-    from disco_ray.runtime import RunOptions
+    from disco_ray.driver.engine_local import LocalEngine
+    from disco_ray.driver.program import RunOptions
 
     install(monkeypatch.setattr)
     monkeypatch.setattr(executor, "make_backend", lambda name: backend_cuda.CudaBackend())
@@ -295,7 +295,7 @@ def gpu_pool():
     if not CUDA:
         pytest.skip("needs CUDA")
     ray = pytest.importorskip("ray")
-    from disco_ray.engine_ray import RayPool
+    from disco_ray.driver.engine_ray import RayPool
 
     started = not ray.is_initialized()
     if started:
@@ -348,8 +348,8 @@ def test_ray_fallback_path_on_cuda(gpu_pool, monkeypatch):
 def test_sanitizer_fires_on_cuda(gpu_pool):
     import dataclasses
 
-    from disco_ray.errors import RunError
-    from disco_ray.memgraph import MKind, Read
+    from disco_ray.graph.errors import RunError
+    from disco_ray.graph.memgraph import MKind, Read
 
     tg = random_taskgraph(432, n=30, gpus=2, size=32)
     mg = plan(tg, "tight")
@@ -397,8 +397,8 @@ def test_nccl_send_recv_helpers_on_one_rank():
 def test_cuda_backend_refused_without_cuda():
     if CUDA:
         pytest.skip("CUDA present")
-    from actors.backend import make_backend
-    from disco_ray.errors import RunError
+    from actors.executor import make_backend
+    from disco_ray.graph.errors import RunError
 
     with pytest.raises(RunError, match="no CUDA device"):
         make_backend("cuda")

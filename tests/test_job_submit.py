@@ -1,4 +1,4 @@
-"""`ray job submit` of `python -m disco_ray.job` to a local cluster with a dashboard, for real.
+"""`ray job submit` of `python -m disco_ray.cli.job` to a local cluster with a dashboard, for real.
 
 The working dir is a copy of this checkout's tracked files plus a `.venv` folder that the submit
 command's excludes must keep out of the upload (the job fails if it arrives).
@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from disco_ray import formats
-from disco_ray.job import PREFIX
+from disco_ray.cli.job import PREFIX
+from disco_ray.graph import formats
 from tests.runtime_helpers import random_taskgraph
 
 ray = pytest.importorskip("ray")
@@ -69,7 +69,7 @@ def test_job_submit_runs_the_graph_and_logs_its_summary(cluster, tmp_path):
     url = f"http://127.0.0.1:{cluster.dashboard_port}"
     entry = (
         "python -c \"import os, sys; sys.exit('.venv was uploaded' if os.path.exists('.venv') else 0)\" && "
-        f"python -m disco_ray.job {tmp_path / 'g.json'} --placement spread --check-reference --links"
+        f"python -m disco_ray.cli.job {tmp_path / 'g.json'} --placement spread --check-reference --links"
     )
     r = subprocess.run(
         [

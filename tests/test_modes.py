@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import workloads
-from disco_ray import modes
-from disco_ray.errors import UsageError
-from disco_ray.memgraph import MKind
-from disco_ray.profiles import UnitCost, h100, lane
-from disco_ray.simulate import simulate
+from disco_ray.bench import modes
+from disco_ray.bench.profiles import UnitCost, h100, lane
+from disco_ray.bench.simulate import simulate
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.memgraph import MKind
 from tests.memgraph_helpers import execute_random_order, naive_memgraph
 
 

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from disco_ray.cluster import measure_links
-from disco_ray.errors import RunError
-from disco_ray.placement import PlacementConfig
-from disco_ray.reference import evaluate, random_inputs
-from disco_ray.runtime import Program
+from disco_ray.driver.cluster import measure_links
+from disco_ray.driver.placement import PlacementConfig
+from disco_ray.driver.program import Program
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.reference import evaluate, random_inputs
 from tests.runtime_helpers import plan, random_taskgraph
 from tests.test_runtime_local import assert_same
 
@@ -114,8 +114,8 @@ def test_spread_uses_both_nodes_pack_and_fractions_use_one(cluster):
 
 
 def test_job_entry_point_connects_by_address_and_spreads(cluster, tmp_path):
-    """`python -m disco_ray.job ... --address HOST:PORT` (the `disco-ray run` options) in its own process."""
-    from disco_ray import formats
+    """`python -m disco_ray.cli.job ... --address HOST:PORT` (the `disco-ray run` options) in its own process."""
+    from disco_ray.graph import formats
 
     tg = random_taskgraph(304, n=20, gpus=2)
     formats.save(tg, str(tmp_path / "g.json"))
@@ -125,7 +125,7 @@ def test_job_entry_point_connects_by_address_and_spreads(cluster, tmp_path):
         [
             sys.executable,
             "-m",
-            "disco_ray.job",
+            "disco_ray.cli.job",
             str(tmp_path / "g.json"),
             *args,
             "--out",

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from disco_ray.memgraph import INPUT, MemGraph, MKind
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.memgraph import INPUT, MemGraph, MKind
+from disco_ray.graph.taskgraph import TaskGraph
 from planner import build_memgraph
 from planner.symbolic import check_random_orders
 from planner.verify import verify

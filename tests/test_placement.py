@@ -6,20 +6,20 @@ import argparse
 
 import pytest
 
-from disco_ray.errors import RunError, UsageError
-from disco_ray.memgraph import MKind
-from disco_ray.placement import (
+from disco_ray.driver.placement import (
     PlacementConfig,
     add_cluster_args,
     bundles,
     cluster_kwargs,
     describe,
-    format_placement,
     gpu_share,
     transfer_pairs,
     transfer_path,
     transfer_paths,
 )
+from disco_ray.graph.errors import RunError, UsageError
+from disco_ray.graph.memgraph import MKind
+from disco_ray.graph.trace import format_placement
 from tests.runtime_helpers import plan, random_taskgraph
 
 

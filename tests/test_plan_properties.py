@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disco_ray.errors import VerifyError
-from disco_ray.memgraph import MemGraph, MKind
+from disco_ray.graph.errors import VerifyError
+from disco_ray.graph.memgraph import MemGraph, MKind
 from planner import build_memgraph, min_capacity, tight_capacity
 from planner.symbolic import check_random_orders
 from planner.verify import verify

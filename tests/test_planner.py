@@ -2,9 +2,9 @@
 
 import pytest
 
-from disco_ray.errors import CapacityError, GraphError
-from disco_ray.memgraph import HOST, INPUT, MKind
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.errors import CapacityError, GraphError
+from disco_ray.graph.memgraph import HOST, INPUT, MKind
+from disco_ray.graph.taskgraph import TaskGraph
 from planner import build_memgraph, default_order
 
 T = 64 * 64 * 4  # one float32 64x64 tile: 16 KiB

@@ -12,13 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disco_ray.commands_run import add_run, load_npz, save_npz
-from disco_ray.errors import RunError
-from disco_ray.formats import save
-from disco_ray.memgraph import Loc, MKind, Read
-from disco_ray.reference import evaluate, random_inputs
-from disco_ray.runtime import Program, run_memgraph
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.cli.run import add_run, load_npz, save_npz
+from disco_ray.driver.program import Program, run_memgraph
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.formats import save
+from disco_ray.graph.memgraph import Loc, MKind, Read
+from disco_ray.graph.reference import evaluate, random_inputs
+from disco_ray.graph.taskgraph import TaskGraph
 from planner import build_memgraph
 from tests.runtime_helpers import MODES, noop_op, plan, random_taskgraph, tight_capacity  # noqa: F401
 from workloads.random_dag import random_dag
@@ -297,7 +297,7 @@ def test_completions_another_gpu_waits_for_are_reported_at_once_the_others_lazil
     """GPU 0 runs a long chain whose first vertex feeds GPU 1. With lazy reports held for 100 s,
     GPU 0 reports its chain once, when idle, but the one completion GPU 1 waits for at once."""
     from actors.executor import RunOptions, WorkerConfig
-    from disco_ray.engine_local import LocalEngine
+    from disco_ray.driver.engine_local import LocalEngine
 
     g = TaskGraph(gpus=2)
     prev = g.input("x", (4, 8))

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from disco_ray.errors import RunError
-from disco_ray.memgraph import MKind, Read
-from disco_ray.reference import evaluate, random_inputs
-from disco_ray.runtime import Program
+from disco_ray.driver.program import Program
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import MKind, Read
+from disco_ray.graph.reference import evaluate, random_inputs
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture)
 from tests.runtime_helpers import MODES, plan, random_taskgraph
 from tests.test_runtime_local import _corrupt_read, assert_same

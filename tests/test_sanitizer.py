@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from actors.sanitizer import Sanitizer, granule_for
-from disco_ray.errors import RunError
-from disco_ray.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
-from disco_ray.reference import random_inputs
-from disco_ray.runtime import run_memgraph
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.driver.program import run_memgraph
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.reference import random_inputs
+from disco_ray.graph.taskgraph import TaskGraph
 
 
 def san(arena: int = 4096, host: int = 1024, granule: int = 256) -> Sanitizer:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Scheduler, WorkerFailed
 from actors.worker_core import StreamSlots, WorkerCore
-from disco_ray.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
 
 
 def mgraph(gpus: list[int], edges: list[tuple[int, int]], kinds: dict[int, MKind] | None = None) -> MemGraph:

@@ -7,12 +7,12 @@ import itertools
 import pytest
 
 import workloads
-from disco_ray import modes
-from disco_ray.errors import GraphError
-from disco_ray.memgraph import MKind
-from disco_ray.profiles import LANES, Profile, UnitCost, a100, h100, lane, p100, unit
-from disco_ray.simulate import plot_timeline, simulate
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.bench import modes
+from disco_ray.bench.profiles import LANES, Profile, UnitCost, a100, h100, lane, p100, unit
+from disco_ray.bench.simulate import plot_timeline, simulate
+from disco_ray.graph.errors import GraphError
+from disco_ray.graph.memgraph import MKind
+from disco_ray.graph.taskgraph import TaskGraph
 from tests.memgraph_helpers import naive_memgraph
 
 

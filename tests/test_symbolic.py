@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from disco_ray.errors import VerifyError
-from disco_ray.memgraph import Loc
+from disco_ray.graph.errors import VerifyError
+from disco_ray.graph.memgraph import Loc
 from planner.symbolic import check_random_orders, execute
 from tests.test_verify import g0, offload_graph, replace_vertex, transfer_graph, with_, without_edge
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from disco_ray.errors import FormatError, GraphError
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph.errors import FormatError, GraphError
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 
 def doc(vertices, outputs=(), gpus=2) -> dict:

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from disco_ray.errors import VerifyError
-from disco_ray.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.errors import VerifyError
+from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.taskgraph import TaskGraph
 from planner.verify import check, verify
 
 S = 1024  # bytes of a float32 [16, 16]

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import workloads
-from disco_ray import ops
-from disco_ray.errors import GraphError, UsageError
-from disco_ray.kernels import run_kernel
-from disco_ray.reference import evaluate
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph import ops
+from disco_ray.graph.errors import GraphError, UsageError
+from disco_ray.graph.kernels import run_kernel
+from disco_ray.graph.reference import evaluate
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 from workloads import baselines
 from workloads.llama import apply_rope, rope_tables
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from disco_ray.errors import UsageError
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.taskgraph import TaskGraph
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class Workload:
     """A TaskGraph with its inputs and a plain-torch reference computing the same outputs.
 
     `reference(inputs)` returns {output id: tensor}; it is written independently of the TaskGraph
-    (it does not call `disco_ray.reference.evaluate`). `levels` lists, per level (layer), the
+    (it does not call `disco_ray.graph.reference.evaluate`). `levels` lists, per level (layer), the
     TaskGraph ids that belong to it, for the levelwise ablation; `weights` the weight input ids.
     """
 
@@ -138,13 +138,13 @@ def random_dag_workload(
     """A random DAG (`workloads.random_dag`) with random inputs; levels are longest-path depths.
 
     A random graph has no definition other than itself, so its reference is the graph's own
-    evaluation (`disco_ray.reference.evaluate`), unlike the other workloads.
+    evaluation (`disco_ray.graph.reference.evaluate`), unlike the other workloads.
     """
     try:
         from .random_dag import random_dag
     except ModuleNotFoundError as e:
         raise UsageError(f"workload 'random_dag' is not available: {e}") from None
-    from disco_ray.reference import evaluate, random_inputs
+    from disco_ray.graph.reference import evaluate, random_inputs
 
     kw = dict(transfer_prob=transfer_prob, max_inputs=max_inputs, far_prob=far_prob, input_prob=input_prob)
     tg = random_dag(n, gpus, seed, outputs=outputs, **kw)

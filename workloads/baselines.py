@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disco_ray.errors import UsageError
+from disco_ray.graph.errors import UsageError
 
 from . import Workload
 from .llama import full_weights, llama_layer, rope_tables

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
-from disco_ray.dtypes import torch_dtype
-from disco_ray.errors import UsageError
-from disco_ray.taskgraph import TaskGraph
+from disco_ray.graph.dtypes import torch_dtype
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.taskgraph import TaskGraph
 
 from . import Workload
 

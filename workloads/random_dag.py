@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from disco_ray.taskgraph import Kind, TaskGraph
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 _RECENT = 8  # operands are usually among the last few values on a GPU
 _UNARY = ("silu", "softmax", "transpose", "scale")

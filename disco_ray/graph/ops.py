@@ -1,6 +1,6 @@
 """The op set: each op's arity, attributes and shape/dtype inference (pure, no torch).
 
-The torch implementations live in `disco_ray.kernels`; they write into a given output view so
+The torch implementations live in `disco_ray.graph.kernels`; they write into a given output view so
 the runtime can run them on arena views on the CPU or a GPU. New ops register with `register`.
 """
 

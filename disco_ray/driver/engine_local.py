@@ -15,10 +15,9 @@ import torch
 from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, Executor, RunOptions, WorkerConfig
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
 from actors.transport import LocalTransport
-
-from .errors import RunError
-from .memgraph import MemGraph
-from .taskgraph import TaskGraph
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.taskgraph import TaskGraph
 
 
 class LocalEngine:

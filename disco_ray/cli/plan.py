@@ -1,160 +1,17 @@
-"""The `disco-ray` command line: plan, verify, info, ops (and, from other modules, run/workload/bench).
-
-Every subcommand NAME is a pair `add_NAME(subparsers)` (adds the parser NAME and its arguments)
-and `cmd_NAME(args) -> int` (runs it, returns the exit status), in the module that COMMANDS names
-for it; adding a command is one line in COMMANDS. A module listed there keeps heavy imports (ray, torch) inside `cmd_NAME`, so that
-`disco-ray plan` stays quick.
-
-Exit status: 0 success, 1 `verify` found violations, 2 bad usage or bad input. Input errors
-(every DiscoError, unreadable or unwritable files) print exactly one line,
-`disco-ray: error: ...`, and never leave a partial output file.
-"""
+"""`disco-ray plan`, `verify`, `info` and `ops`: the commands on TaskGraph and MemGraph files."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import sys
-from pathlib import Path
 
-from . import formats
-from .errors import DiscoError, UsageError
-from .memgraph import MemGraph, MKind
-from .sizes import format_size, parse_size
-from .taskgraph import TaskGraph
+from disco_ray.graph import formats
+from disco_ray.graph.errors import DiscoError, UsageError
+from disco_ray.graph.memgraph import MemGraph, MKind
+from disco_ray.graph.sizes import format_size
+from disco_ray.graph.taskgraph import TaskGraph
 
-PROG = "disco-ray"
-# subcommand -> module defining add_<name> and cmd_<name>, in --help order
-COMMANDS: dict[str, str] = {
-    "plan": __name__,
-    "verify": __name__,
-    "info": __name__,
-    "ops": __name__,
-    "run": "disco_ray.commands_run",
-    "workload": "disco_ray.commands_workload",
-    "bench": "disco_ray.commands_bench",
-    "demo": "disco_ray.demo",
-}
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports usage errors as the one line every other error uses (argparse prints two)."""
-
-    def error(self, message: str):
-        where = self.prog.removeprefix(PROG).strip()
-        raise UsageError(f"{where}: {message}" if where else message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog=PROG, description="Plan and run ML workloads larger than GPU memory (TURNIP/DISCO)."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in COMMANDS.items():
-        getattr(importlib.import_module(module), f"add_{name}")(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Runs one subcommand; returns its exit status (the console script's entry point)."""
-    try:
-        args = build_parser().parse_args(argv)
-        cmd = getattr(importlib.import_module(COMMANDS[args.command]), f"cmd_{args.command}")
-        return int(cmd(args))
-    except DiscoError as e:
-        _error(str(e))
-    except OSError as e:  # an unwritable output directory, a full disk: the user's to fix
-        _error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
-    except KeyboardInterrupt:
-        return 130
-    return 2
-
-
-def _error(msg: str) -> None:
-    print(f"{PROG}: error: {'; '.join(msg.splitlines())}", file=sys.stderr)
-
-
-# ---- argument types ----------------------------------------------------------------------------
-def size_arg(text: str) -> int:
-    """argparse type for a byte size ("64MiB")."""
-    try:
-        return parse_size(text)
-    except UsageError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def gpu_size_arg(text: str) -> tuple[int, int]:
-    """argparse type for `G=SIZE`, one GPU's capacity."""
-    g, eq, size = text.partition("=")
-    if not eq or not g.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"bad GPU capacity {text!r} (want G=SIZE, e.g. 1=32MiB)")
-    return int(g), size_arg(size)
-
-
-def power_of_two(text: str) -> int:
-    n = positive_int(text)
-    if n & (n - 1):
-        raise argparse.ArgumentTypeError(f"want a power of two, got {text!r}")
-    return n
-
-
-def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"want a positive integer, got {text!r}")
-    return n
-
-
-def output_path(text: str) -> Path:
-    """argparse type for an output file: checks the suffix before any work is done."""
-    path = Path(text)
-    if path.suffix.lower() not in formats.SUFFIXES:
-        raise argparse.ArgumentTypeError(
-            f"{text}: unknown file suffix {path.suffix or '(none)'!r} (use .json or .msgpack)"
-        )
-    return path
-
-
-def capacities(tg: TaskGraph, capacity: int, per_gpu: list[tuple[int, int]] | None) -> int | list[int]:
-    """The planner's capacity argument: one size for all GPUs, or a list once a GPU is overridden."""
-    if not per_gpu:
-        return capacity
-    caps = [capacity] * tg.gpus
-    for g, size in per_gpu:
-        if g >= tg.gpus:
-            raise UsageError(
-                f"--capacity-gpu {g}={format_size(size)}: gpu {g} out of range "
-                f"0..{tg.gpus - 1} (the taskgraph has {tg.gpus} GPU(s))"
-            )
-        caps[g] = size
-    return caps
-
-
-def read_order(path: str) -> list[str]:
-    """A vertex order: a JSON list of TaskGraph ids (.json), or a text file with one id per line."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise UsageError(f"--order {path}: cannot read ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"--order {path}: not a text file") from None
-    if Path(path).suffix.lower() == ".json":
-        try:
-            order = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UsageError(
-                f"--order {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}"
-            ) from None
-        if isinstance(order, dict):
-            order = order.get("order")
-        if not isinstance(order, list) or not all(isinstance(i, str) for i in order):
-            raise UsageError(f'--order {path}: want a JSON list of vertex ids (or {{"order": [...]}})')
-        return order
-    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+from .app import PROG, capacities, gpu_size_arg, output_path, positive_int, power_of_two, read_order, size_arg
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -346,13 +203,13 @@ def add_ops(sub) -> None:
 
 def ops_markdown() -> str:
     """docs/OPS.md: the registered ops with FORMATS.md's columns, plus attrs and FLOPs."""
-    from . import ops
+    from disco_ray.graph import ops
 
     rows = [
         "# Op set",
         "",
         "Generated by `python -m disco_ray ops --markdown > docs/OPS.md` from the op registry",
-        "(`disco_ray/ops.py`); the columns are those of FORMATS.md. Every op also runs on the CPU.",
+        "(`disco_ray/graph/ops.py`); the columns are those of FORMATS.md. Every op also runs on the CPU.",
         "",
         "| op | operands | result | attrs |",
         "| --- | --- | --- | --- |",
@@ -370,7 +227,7 @@ def ops_markdown() -> str:
 
 
 def cmd_ops(args) -> int:
-    from . import ops
+    from disco_ray.graph import ops
 
     if args.markdown:
         print(ops_markdown(), end="")

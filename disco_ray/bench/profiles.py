@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from . import ops
-from .errors import UsageError
-from .memgraph import MemVertex, MKind
-from .taskgraph import Vertex
+from disco_ray.graph import ops
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.memgraph import MemVertex, MKind
+from disco_ray.graph.taskgraph import Vertex
 
 LANES = ("compute", "h2d", "d2h", "peer")
 _LANE = {
@@ -116,7 +116,7 @@ GB = 1e9
 # measured on the lent H100 (GPU.md, 2026-11-22): fp16 8192^3 matmul in 1.45 ms = 758 TFLOP/s, fp32
 # 21.3 ms = 52 TFLOP/s, pinned H2D 53.3 GB/s, D2H 45.2 GB/s; HBM3 from the spec (3.35 TB/s, ~3 reached);
 # peer: NVLink 4 spec, 450 GB/s per direction (the lent machine has one GPU, so it was not measured)
-# op_speed: disco_ray.kernels measured there in fp16 (2026-11-22): attention (fused SDPA) 280-400 TFLOP/s
+# op_speed: disco_ray.graph.kernels measured there in fp16 (2026-11-22): attention (fused SDPA) 280-400 TFLOP/s
 # on 1K-4K query tiles against 4K-16K keys, rmsnorm 218 GB/s and rope 341 GB/s (several passes each)
 h100 = Profile(
     "h100",

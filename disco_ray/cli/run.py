@@ -5,7 +5,7 @@
         [--trace trace.json] [--seed 0] [--delay LO,HI] [--timeout S]
 
 Inputs and outputs are .npz files keyed by TaskGraph ids. Without --inputs, random inputs are
-made from --seed (disco_ray.reference.random_inputs). numpy has no bfloat16: a bfloat16 tensor X
+made from --seed (disco_ray.graph.reference.random_inputs). numpy has no bfloat16: a bfloat16 tensor X
 is stored as the uint16 array X holding its raw bits plus a string entry "X.__dtype__" =
 "bfloat16"; when reading inputs, a float32/float64 array is also accepted for a bfloat16 input
 (rounded to bfloat16). A progress bar is drawn when stderr is a terminal.
@@ -20,9 +20,9 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from .errors import UsageError
-from .placement import add_cluster_args, cluster_kwargs
-from .sizes import parse_capacity
+from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.sizes import parse_capacity
 
 DTYPE_SUFFIX = ".__dtype__"
 
@@ -154,10 +154,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_run(args) -> int:
-    from . import formats
-    from .reference import check_inputs, random_inputs
-    from .runtime import Program, compile
-    from .trace import format_summary
+    from disco_ray.driver.program import Program, compile
+    from disco_ray.graph import formats
+    from disco_ray.graph.reference import check_inputs, random_inputs
+    from disco_ray.graph.trace import format_summary
 
     if not str(args.out).endswith(".npz"):
         raise UsageError(f"--out {args.out}: the outputs are written as .npz")

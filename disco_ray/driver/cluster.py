@@ -5,7 +5,7 @@
     figures = measure_links(prog)       # after a run: GB/s of each worker pair's transfer path
 
 `measure_links` moves `nbytes` from every worker to every other one through the path the runtime
-chose for that pair (disco_ray/placement.py: object-store on the cpu backend; a cuda build's
+chose for that pair (disco_ray/driver/placement.py: object-store on the cpu backend; a cuda build's
 transport is used when it offers `probe`), timed in the receiving worker, and a host memcpy on each
 node, and returns a JSON-ready dict for the bench command.
 """
@@ -17,7 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import RunError
+from disco_ray.graph.errors import RunError
+
 from .placement import transfer_path
 
 PROBE_BYTES = 4 << 20

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from .formats import write_doc
-from .memgraph import MemGraph
+from disco_ray.graph.formats import write_doc
+from disco_ray.graph.memgraph import MemGraph
 
 Record = tuple[int, int, int, int]
 CLASS = {"kernel": "compute", "input": "h2d", "reload": "h2d", "offload": "d2h", "transfer": "transfer"}
@@ -130,7 +130,16 @@ def format_summary(s: dict) -> str:
     if s["bytes"]:
         lines.append("  bytes moved: " + ", ".join(f"{k} {v}" for k, v in sorted(s["bytes"].items())))
     if s.get("placement"):
-        from .placement import format_placement
-
         lines.extend(format_placement(s["placement"]))
     return "\n".join(lines)
+
+
+def format_placement(p: dict) -> list[str]:
+    """Summary lines: each worker's node, and the transfer paths used."""
+    short = {n: f"node{i}" for i, n in enumerate(dict.fromkeys(w["node_id"] for w in p["workers"]))}
+    lines = [f"  placement {p['strategy']} on {p['nodes']} node(s), {p['gpus_per_worker']:g} GPU per worker"]
+    for w in p["workers"]:
+        lines.append(f"    gpu:{w['gpu']} on {short[w['node_id']]} {w['node_id'][:12]} ({w['ip']})")
+    if p["paths"]:
+        lines.append("  transfer paths: " + ", ".join(f"{k} {v}" for k, v in p["paths"].items()))
+    return lines

@@ -19,12 +19,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.taskgraph import TaskGraph
 
 from .cluster import connect
-from .errors import RunError
-from .memgraph import MemGraph
 from .placement import Placed, PlacementConfig, describe, place, remove
-from .taskgraph import TaskGraph
 
 POLL_S = 0.2
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
@@ -49,7 +49,7 @@ class RayPool:
         self.op_modules = tuple(op_modules)
         self.num_cpus = num_cpus
         self.placement = placement or PlacementConfig()
-        self.address = address  # an existing cluster to connect to (disco_ray.cluster.connect)
+        self.address = address  # an existing cluster to connect to (disco_ray.driver.cluster.connect)
         self.started_ray = False
         self.coord = None
         self.workers: list = []

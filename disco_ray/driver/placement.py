@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import RunError, UsageError
+from disco_ray.graph.errors import RunError, UsageError
 
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 PATHS = ("same-process", "object-store", "cuda-ipc", "nccl")
@@ -140,17 +140,6 @@ def describe(info: dict, mg, backend: str, opened: dict[str, str] | None = None)
         "paths": paths,
         "path_counts": counts,
     }
-
-
-def format_placement(p: dict) -> list[str]:
-    """Summary lines: each worker's node, and the transfer paths used."""
-    short = {n: f"node{i}" for i, n in enumerate(dict.fromkeys(w["node_id"] for w in p["workers"]))}
-    lines = [f"  placement {p['strategy']} on {p['nodes']} node(s), {p['gpus_per_worker']:g} GPU per worker"]
-    for w in p["workers"]:
-        lines.append(f"    gpu:{w['gpu']} on {short[w['node_id']]} {w['node_id'][:12]} ({w['ip']})")
-    if p["paths"]:
-        lines.append("  transfer paths: " + ", ".join(f"{k} {v}" for k, v in p["paths"].items()))
-    return lines
 
 
 # ---- the Ray shell ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 
 Every mode runs the same workload (same inputs) and, for the runtime modes, the same capacity.
 Each mode's outputs are checked against the workload's own torch reference (tolerance by dtype,
-`disco_ray.bench.TOLERANCE`); a mismatch fails the command (exit 1) naming the mode, after the
+`disco_ray.bench.report.TOLERANCE`); a mismatch fails the command (exit 1) naming the mode, after the
 table is printed. With --simulate PROFILE the runtime modes are simulated under that device
 profile instead (nothing runs, so nothing is checked; torch baselines are not simulated).
 
@@ -26,14 +26,15 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import UsageError
+from disco_ray.graph.errors import UsageError
 
 REPS = 9  # timed copies of the H2D probe
 
 
 def add_bench(sub) -> None:
-    from .commands_run import add_capacity_arg, add_engine_args
-    from .placement import add_cluster_args
+    from disco_ray.driver.placement import add_cluster_args
+
+    from .run import add_capacity_arg, add_engine_args
 
     p = sub.add_parser(
         "bench",
@@ -71,7 +72,7 @@ def add_bench(sub) -> None:
 def _workload(args, simulate: bool):
     import workloads
 
-    from .commands_workload import parse_params
+    from .workload import parse_params
 
     kv = parse_params(args.params)
     if simulate and "materialize" in workloads.params(args.workload):
@@ -85,20 +86,20 @@ def _order(args, w) -> list[str] | None:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from disco_ray.bench import report as bench
 
     try:
         modes = bench.parse_modes(args.modes)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    from .commands_run import engine_kwargs
+    from .run import engine_kwargs
 
     engine_kwargs(args)  # checked before anything is built
     if args.repeat < 1 or args.warmup < 0:
         raise UsageError(f"--repeat must be >= 1 and --warmup >= 0, got {args.repeat}, {args.warmup}")
     cost = None
     if args.simulate:
-        from . import profiles
+        from disco_ray.bench import profiles
 
         try:
             cost = profiles.get(args.simulate)
@@ -132,7 +133,7 @@ def cmd_bench(args) -> int:
     print(f"wrote {out / 'results.json'}, {out / 'timeline.png'}, {out / 'trace.json'}", file=sys.stderr)
     bad = [r for r in rows if r["check"] is not None and not r["check"]["ok"]]
     if bad:
-        from .cli import _error
+        from .app import _error
 
         _error(
             "; ".join(
@@ -146,7 +147,7 @@ def cmd_bench(args) -> int:
 
 
 def _header(args, w, res) -> str:
-    from .sizes import format_size
+    from disco_ray.graph.sizes import format_size
 
     caps = args.capacity if isinstance(args.capacity, list) else [args.capacity]
     cap = "everything fits" if args.capacity is None else ", ".join(format_size(c) for c in caps)
@@ -159,11 +160,11 @@ def _header(args, w, res) -> str:
 
 # ---- simulated ---------------------------------------------------------------------------------
 def _simulated(args, w, modes, cost) -> dict:
-    from . import bench
-    from . import modes as M
-    from .profiles import UnitCost
-    from .simulate import simulate
-    from .trace import chrome_trace
+    from disco_ray.bench import modes as M
+    from disco_ray.bench import report as bench
+    from disco_ray.bench.profiles import UnitCost
+    from disco_ray.bench.simulate import simulate
+    from disco_ray.graph.trace import chrome_trace
 
     tg = w.taskgraph
     note = ""
@@ -253,11 +254,12 @@ def _to(tensors, dev: str):
 def _measured(args, w, modes) -> dict:
     import torch
 
-    from . import bench
-    from . import modes as M
-    from .commands_run import engine_kwargs
-    from .placement import cluster_kwargs
-    from .runtime import Program
+    from disco_ray.bench import modes as M
+    from disco_ray.bench import report as bench
+    from disco_ray.driver.placement import cluster_kwargs
+    from disco_ray.driver.program import Program
+
+    from .run import engine_kwargs
 
     tg = w.taskgraph
     if not w.inputs:
@@ -273,7 +275,7 @@ def _measured(args, w, modes) -> dict:
     tty = sys.stderr.isatty()
     pool, kw = None, {}
     if args.engine == "ray":
-        from .engine_ray import RayPool
+        from disco_ray.driver.engine_ray import RayPool
 
         ck = cluster_kwargs(args)
         pool = RayPool(placement=ck["placement"], address=ck["address"])
@@ -298,7 +300,7 @@ def _measured(args, w, modes) -> dict:
                     if best is None or s["makespan_s"] < best["makespan_s"]:
                         best, recs, outs = s, prog.last_records, o
                 if mode == "dynamic" and args.engine == "ray" and tg.gpus > 1:
-                    from .cluster import measure_links
+                    from disco_ray.driver.cluster import measure_links
 
                     cluster = measure_links(prog, backend=args.backend)
                 workers = prog.statistics()["engine"]["workers"]
@@ -313,7 +315,7 @@ def _measured(args, w, modes) -> dict:
             if mode in ("dynamic", "levelwise"):
                 timelines[mode] = bench.timeline_from_records(mg, recs, mode)
             if mode == "dynamic":
-                from .trace import chrome_trace
+                from disco_ray.graph.trace import chrome_trace
 
                 trace = chrome_trace(mg, recs)
                 trace["otherData"] = best
@@ -345,9 +347,8 @@ def _measured(args, w, modes) -> dict:
 
 
 def _baseline(mode: str, w, dev: str, ref, warmup: int, repeat: int) -> dict:
+    from disco_ray.bench import report as bench
     from workloads.baselines import BASELINES
-
-    from . import bench
 
     fn = BASELINES[mode]
     best = None
@@ -378,8 +379,8 @@ def _bar(items, desc):
 
 
 def _write(out: Path, args, w, res, rows, header: str) -> None:
-    from . import bench
-    from .formats import write_doc
+    from disco_ray.bench import report as bench
+    from disco_ray.graph.formats import write_doc
 
     unit, scale = res.get("unit", ("ms", 1e3))
     doc = {

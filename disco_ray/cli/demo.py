@@ -2,7 +2,7 @@
 runs it on Ray (cuda backend when a GPU is present, else cpu with logical GPUs) and checks the
 outputs against a plain torch implementation.
 
-    python -m disco_ray.demo [--workload llama_prefill|matmul_chain] [--backend auto|cpu|cuda]
+    python -m disco_ray.cli.demo [--workload llama_prefill|matmul_chain] [--backend auto|cpu|cuda]
                              [--engine ray|local] [--out DIR]
 """
 
@@ -46,10 +46,10 @@ def cmd_demo(args) -> int:
     import torch
 
     import workloads
-    from disco_ray.formats import save
-    from disco_ray.runtime import Program
-    from disco_ray.sizes import format_size
-    from disco_ray.trace import format_summary
+    from disco_ray.driver.program import Program
+    from disco_ray.graph.formats import save
+    from disco_ray.graph.sizes import format_size
+    from disco_ray.graph.trace import format_summary
     from planner import build_memgraph, min_capacity
     from planner.verify import verify
 
@@ -102,7 +102,7 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m disco_ray.demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m disco_ray.cli.demo", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command")
     add_demo(sub)
     return cmd_demo(ap.parse_args(["demo", *(argv if argv is not None else sys.argv[1:])]))

@@ -1,12 +1,12 @@
 """Driver API: plan a TaskGraph once, run it many times on the `ray` or `local` engine.
 
-    out = disco_ray.runtime.run(tg, inputs, capacity=64 << 20)              # plan + run + clean up
-    prog = disco_ray.runtime.compile(tg, capacity=64 << 20, engine="ray")  # plan once ...
+    out = disco_ray.driver.program.run(tg, inputs, capacity=64 << 20)              # plan + run + clean up
+    prog = disco_ray.driver.program.compile(tg, capacity=64 << 20, engine="ray")  # plan once ...
     out = prog.run(inputs); out2 = prog.run(other_inputs); prog.close()    # ... run many times
-    out = disco_ray.runtime.run_memgraph(tg, mg, inputs)                   # a given plan
+    out = disco_ray.driver.program.run_memgraph(tg, mg, inputs)                   # a given plan
 
 Outputs are CPU tensors keyed by TaskGraph ids. Inputs are refused before anything runs when one
-is missing or has the wrong shape or dtype (`disco_ray.reference.check_inputs`). Any failure
+is missing or has the wrong shape or dtype (`disco_ray.graph.reference.check_inputs`). Any failure
 during a run (a kernel raising, a worker dying, the sanitizer firing) raises RunError naming the
 worker and the vertex; the Program then tears its engine down (a later run starts a fresh one).
 """
@@ -19,12 +19,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from actors.executor import RunOptions, WorkerConfig
-
-from .errors import GraphError, RunError, UsageError
-from .memgraph import MemGraph
-from .reference import check_inputs
-from .taskgraph import TaskGraph
-from .trace import summarize, write_trace
+from disco_ray.graph.errors import GraphError, RunError, UsageError
+from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.reference import check_inputs
+from disco_ray.graph.taskgraph import TaskGraph
+from disco_ray.graph.trace import summarize, write_trace
 
 ENGINES = ("ray", "local")
 RUN_KEYS = ("trace", *RunOptions.__dataclass_fields__)  # what Program.run takes
@@ -56,8 +55,8 @@ class Program:
         op_modules: modules the workers import before loading (extra ops, e.g. "actors.testops").
         flush_s: longest a worker holds back a completion report while busy.
         num_cpus: CPUs of a Ray the engine starts (default: all).
-        pool: a `disco_ray.engine_ray.RayPool` whose actors to use (and keep) instead of fresh ones.
-        placement: a `disco_ray.placement.PlacementConfig` (pack/spread, GPU share per worker).
+        pool: a `disco_ray.driver.engine_ray.RayPool` whose actors to use (and keep) instead of fresh ones.
+        placement: a `disco_ray.driver.placement.PlacementConfig` (pack/spread, GPU share per worker).
         address: connect to this Ray cluster ("auto", "HOST:PORT") instead of starting a local one.
     """
 
@@ -190,7 +189,7 @@ def compile(
     if capacity is None:
         capacity = roomy_capacity(tg, alignment)
     elif isinstance(capacity, str):  # "64MiB", or one size per GPU: "64MiB,32MiB"
-        from .sizes import parse_capacity
+        from disco_ray.graph.sizes import parse_capacity
 
         capacity = parse_capacity(capacity)
     mg = build_memgraph(tg, capacity, order=order, alignment=alignment)

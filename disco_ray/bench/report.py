@@ -1,7 +1,7 @@
 """The pure part of `disco-ray bench`: output checks, the lower bound, the table, timelines, plots.
 
 No Ray and no runtime here: these functions take run summaries, trace records or simulator
-results and turn them into figures. `disco_ray.commands_bench` runs the modes and calls them.
+results and turn them into figures. `disco_ray.cli.bench` runs the modes and calls them.
 
 Lower bound of a workload on its GPUs (DISCO §1): every GPU must at least run all its kernels and
 load each of its graph inputs once over its host-to-GPU link, and those can overlap at best, so
@@ -19,10 +19,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .memgraph import MemGraph, MKind
+from disco_ray.graph.memgraph import MemGraph, MKind
+from disco_ray.graph.taskgraph import Kind, TaskGraph
+
 from .profiles import LANES, lane
 from .simulate import SimResult
-from .taskgraph import Kind, TaskGraph
 
 RUNTIME_MODES = ("dynamic", "deterministic", "levelwise", "in_memory")
 TORCH_MODES = ("torch_naive", "torch_prefetch", "torch_in_memory")
@@ -76,7 +77,7 @@ def input_bytes(tg: TaskGraph) -> list[int]:
 
 def kernel_seconds_from_records(mg: MemGraph, records: Sequence[Sequence]) -> list[float]:
     """Per GPU, the union of its kernel intervals in a run (ns records) in seconds."""
-    from .trace import _union_ns
+    from disco_ray.graph.trace import _union_ns
 
     out = []
     for recs in records:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
-from .errors import UsageError
-from .memgraph import MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.memgraph import MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.taskgraph import TaskGraph
+
 from .profiles import lane
-from .taskgraph import TaskGraph
 
 MODES = ("dynamic", "deterministic", "levelwise", "in_memory")
 _LOADS = (MKind.INPUT, MKind.RELOAD)

@@ -4,7 +4,7 @@ The simulated runtime is the papers' work-conserving event loop (DISCO §1, appe
 starts as soon as all its predecessors have finished, a stream of its GPU is free (S per GPU) and
 its lane is free (one kernel at a time on `compute`, one copy at a time on each of `h2d`, `d2h`,
 `peer`); among the vertices that could start, the lowest id goes first. Durations come from the
-cost model (`disco_ray.profiles`). It predicts makespans, and it checks the papers' worked example
+cost model (`disco_ray.bench.profiles`). It predicts makespans, and it checks the papers' worked example
 (levelwise 3n units, work-conserving 2n+1) exactly.
 """
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .errors import GraphError
-from .memgraph import MemGraph, MKind
+from disco_ray.graph.errors import GraphError
+from disco_ray.graph.memgraph import MemGraph, MKind
+from disco_ray.graph.taskgraph import TaskGraph
+
 from .profiles import LANES, Profile, UnitCost, lane
-from .taskgraph import TaskGraph
 
 
 @dataclass(frozen=True, slots=True)

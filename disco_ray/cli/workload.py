@@ -15,11 +15,11 @@ import inspect
 import sys
 from pathlib import Path
 
-from .errors import UsageError
+from disco_ray.graph.errors import UsageError
 
 
 def add_workload(sub) -> None:
-    from .cli import output_path
+    from .app import output_path
 
     p = sub.add_parser(
         "workload",
@@ -81,9 +81,9 @@ def cmd_workload(args) -> int:
     if not str(args.inputs).endswith(".npz"):
         raise UsageError(f"--inputs {args.inputs}: the inputs are written as .npz")
     import workloads
+    from disco_ray.graph import formats
 
-    from . import formats
-    from .commands_run import save_npz
+    from .run import save_npz
 
     kv = parse_params(args.params)
     if kv.get("materialize", "true").lower() in ("0", "false", "no"):

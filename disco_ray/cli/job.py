@@ -2,13 +2,13 @@
 
     ray job submit --address http://HEAD:8265 --working-dir . \\
         --runtime-env-json '{"excludes": [".venv", ".git"]}' -- \\
-        python -m disco_ray.job graph.json --capacity 64MiB --placement spread --links --check-reference
+        python -m disco_ray.cli.job graph.json --capacity 64MiB --placement spread --links --check-reference
 
 Takes the options of `disco-ray run` (without --engine: always the ray engine), connects to the
 job's cluster (--address defaults to auto, which inside a job is $RAY_ADDRESS), runs the graph,
 and prints the run summary (placement and transfer paths included) to stdout, then one line
 `disco-ray summary: {json}` for machines. --links adds `measure_links` figures to that JSON;
---check-reference compares the outputs with disco_ray.reference.evaluate (exit status 1 on a
+--check-reference compares the outputs with disco_ray.graph.reference.evaluate (exit status 1 on a
 mismatch). --out is optional here (a job's files stay on the head node).
 """
 
@@ -18,19 +18,19 @@ import argparse
 import json
 import sys
 
-from .errors import DiscoError, UsageError
+from disco_ray.graph.errors import DiscoError, UsageError
 
 PREFIX = "disco-ray summary: "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .commands_run import add_run
+    from .run import add_run
 
-    root = argparse.ArgumentParser(prog="python -m disco_ray.job", add_help=False)
+    root = argparse.ArgumentParser(prog="python -m disco_ray.cli.job", add_help=False)
     sub = root.add_subparsers(dest="command")
     add_run(sub)
     p = sub.choices["run"]
-    p.prog = "python -m disco_ray.job"
+    p.prog = "python -m disco_ray.cli.job"
     p.description = "Run TASKGRAPH on the Ray cluster this job runs in and print its summary."
     for a in p._actions:
         if a.dest == "out":
@@ -50,13 +50,14 @@ def run_job(args: argparse.Namespace) -> int:
     """Plans, runs and reports; returns the exit status."""
     import torch
 
-    from . import formats
-    from .cluster import measure_links
-    from .commands_run import load_npz, save_npz
-    from .placement import cluster_kwargs
-    from .reference import check_inputs, evaluate, random_inputs
-    from .runtime import Program, compile
-    from .trace import format_summary
+    from disco_ray.driver.cluster import measure_links
+    from disco_ray.driver.placement import cluster_kwargs
+    from disco_ray.driver.program import Program, compile
+    from disco_ray.graph import formats
+    from disco_ray.graph.reference import check_inputs, evaluate, random_inputs
+    from disco_ray.graph.trace import format_summary
+
+    from .run import load_npz, save_npz
 
     if args.out and not str(args.out).endswith(".npz"):
         raise UsageError(f"--out {args.out}: the outputs are written as .npz")
