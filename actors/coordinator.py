@@ -6,6 +6,9 @@ worker's queued vertices as one fire-and-forget actor call; while it is busy sen
 call costs ~0.3-1 ms of this process's time), new dispatches for a worker pile up and go out
 together, so the message count adapts to the load. `wait` blocks (one actor thread) until the
 run finished or failed.
+
+Like the workers, it holds several graphs (one `Scheduler` each, under the engine's key); `start`
+makes one the active graph, whose counters the reports of that run feed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from .scheduler import Abort, Completed, Dispatch, Finished, Instruction, Schedu
 
 class Coordinator:
     def __init__(self) -> None:
-        self.sched: Scheduler | None = None
+        self.sched: Scheduler | None = None  # the active graph's
+        self.scheds: dict[str, Scheduler] = {}
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: str | None = None
@@ -47,13 +51,22 @@ class Coordinator:
     def ping(self) -> bool:
         return True
 
-    def load(self, mg: MemGraph, workers: Sequence[Any]) -> None:
-        """Takes the next graph; `workers[g]` is the actor of GPU g."""
-        self.sched = Scheduler(mg)
+    def load(self, key: str, mg: MemGraph, workers: Sequence[Any]) -> None:
+        """Adds graph `key` (replacing one of that key); `workers[g]` is the actor of GPU g."""
+        self.scheds[key] = Scheduler(mg)
         self.workers = workers
 
-    def start(self) -> None:
-        """Resets the counters and hands every worker its vertices without remote predecessors."""
+    def unload(self, key: str) -> None:
+        sched = self.scheds.pop(key, None)
+        if sched is not None and sched is self.sched:
+            self.sched = None
+
+    def start(self, key: str) -> None:
+        """Makes graph `key` active, resets its counters and hands every worker its vertices without
+        remote predecessors."""
+        if key not in self.scheds:
+            raise RunError(f"the coordinator has no graph {key!r} loaded")
+        self.sched = self.scheds[key]
         self._reset_stats()
         self._done.clear()
         self._error = None

@@ -48,6 +48,7 @@ from .plans import (
     describe,
 )
 from .sanitizer import Sanitizer, granule_for
+from .store import State, WorkerStore, source_key
 from .transport import Transport
 from .worker_core import StreamSlots, WorkerCore
 
@@ -103,10 +104,15 @@ class Executor:
         transport: Transport | None = None,
         report: Report | None = None,
         fail: Fail | None = None,
+        store: WorkerStore | None = None,
     ):
-        """`backend`: an instance to use instead of making `config.backend`'s."""
+        """`backend`: an instance to use instead of making `config.backend`'s. `store`: the worker's
+        arena, resident inputs and states, shared with its other graphs (default: a store of its own)."""
         self.gpu, self.mg, self.tg = gpu, mg, tg
         self.backend = make_backend(config.backend) if backend is None else backend
+        if store is None:
+            store = WorkerStore(gpu, self.backend.alloc, getattr(self.backend, "stages_inputs", False))
+        self.store = store
         self.streams = streams = config.streams
         # None: the backend's default (cuda 4; cpu 0, where a stream thread runs its work itself)
         self.ahead = getattr(self.backend, "default_ahead", 0) if config.ahead is None else config.ahead
@@ -123,14 +129,38 @@ class Executor:
             + [0]
         )
         declared = mg.host_capacity[gpu] if gpu < len(mg.host_capacity) else 0
-        self.arena = self.backend.alloc(mg.capacity[gpu], host=False)
+        self.arena_slot = store.arena(mg.capacity[gpu])
+        self.arena = self.arena_slot.buf
         self.host = self.backend.alloc(max(declared, host_need), host=True)
         self.granule = granule_for([v.out for v in mine] + [r.loc for v in mine for r in v.ins])
         self.views = Views(gpu, mg, tg, self.arena, self.host)
         self.plans: dict[int, VertexPlan] = {v.id: self.views.plan(v) for v in mine}
-        self.input_values = sorted(
-            {p.value for p in self.plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)}
-        )
+        loaded = {p.value for p in self.plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)}
+        # the caller hands in these at each run; sourced inputs and states are the worker's own
+        self.input_values = sorted(x for x in loaded if tg[x].from_caller)
+        self._own: dict[str, torch.Tensor] = {}
+        self._states: dict[str, State] = {}
+        self._acquired: list[str] = []
+        try:
+            for x in sorted(loaded - set(self.input_values)):
+                if tg[x].source is not None:
+                    self._own[x] = store.acquire(tg[x])
+                    self._acquired.append(x)
+                else:
+                    self._states[x] = store.state(x, tg[x].nbytes, tg[x].dtype)
+                    self._own[x] = self._states[x].buf
+            # carried values of this GPU: (value, the vertex holding it at the end, its state)
+            self.carries = [
+                (value, mg.outputs[value], store.state(key, tg[value].nbytes, tg[value].dtype))
+                for value, key in tg.carry.items()
+                if tg[value].gpu == gpu
+            ]
+        except BaseException:
+            self._release()
+            raise
+        self.stable = _stable_loads(mg, gpu, self.plans, set(self._own))
+        self._tokens: dict[tuple[int, int], tuple] = {}
+        self._skip: frozenset[int] = frozenset()
         # a backend with `stages_inputs` (cuda) gets the graph inputs copied, before each run, into
         # one buffer of its own allocated here (pinned: H2D from it runs at full speed)
         self._stage: dict[str, tuple[int, int]] = {}
@@ -186,6 +216,23 @@ class Executor:
                     off, _ = self._stage[name]
                     flat = self.staging[off : off + nb].copy_(flat)
                 self._inputs[name] = flat
+            self._inputs.update(self._own)
+            # loads of values the arena still holds from the last run are skipped (actors/store.py)
+            slot = self.arena_slot
+            self._tokens = {}
+            skip = []
+            for vid in self.stable:
+                p = self.plans[vid]
+                x = p.value
+                st = self._states.get(x)
+                token = ("state", x, st.version) if st is not None else ("source", source_key(self.tg[x]))
+                where = (p.out_loc.offset, p.out_loc.nbytes)
+                self._tokens[where] = token
+                if slot.holds.get(where) == token:
+                    skip.append(vid)
+            self._skip = frozenset(skip)
+            self.store.loads_skipped += len(skip)
+            slot.holds = {}  # this run writes the arena: only its own end says what it holds
             if check:
                 if self._sanitizer is None:
                     self._sanitizer = Sanitizer(
@@ -214,7 +261,7 @@ class Executor:
             self._error = None
             self._finished.clear()
             if self.core.finished:
-                self._finished.set()
+                self._end_run()
 
     def dispatch(self, vids: list[int]) -> None:
         """The coordinator hands over vertices whose remote predecessors are done."""
@@ -259,7 +306,7 @@ class Executor:
                 raise RunError(f"gpu:{self.gpu}: no transport for {describe(self.mg, vid)}")
             assert p.src_loc is not None  # a transfer's plan has one
             self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
-        else:
+        elif vid not in self._skip:
             self.backend.copy(p.out, self._inputs[p.value])
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
@@ -281,13 +328,32 @@ class Executor:
             self.core.complete(vid)
             self.slots.landed(vid, s)
             self._pump()
-            if self.core.finished:
-                self._finished.set()
+            finished = self.core.finished
+        if finished:
+            self._end_run()
         self._done_q.append(vid)
         if vid in self.core.awaited:  # another GPU waits for it: reported within flush_s
             self._urgent = True
         if not self._wake.is_set():
             self._wake.set()
+
+    def _end_run(self) -> None:
+        """Every vertex of this GPU is done: saves the carried values as their states and records
+        what the arena holds now, then lets `wait` return."""
+        try:
+            for _, vid, st in self.carries:
+                st.buf.copy_(self.views.buf(self.mg.vertex(vid).out, vid))
+                st.version += 1
+            if self._error is None:
+                self.arena_slot.holds = self._tokens
+        except BaseException as e:
+            self._fail(None, RunError(f"gpu:{self.gpu}: saving the carried states failed: {e}"))
+        self._finished.set()
+
+    def _release(self) -> None:
+        for x in self._acquired:
+            self.store.release(self.tg[x])
+        self._acquired = []
 
     def _fail(self, vid: int | None, exc: BaseException) -> None:
         if isinstance(exc, RunError):
@@ -382,6 +448,8 @@ class Executor:
             "host_bytes": self.host.numel(),
             "granule": self.granule,
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
+            "loads_skipped": len(self._skip),
+            "store": self.store.statistics(),
             **({"backend": self.backend.statistics()} if hasattr(self.backend, "statistics") else {}),
         }
 
@@ -390,6 +458,26 @@ class Executor:
         self._wake.set()
         self.backend.close()
         self._reporter.join(timeout=5)
+        self._release()
+
+
+def _stable_loads(mg: MemGraph, gpu: int, plans: Mapping[int, VertexPlan], own: set[str]) -> list[int]:
+    """The input loads of values in `own` (sourced inputs, states) whose arena range no other
+    vertex of this GPU writes: at the end of a run the range still holds the value."""
+    writes = sorted(
+        (p.out_loc.offset, p.out_loc.end, vid)
+        for vid, p in plans.items()
+        if p.out_loc.device == gpu and p.out_loc.nbytes > 0
+    )
+    out = []
+    reach = -1  # the furthest end of the ranges before this one
+    for n, (off, end, vid) in enumerate(writes):
+        p = plans[vid]
+        alone = reach <= off and (n + 1 == len(writes) or writes[n + 1][0] >= end)
+        if alone and p.kind == K_INPUT and p.value in own:
+            out.append(vid)
+        reach = max(reach, end)
+    return sorted(out)
 
 
 def make_backend(name: str) -> Backend:

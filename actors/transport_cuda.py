@@ -217,8 +217,8 @@ def nccl_recv(comm: Any, dst: torch.Tensor, peer: int, stream: torch.cuda.Stream
     comm.recv(dst.data_ptr(), dst.numel(), nccl.NCCL_UINT8, peer, st.cuda_stream)
 
 
-def connect_workers(workers: Sequence[Any], allow: Sequence[str] = PATHS) -> dict[str, str]:
-    """Driver side: chooses the path of every worker pair and has the workers open them.
+def connect_workers(workers: Sequence[Any], key: str, allow: Sequence[str] = PATHS) -> dict[str, str]:
+    """Driver side: chooses the path of every worker pair of graph `key` and has the workers open them.
 
     Returns {"i-j": path} for the run summary. DISCO_CUDA_PATHS (comma-separated) narrows `allow`.
     """
@@ -227,9 +227,9 @@ def connect_workers(workers: Sequence[Any], allow: Sequence[str] = PATHS) -> dic
     if "DISCO_CUDA_PATHS" in os.environ:  # e.g. "ray": force the fallback (tests, debugging)
         allow = tuple(os.environ["DISCO_CUDA_PATHS"].split(","))
     n = len(workers)
-    infos = ray.get([w.transport_describe.remote(list(range(g + 1, n))) for g, w in enumerate(workers)])
+    infos = ray.get([w.transport_describe.remote(key, list(range(g + 1, n))) for g, w in enumerate(workers)])
     paths = choose_paths(infos, allow)
-    opened = ray.get([w.transport_connect.remote(infos, paths) for w in workers])
+    opened = ray.get([w.transport_connect.remote(key, infos, paths) for w in workers])
     out: dict[str, str] = {}
     for g, got in enumerate(opened):
         for peer, path in got.items():

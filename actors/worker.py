@@ -3,6 +3,11 @@
 A threaded actor (`max_concurrency` > 1): `serve` blocks one thread for the whole run (its
 ObjectRef is how the driver notices the actor dying), while `dispatch` (from the coordinator)
 and `read_range` (peers pulling transfer sources) run in the others.
+
+It holds any number of graphs at once, each under the key its engine chose, sharing one
+`actors.store.WorkerStore` (the arena, resident inputs, states). Runs are sequential: `begin(key)`
+makes that graph the active one, which `dispatch`, `serve`, `read_range`, `outputs` and `trace`
+then serve.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import Loc, MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .executor import Executor, WorkerConfig
+from .executor import Executor, WorkerConfig, make_backend
+from .store import WorkerStore
 from .transport import RayTransport
 
 
@@ -30,15 +36,18 @@ class GpuWorker:
             importlib.import_module(m)
         if torch_threads:
             torch.set_num_threads(torch_threads)  # S streams x N workers share the host's cores
-        self.ex: Executor | None = None
-        self.coord: Any = None
+        self.graphs: dict[str, tuple[Executor, Any]] = {}  # key -> (executor, its transport)
+        self.ex: Executor | None = None  # the active graph's
         self.transport: Any = None
+        self.store: WorkerStore | None = None
+        self.coord: Any = None
 
     def ping(self) -> bool:
         return True
 
     def load(
         self,
+        key: str,
         gpu: int,
         mg: MemGraph,
         tg: TaskGraph,
@@ -46,43 +55,72 @@ class GpuWorker:
         workers: Sequence[Any],
         config: WorkerConfig,
     ) -> dict:
-        """Drops the previous graph and allocates the arena and host store of `mg` for GPU `gpu`."""
-        self.unload()
+        """Adds graph `key` (replacing one of that key): the plan of `mg` for GPU `gpu`, its views
+        of the shared arena, its host store, and the sourced inputs it names, read now."""
+        self.unload(key)
         self.coord = coordinator
+        if self.store is None or self.store.gpu != gpu:
+            backend = make_backend(config.backend)
+            self.store = WorkerStore(gpu, backend.alloc, getattr(backend, "stages_inputs", False))
         if config.backend == "cuda":  # IPC / NCCL peers, opened by `transport_connect` once all have loaded
             from .transport_cuda import CudaTransport
 
-            self.transport = CudaTransport(gpu, workers)
+            transport: Any = CudaTransport(gpu, workers)
         else:
-            self.transport = RayTransport(workers)
-        self.ex = Executor(
+            transport = RayTransport(workers)
+        ex = Executor(
             gpu,
             mg,
             tg,
             config,
-            transport=self.transport,
+            transport=transport,
             report=self._report,
             fail=self._fail,
+            store=self.store,
         )
-        if hasattr(self.transport, "attach"):
-            self.transport.attach(self.ex)
-        return self.ex.statistics()
+        if hasattr(transport, "attach"):
+            transport.attach(ex)
+        self.graphs[key] = (ex, transport)
+        self.ex, self.transport = ex, transport
+        return ex.statistics()
 
-    def transport_describe(self, nccl_ids_for: list[int]) -> dict:
-        return self.transport.describe(nccl_ids_for)
+    def _graph(self, key: str) -> tuple[Executor, Any]:
+        if key not in self.graphs:
+            raise RunError(f"this worker has no graph {key!r} loaded")
+        return self.graphs[key]
 
-    def transport_connect(self, infos: list[dict], paths: dict) -> dict:
-        return self.transport.connect(infos, paths)
+    def transport_describe(self, key: str, nccl_ids_for: list[int]) -> dict:
+        return self._graph(key)[1].describe(nccl_ids_for)
+
+    def transport_connect(self, key: str, infos: list[dict], paths: dict) -> dict:
+        return self._graph(key)[1].connect(infos, paths)
 
     def nccl_send(self, dst_gpu: int, loc: Loc) -> None:
         self.transport.send(dst_gpu, loc)
 
-    def unload(self) -> None:
-        if self.ex is not None:
-            self.ex.close()
-            self.ex = None
-        if hasattr(self.transport, "close"):
-            self.transport.close()
+    def unload(self, key: str | None = None) -> None:
+        """Drops graph `key` (None: every graph; the store with them)."""
+        for k in list(self.graphs) if key is None else [key]:
+            got = self.graphs.pop(k, None)
+            if got is None:
+                continue
+            ex, transport = got
+            ex.close()
+            if hasattr(transport, "close"):
+                transport.close()
+            if self.ex is ex:
+                self.ex, self.transport = None, None
+        if key is None:
+            self.store = None
+
+    def read_state(self, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        if self.store is None:
+            raise RunError(f"this worker has no state {id!r}")
+        return self.store.read_state(id, shape, dtype)
+
+    def clear_states(self) -> None:
+        if self.store is not None:
+            self.store.clear_states()
 
     def _report(self, gpu: int, vids: list[int]) -> None:
         self.coord.report.remote(gpu, vids)  # fire and forget: the coordinator orders nothing by it
@@ -90,8 +128,11 @@ class GpuWorker:
     def _fail(self, gpu: int, vid: int | None, message: str) -> None:
         self.coord.fail.remote(gpu, vid, message)
 
-    def begin(self, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int) -> None:
-        self._ex().begin(inputs, check=check, delay=delay, seed=seed)
+    def begin(self, key: str, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int) -> None:
+        """Makes graph `key` the active one and starts its run on `inputs`."""
+        ex, transport = self._graph(key)
+        self.ex, self.transport = ex, transport
+        ex.begin(inputs, check=check, delay=delay, seed=seed)
 
     @ray.method(num_returns=0)  # fire and forget: no return object to make
     def dispatch(self, vids: list[int]) -> None:
@@ -113,10 +154,13 @@ class GpuWorker:
     def trace(self) -> list[tuple[int, int, int, int]]:
         return self._ex().trace
 
-    def statistics(self) -> dict:
-        out = self._ex().statistics()
-        if hasattr(self.transport, "statistics"):
-            out["transport"] = self.transport.statistics()
+    def statistics(self, key: str | None = None) -> dict:
+        ex, transport = (self.ex, self.transport) if key is None else self._graph(key)
+        if ex is None:
+            raise RunError("this worker has no graph loaded")
+        out = ex.statistics()
+        if hasattr(transport, "statistics"):
+            out["transport"] = transport.statistics()
         return out
 
     def call(self, fn, *args):

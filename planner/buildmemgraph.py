@@ -60,7 +60,7 @@ class Planner:
             for i in dict.fromkeys(tg[vid].inputs):
                 self.uses[i].append(t)
         self.next = dict.fromkeys(self.order, 0)  # index into uses[value] of the next unexecuted use
-        self.outputs = set(tg.outputs)
+        self.outputs = set(tg.kept)  # outputs and carried values: kept in place at the end
         self.allocated = [False] * len(self.order)
         self.alloc_hzn = 0  # the allocation horizon (run() moves it)
         self.step = 0
@@ -325,7 +325,7 @@ class Planner:
             self._execute(ex)
             ex += 1
         self.step = n
-        for o in self.tg.outputs:  # an evicted output still in the caller's own copy comes back
+        for o in self.tg.kept:  # an evicted output still in the caller's own copy comes back
             if o not in self.resident and self.host.get(o, (None, None))[1] is None:
                 gpu = self.V[o].gpu
                 off = self._make_room(gpu, self.size(o), {id(i): i for i in self.resident.values()})
@@ -352,7 +352,7 @@ class Planner:
         if bad is not None:  # section 7: every edge points forward in V
             raise PlanError(f"internal: edge {bad[0]} -> {bad[1]} points backward")
         outputs = {}
-        for o in self.tg.outputs:
+        for o in self.tg.kept:
             inst = self.resident.get(o)
             if inst is not None:
                 outputs[o] = new_id[inst.src]

@@ -38,8 +38,9 @@ def min_capacity(tg: TaskGraph, alignment: int = ALIGN) -> list[int]:
 
 
 def roomy_capacity(tg: TaskGraph, alignment: int = ALIGN) -> list[int]:
-    """Per GPU, room for every tensor of that GPU at once (no offload needed)."""
-    cap = [0] * tg.gpus
+    """Per GPU, room for every tensor of that GPU at once (no offload needed; one alignment unit
+    for a GPU with no tensor: an arena is never empty)."""
+    cap = [alignment if not any(v.gpu == g for v in tg) else 0 for g in range(tg.gpus)]
     for v in tg:
         cap[v.gpu] += aligned(v.nbytes, alignment)
     return cap

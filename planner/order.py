@@ -17,7 +17,9 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 def default_order(tg: TaskGraph) -> list[str]:
     consumed = {i for v in tg for i in v.inputs}
-    roots = list(tg.outputs) + [v.id for v in tg if v.id not in consumed and v.id not in tg.outputs]
+    kept = tg.kept  # outputs, then carried values
+    keep = set(kept)
+    roots = kept + [v.id for v in tg if v.id not in consumed and v.id not in keep]
     done: set[str] = set()
     order: list[str] = []
     verts = tg.vertices

@@ -190,7 +190,7 @@ def execute(
     if done != len(verts):
         stuck = [verts[i].id for i, c in enumerate(waiting) if c > 0][:5]
         raise VerifyError(f"{len(verts) - done} vertices never became ready (a cycle?), e.g. {stuck}")
-    for name in tg.outputs:
+    for name in tg.kept:
         vid = mg.outputs.get(name)
         if vid is None or vid not in pos:
             raise VerifyError(f"output {name!r}: no MemGraph vertex holds it")

@@ -223,7 +223,7 @@ def _check_provenance(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
                 f"{describe(v)}: output {where(v.out, v.gpu)} holds {v.out.nbytes} bytes, "
                 f"{t.id!r} needs {t.nbytes}"
             )
-    used: set[str] = set(tg.outputs)
+    used: set[str] = set(tg.kept)
     for t in tg:
         used.update(t.inputs)
     for t in tg:
@@ -237,12 +237,14 @@ def _check_provenance(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
                 f"TaskGraph {t.kind.value} {t.id!r} (gpu:{t.gpu}) is realised by {len(got)} "
                 f"MemGraph vertices {ids}, not exactly one"
             )
-    for name in tg.outputs:
+    for name in tg.kept:
         if name not in mg.outputs:
-            sink.add(f"TaskGraph output {name!r} has no MemGraph output vertex")
+            what = "output" if name in tg.outputs else "carried value"
+            sink.add(f"TaskGraph {what} {name!r} has no MemGraph output vertex")
+    kept = set(tg.kept)
     for name, vid in mg.outputs.items():
-        if name not in tg.outputs:
-            sink.add(f"MemGraph output {name!r} (vertex {vid}) is not a TaskGraph output")
+        if name not in kept:
+            sink.add(f"MemGraph output {name!r} (vertex {vid}) is not a TaskGraph output or carried value")
 
 
 def _ancestors(preds: list[list[int]], order: list[int], n: int) -> np.ndarray:

@@ -1,7 +1,9 @@
 """The `local` engine: the coordinator core and one Executor per GPU in this process, as threads.
 
 Same cores as the `ray` engine (`actors.scheduler.Scheduler`, `actors.executor.Executor`), with
-direct calls instead of actor calls: for debugging, and to measure what Ray costs.
+direct calls instead of actor calls: for debugging, and to measure what Ray costs. A `LocalPool`
+plays the part of the Ray engine's `RayPool`: the per-GPU stores (arena, resident inputs,
+states) that several engines of one model share.
 """
 
 from __future__ import annotations
@@ -12,18 +14,48 @@ from collections.abc import Mapping
 
 import torch
 
-from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, Executor, RunOptions, WorkerConfig
+from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, Executor, RunOptions, WorkerConfig, make_backend
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
+from actors.store import WorkerStore
 from actors.transport import LocalTransport
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 
+class LocalPool:
+    """One `WorkerStore` per GPU, shared by the local engines made with this pool."""
+
+    generation = 0  # never discarded: its stores live as long as it
+
+    def __init__(self) -> None:
+        self.stores: dict[int, WorkerStore] = {}
+
+    def store(self, gpu: int, backend: str) -> WorkerStore:
+        s = self.stores.get(gpu)
+        if s is None:
+            b = make_backend(backend)
+            s = self.stores[gpu] = WorkerStore(gpu, b.alloc, getattr(b, "stages_inputs", False))
+        return s
+
+    def read_state(self, gpu: int, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        if gpu not in self.stores:
+            raise RunError(f"the pool has no worker for gpu:{gpu}")
+        return self.stores[gpu].read_state(id, tuple(shape), dtype)
+
+    def clear_states(self) -> None:
+        for s in self.stores.values():
+            s.clear_states()
+
+    def close(self) -> None:
+        self.stores.clear()
+
+
 class LocalEngine:
     """Runs a MemGraph with threads; reusable for many runs until `close`."""
 
     name = "local"
+    stale = False
 
     def __init__(
         self,
@@ -31,9 +63,11 @@ class LocalEngine:
         mg: MemGraph,
         *,
         config: WorkerConfig = DEFAULT_WORKER,
+        pool: LocalPool | None = None,
         **_: object,
     ):
         self.tg, self.mg = tg, mg
+        self.pool = LocalPool() if pool is None else pool
         self.sched = Scheduler(mg)
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -53,6 +87,7 @@ class LocalEngine:
                         transport=transport,
                         report=self._report,
                         fail=self._fail,
+                        store=self.pool.store(g, config.backend),
                     )
                 )
         except BaseException:
@@ -108,10 +143,10 @@ class LocalEngine:
             progress(self.sched.completed)
         for ex in self.execs:  # every vertex reported done, so each worker has finished too
             ex.wait()
-        outs = {
-            value: self.execs[self.mg.vertex(vid).gpu].output(value, vid)
-            for value, vid in self.mg.outputs.items()
-        }
+        outs = {}
+        for value in self.tg.outputs:  # carried values stay with their workers
+            vid = self.mg.outputs[value]
+            outs[value] = self.execs[self.mg.vertex(vid).gpu].output(value, vid)
         return outs, [list(ex.trace) for ex in self.execs]
 
     def statistics(self) -> dict:

@@ -31,11 +31,13 @@ MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + dr
 
 
 class RayPool:
-    """Long-lived actors (a coordinator and one GpuWorker per GPU) that load one graph after another.
+    """Long-lived actors (a coordinator and one GpuWorker per GPU) that hold any number of graphs.
 
     Starting an actor process costs seconds (Ray worker start + torch import), so a pool can be
-    shared by many Programs (tests do); an engine without one makes a private pool and kills it
-    on close. A pool whose run failed is discarded: its actors are killed and remade on next use.
+    shared by many Programs (tests do; a model's prefill and decode Programs do, and share the
+    workers' resident weights and states, `actors.store`); an engine without one makes a private
+    pool and kills it on close. A pool whose actors failed is discarded: they are killed and
+    remade on next use, and every engine on them loads its graph again (`generation`).
     """
 
     def __init__(
@@ -54,6 +56,13 @@ class RayPool:
         self.coord = None
         self.workers: list = []
         self.placed: Placed | None = None
+        self.generation = 0  # counts discards: an engine loaded before the last one must reload
+        self._keys = 0
+
+    def new_key(self) -> str:
+        """A key under which a graph is loaded into this pool's actors, unique in this pool."""
+        self._keys += 1
+        return f"g{self._keys}"
 
     def acquire(self, gpus: int, backend: str = "cpu", op_modules: Sequence[str] = ()):
         """(coordinator, workers[:gpus]), starting Ray and actors as needed."""
@@ -104,7 +113,23 @@ class RayPool:
                 with contextlib.suppress(Exception):  # already dead: nothing to kill
                     ray.kill(a)
             remove(self.placed)
+        if self.coord is not None or self.workers:
+            self.generation += 1
         self.coord, self.workers, self.placed = None, [], None
+
+    def read_state(self, gpu: int, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        """A copy of state `id` of GPU `gpu`'s worker (what the runs so far saved there)."""
+        import ray
+
+        if len(self.workers) <= gpu:
+            raise RunError(f"the pool has no worker for gpu:{gpu}")
+        return ray.get(self.workers[gpu].read_state.remote(id, tuple(shape), dtype))
+
+    def clear_states(self) -> None:
+        """Zeroes every worker's states (a new KV cache, say); resident inputs stay."""
+        import ray
+
+        ray.get([w.clear_states.remote() for w in self.workers])
 
     def close(self) -> None:
         """Kills the actors, and shuts Ray down if this pool started it."""
@@ -140,18 +165,21 @@ class RayEngine:
         self.tg, self.mg = tg, mg
         self.own_pool = pool is None
         self.pool = RayPool(num_cpus=num_cpus, placement=placement, address=address) if pool is None else pool
+        self.key = self.pool.new_key()
         self.placement_summary: dict | None = None
         self.broken = False
         self.workers: list = []
         self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, config.backend, op_modules)
+            self.generation = self.pool.generation
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
             ray.get(
                 [
-                    self.coord.load.remote(mg_ref, self.workers),
+                    self.coord.load.remote(self.key, mg_ref, self.workers),
                     *[
                         w.load.remote(
+                            self.key,
                             g,
                             mg_ref,
                             tg_ref,
@@ -168,7 +196,7 @@ class RayEngine:
             if config.backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
                 from actors.transport_cuda import connect_workers
 
-                self.transports = connect_workers(self.workers)
+                self.transports = connect_workers(self.workers, self.key)
             if self.pool.placed is not None:  # node of each worker, path of each transferring pair
                 self.placement_summary = describe(self.pool.placed.info, mg, config.backend, self.transports)
         except (RayActorError, RayTaskError) as e:
@@ -179,6 +207,11 @@ class RayEngine:
             self.broken = True
             self.close()
             raise
+
+    @property
+    def stale(self) -> bool:
+        """True when the pool's actors were remade since this engine loaded its graph."""
+        return self.broken or self.pool.generation != self.generation
 
     def run(
         self, inputs: Mapping[str, torch.Tensor], opts: RunOptions = DEFAULT_RUN
@@ -199,19 +232,22 @@ class RayEngine:
         from actors.plans import as_tensor
 
         wants: list[list[str]] = [[] for _ in self.workers]
-        for v in self.mg.vertices:
-            if v.kind.value == "input" or (v.kind.value == "reload" and v.ins and v.ins[0].src is None):
-                wants[v.gpu].append(v.value)
+        for v in self.tg.caller_inputs():  # sourced inputs and states are the workers' own
+            wants[v.gpu].append(v.id)
         try:
             ray.get(
                 [
                     w.begin.remote(
-                        {k: inputs[k] for k in sorted(set(wants[g]))}, opts.check, opts.delay, opts.seed
+                        self.key,
+                        {k: inputs[k] for k in wants[g]},
+                        opts.check,
+                        opts.delay,
+                        opts.seed,
                     )
                     for g, w in enumerate(self.workers)
                 ]
             )
-            ray.get(self.coord.start.remote())
+            ray.get(self.coord.start.remote(self.key))
         except (RayActorError, RayTaskError) as e:
             pings = {w.ping.remote(): g for g, w in enumerate(self.workers)}
             raise RunError(self._dead_worker(pings) or f"starting the run failed: {_cause(e)}") from None
@@ -248,7 +284,8 @@ class RayEngine:
                     f"({ray.get(self.coord.progress.remote())} of {len(self.mg)} vertices done)"
                 )
         by_gpu: dict[int, list[tuple[str, int]]] = {}
-        for value, vid in self.mg.outputs.items():
+        for value in self.tg.outputs:  # carried values stay on their workers
+            vid = self.mg.outputs[value]
             by_gpu.setdefault(self.mg.vertex(vid).gpu, []).append((value, vid))
         outs: dict[str, torch.Tensor] = {}
         for part in self._gather({self.workers[g].outputs.remote(w): g for g, w in by_gpu.items()}):
@@ -313,7 +350,7 @@ class RayEngine:
         return {
             "engine": self.name,
             "scheduler": ray.get(self.coord.statistics.remote()),
-            "workers": ray.get([w.statistics.remote() for w in self.workers]),
+            "workers": ray.get([w.statistics.remote(self.key) for w in self.workers]),
         }
 
     def close(self) -> None:
@@ -324,10 +361,13 @@ class RayEngine:
         if self.own_pool:
             self.pool.close()
             return
-        if not ray.is_initialized():
-            return
+        if not ray.is_initialized() or self.pool.generation != self.generation:
+            return  # the actors this engine loaded into are gone already
         try:
-            ray.get([w.unload.remote() for w in self.workers], timeout=30)
+            ray.get(
+                [w.unload.remote(self.key) for w in self.workers] + [self.coord.unload.remote(self.key)],
+                timeout=30,
+            )
         except Exception:
             self.pool.discard()
 

@@ -55,7 +55,9 @@ class Program:
         op_modules: modules the workers import before loading (extra ops, e.g. "actors.testops").
         flush_s: longest a worker holds back a completion report while busy.
         num_cpus: CPUs of a Ray the engine starts (default: all).
-        pool: a `disco_ray.driver.engine_ray.RayPool` whose actors to use (and keep) instead of fresh ones.
+        pool: a `RayPool` (ray engine) or `LocalPool` (local engine) to load into and keep: the
+            workers, their arenas, resident inputs and states, shared with the pool's other
+            Programs (a model's prefill and decode steps); default: a private one, closed with it.
         placement: a `disco_ray.driver.placement.PlacementConfig` (pack/spread, GPU share per worker).
         address: connect to this Ray cluster ("auto", "HOST:PORT") instead of starting a local one.
     """
@@ -80,9 +82,11 @@ class Program:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
         if mg.gpus != tg.gpus:
             raise GraphError(f"the MemGraph has {mg.gpus} GPUs, the TaskGraph {tg.gpus}")
-        missing = [o for o in tg.outputs if o not in mg.outputs]
+        missing = [o for o in tg.kept if o not in mg.outputs]
         if missing:
             raise GraphError(f"the MemGraph holds no final vertex for outputs {missing}")
+        if pool is not None and type(pool).__name__ != {"ray": "RayPool", "local": "LocalPool"}[engine]:
+            raise UsageError(f"a {type(pool).__name__} cannot serve the {engine} engine")
         self.tg, self.mg = tg, mg
         self.engine_name, self.backend, self.streams = engine, backend, streams
         self._kw = {
@@ -99,7 +103,10 @@ class Program:
 
     @property
     def engine(self):
-        """The engine object (created on first use): LocalEngine or RayEngine."""
+        """The engine object (created on first use, and again once its pool's actors were remade):
+        LocalEngine or RayEngine."""
+        if self._engine is not None and self._engine.stale:
+            self.close()
         if self._engine is None:
             for m in self._kw["op_modules"]:
                 __import__(m)

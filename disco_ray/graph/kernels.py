@@ -95,26 +95,72 @@ def _rope(out, ins, attrs):
     ov.addcmul_(rot, sin.unsqueeze(-2))
 
 
+def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
+    """softmax(q k^T * scale + mask) v per head, written into out [t, h*d]; k/v tiles [t_j, kvh*d]
+    (grouped-query attention when kvh < h: each key/value head serves h/kvh query heads)."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    def heads(x, n):  # [rows, n*d] -> [1, n, rows, d], the layout the fused kernels take
+        return x.unflatten(-1, (n, -1)).transpose(0, 1).unsqueeze(0)
+
+    k = heads(ks[0] if len(ks) == 1 else torch.cat(ks, dim=0), kvh)
+    v = heads(vs[0] if len(vs) == 1 else torch.cat(vs, dim=0), kvh)
+    if kvh != h:
+        k, v = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)
+    o = scaled_dot_product_attention(heads(q, h), k, v, attn_mask=mask, scale=scale)
+    out.unflatten(-1, (h, -1)).copy_(o[0].transpose(0, 1))
+
+
 @impl("attention")
 def _attention(out, ins, attrs):
     from torch.nn.attention.bias import causal_lower_right
-    from torch.nn.functional import scaled_dot_product_attention
 
     q, kv = ins[0], ins[1:]
     m = len(kv) // 2
     h = attrs["heads"]
-
-    def heads(x):  # [rows, heads*d] -> [1, heads, rows, d], the layout the fused kernels take
-        return x.unflatten(-1, (h, -1)).transpose(0, 1).unsqueeze(0)
-
-    k = heads(kv[0] if m == 1 else torch.cat(kv[:m], dim=0))
-    v = heads(kv[m] if m == 1 else torch.cat(kv[m:], dim=0))
-    t, s = q.shape[0], k.shape[2]
+    kvh = attrs["kv_heads"] or h
+    t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
     mask = None
     if attrs["causal"] and attrs["offset"] == s - t:
         mask = causal_lower_right(t, s)  # a query tile ending at the last key: the fused causal kernels
     elif attrs["causal"]:
         rows = torch.arange(t, device=q.device).unsqueeze(1) + attrs["offset"]
         mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
-    o = scaled_dot_product_attention(heads(q), k, v, attn_mask=mask, scale=attrs["scale"])
-    out.unflatten(-1, (h, -1)).copy_(o[0].transpose(0, 1))
+    _sdpa(out, q, kv[:m], kv[m:], h, kvh, attrs["scale"], mask)
+
+
+@impl("attention_at")
+def _attention_at(out, ins, attrs):
+    # the mask is made on the device from pos: a decode step never waits for the host
+    q, pos, kv = ins[0], ins[1], ins[2:]
+    m = len(kv) // 2
+    h = attrs["heads"]
+    t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
+    rows = torch.arange(t, device=q.device).unsqueeze(1) + pos
+    mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
+    _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask)
+
+
+@impl("kv_write")
+def _kv_write(out, ins, attrs):
+    block, new, pos = ins
+    if out.data_ptr() != block.data_ptr():
+        out.copy_(block)
+    rows = torch.arange(new.shape[0], device=new.device) + (pos - attrs["start"])
+    out.index_copy_(0, rows, new)
+
+
+@impl("linear")
+def _linear(out, ins, attrs):
+    x, w = ins
+    torch.matmul(x, w.t(), out=out)
+
+
+@impl("embedding")
+def _embedding(out, ins, attrs):
+    ids, table = ins
+    rows = table.shape[0]
+    local = ids - attrs["start"]
+    inside = (local >= 0) & (local < rows)
+    torch.index_select(table, 0, local.clamp(0, rows - 1), out=out)
+    out.mul_(inside.unsqueeze(1).to(out.dtype))

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from . import sources
 from .dtypes import torch_dtype
 from .errors import RunError
 from .kernels import run_kernel
@@ -13,8 +14,11 @@ from .taskgraph import Kind, TaskGraph
 
 
 def check_inputs(tg: TaskGraph, inputs: Mapping[str, object]) -> None:
-    """Refuses missing inputs and inputs of the wrong shape or dtype, naming the first one."""
-    for v in tg.inputs():
+    """Refuses missing inputs and inputs of the wrong shape or dtype, naming the first one.
+
+    Only the caller's inputs are asked for: an input with a source or a state is the worker's.
+    """
+    for v in tg.caller_inputs():
         if v.id not in inputs:
             raise RunError(f"input {v.id!r} is missing (shape {list(v.shape)}, {v.dtype})")
         t = inputs[v.id]
@@ -24,19 +28,34 @@ def check_inputs(tg: TaskGraph, inputs: Mapping[str, object]) -> None:
             raise RunError(f"input {v.id!r} has shape {list(shape)}, the graph says {list(v.shape)}")
         if dtype != v.dtype:
             raise RunError(f"input {v.id!r} has dtype {dtype}, the graph says {v.dtype}")
-    extra = set(inputs) - {v.id for v in tg.inputs()}
+    extra = set(inputs) - {v.id for v in tg.caller_inputs()}
     if extra:
+        theirs = sorted(x for x in extra if x in tg and tg[x].kind is Kind.INPUT)
+        if theirs:
+            raise RunError(f"inputs {theirs} are read from their source or saved state, not handed in")
         raise RunError(f"inputs {sorted(extra)} are not inputs of the graph")
 
 
 def evaluate(
-    tg: TaskGraph, inputs: Mapping[str, torch.Tensor], device: str = "cpu"
+    tg: TaskGraph,
+    inputs: Mapping[str, torch.Tensor],
+    device: str = "cpu",
+    state: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Evaluates every vertex in order with the same kernels the runtime uses; returns the outputs."""
+    """Evaluates every vertex in order with the same kernels the runtime uses; returns the outputs.
+
+    Inputs with a source are read from it; state inputs come from `state` (zeros if absent),
+    and the carried values are saved into `state` afterwards, as a worker does.
+    """
     check_inputs(tg, inputs)
     vals: dict[str, torch.Tensor] = {}
     for v in tg:
-        if v.kind is Kind.INPUT:
+        if v.kind is Kind.INPUT and v.source is not None:
+            vals[v.id] = sources.read(v.source, v.shape, v.dtype, f"input {v.id!r}").to(device)
+        elif v.kind is Kind.INPUT and v.state:
+            old = None if state is None else state.get(v.id)
+            vals[v.id] = (torch.zeros(v.shape, dtype=torch_dtype(v.dtype)) if old is None else old).to(device)
+        elif v.kind is Kind.INPUT:
             vals[v.id] = torch.as_tensor(inputs[v.id]).to(device)
         elif v.kind is Kind.TRANSFER:
             vals[v.id] = vals[v.inputs[0]].clone()
@@ -45,6 +64,8 @@ def evaluate(
             out = torch.empty(v.shape, dtype=torch_dtype(v.dtype), device=device)
             run_kernel(v.op, out, [vals[i] for i in v.inputs], v.attrs)
             vals[v.id] = out
+    if state is not None:
+        state.update({key: vals[value].clone() for value, key in tg.carry.items()})
     return {o: vals[o] for o in tg.outputs}
 
 
@@ -52,7 +73,7 @@ def random_inputs(tg: TaskGraph, seed: int = 0) -> dict[str, torch.Tensor]:
     """Inputs of the right shapes and dtypes with small values, so long chains stay finite."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for v in tg.inputs():
+    for v in tg.caller_inputs():
         dt = torch_dtype(v.dtype)
         if dt.is_floating_point:
             out[v.id] = (torch.rand(v.shape, generator=gen) * 2 - 1).to(dt)

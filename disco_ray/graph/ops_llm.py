@@ -1,0 +1,223 @@
+"""The transformer ops: concat, rotary embedding, attention (prefill tiles and cached decode),
+KV cache writes, linear layers in the checkpoint's [out, in] layout, and embedding lookups."""
+
+from __future__ import annotations
+
+from .opspec import REQUIRED, OpSpec, _same_dtype, numel, register
+
+
+def _infer_concat(shapes, dtypes, attrs):
+    rank = len(shapes[0])
+    axis = attrs["axis"]
+    if not -rank <= axis < rank:
+        raise ValueError(f"concat axis {axis} out of range for rank {rank}")
+    axis %= rank
+    for s in shapes[1:]:
+        if len(s) != rank or any(a != b for d, (a, b) in enumerate(zip(s, shapes[0])) if d != axis):
+            raise ValueError(f"concat operands {[list(x) for x in shapes]} differ off axis {axis}")
+    out = list(shapes[0])
+    out[axis] = sum(s[axis] for s in shapes)
+    return tuple(out), _same_dtype("concat", dtypes, floats=False)
+
+
+def _infer_rope(shapes, dtypes, attrs):
+    x, cos, sin = shapes
+    if len(x) < 2 or len(cos) != 2 or cos != sin:
+        raise ValueError(f"rope needs x [.., s, h*d] and cos, sin [s, d], got {[list(s) for s in shapes]}")
+    s, d = cos
+    if d % 2 or x[-2] != s or x[-1] % d:
+        raise ValueError(f"rope: x {list(x)} does not fit cos/sin {[s, d]} (even d dividing the last dim)")
+    return x, _same_dtype("rope", dtypes)
+
+
+def _flops_rope(shapes, out, attrs):
+    return 3.0 * numel(out)
+
+
+def _int_attr(name: str, attrs, key: str, lo: int = 0) -> int:
+    x = attrs[key]
+    if not isinstance(x, int) or isinstance(x, bool) or x < lo:
+        raise ValueError(f"{name}: attribute {key} must be an integer >= {lo}, got {x!r}")
+    return x
+
+
+def _heads(name: str, q, attrs) -> tuple[int, int, int]:
+    """(heads, kv_heads, head dim) of an attention op's q [t, heads*d] and attrs; grouped-query
+    attention when kv_heads < heads (each key/value head serves heads/kv_heads query heads)."""
+    h = _int_attr(name, attrs, "heads", 1)
+    kvh = h if attrs.get("kv_heads") is None else _int_attr(name, attrs, "kv_heads", 1)
+    if len(q) != 2 or q[1] % h:
+        raise ValueError(f"{name}: q must be [t, heads*d] with heads={h} dividing it, got {list(q)}")
+    if h % kvh:
+        raise ValueError(f"{name}: kv_heads {kvh} must divide heads {h}")
+    if isinstance(attrs.get("scale"), bool) or not isinstance(attrs.get("scale"), (int, float)):
+        raise ValueError(f"{name}: attribute scale must be a number, got {attrs.get('scale')!r}")
+    return h, kvh, q[1] // h
+
+
+def _check_kv(name: str, kv, width: int, what: str) -> None:
+    m = len(kv) // 2
+    for j in range(m):
+        k, v = kv[j], kv[m + j]
+        if len(k) != 2 or k[1] != width or v != k:
+            raise ValueError(f"{name}: key/value tile {j} {list(k)}/{list(v)} does not match {what}")
+
+
+def _infer_attention(shapes, dtypes, attrs):
+    if len(shapes) % 2 == 0:
+        raise ValueError(f"attention takes q and pairs of key/value tiles, got {len(shapes)} operands")
+    q, kv = shapes[0], shapes[1:]
+    _, kvh, d = _heads("attention", q, attrs)
+    _int_attr("attention", attrs, "offset", -(1 << 62))
+    _check_kv("attention", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
+    return q, _same_dtype("attention", dtypes)
+
+
+def attention_pairs(t: int, keys: int, offset: int, causal: bool) -> int:
+    """Number of (query row, key) pairs an attention tile scores: query row r sees keys <= offset + r."""
+    if not causal:
+        return t * keys
+    first = min(keys, max(0, offset + 1))  # keys row 0 sees
+    cut = max(0, min(t, keys - first))  # rows whose window the mask cuts short
+    return cut * first + cut * (cut - 1) // 2 + (t - cut) * keys
+
+
+def _flops_attention(shapes, out, attrs):
+    q = shapes[0]
+    keys = sum(s[0] for s in shapes[1 : 1 + len(shapes) // 2])
+    d = q[1] // attrs["heads"]
+    pairs = attention_pairs(q[0], keys, attrs["offset"], attrs["causal"]) * attrs["heads"]
+    return pairs * (4.0 * d + 5.0)  # q k^T and p v (2 flops per multiply-add each), softmax
+
+
+def _infer_attention_at(shapes, dtypes, attrs):
+    if len(shapes) < 4 or len(shapes) % 2:
+        raise ValueError(
+            f"attention_at takes q, pos and pairs of key/value tiles, got {len(shapes)} operands"
+        )
+    q, pos, kv = shapes[0], shapes[1], shapes[2:]
+    _, kvh, d = _heads("attention_at", q, attrs)
+    if pos != (1,) or dtypes[1] not in ("int32", "int64"):
+        raise ValueError(
+            f"attention_at: pos must be an integer tensor of shape [1], got {list(pos)} {dtypes[1]}"
+        )
+    _check_kv("attention_at", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
+    return q, _same_dtype("attention_at", [dtypes[0], *dtypes[2:]])
+
+
+def _flops_attention_at(shapes, out, attrs):  # an upper bound: every key scored (pos is data)
+    q = shapes[0]
+    keys = sum(s[0] for s in shapes[2 : 2 + (len(shapes) - 2) // 2])
+    return q[0] * keys * attrs["heads"] * (4.0 * q[1] / attrs["heads"] + 5.0)
+
+
+def _infer_kv_write(shapes, dtypes, attrs):
+    block, new, pos = shapes
+    _int_attr("kv_write", attrs, "start")
+    if len(block) != 2 or len(new) != 2 or new[1] != block[1] or new[0] > block[0]:
+        raise ValueError(f"kv_write: new rows {list(new)} do not fit the block {list(block)}")
+    if pos != (1,) or dtypes[2] not in ("int32", "int64"):
+        raise ValueError(f"kv_write: pos must be an integer tensor of shape [1], got {list(pos)} {dtypes[2]}")
+    return block, _same_dtype("kv_write", dtypes[:2], floats=False)
+
+
+def _infer_linear(shapes, dtypes, attrs):
+    x, w = shapes
+    if len(x) < 1 or len(w) != 2 or x[-1] != w[1]:
+        raise ValueError(f"linear needs x [.., k] and w [n, k], got {list(x)} and {list(w)}")
+    return (*x[:-1], w[0]), _same_dtype("linear", dtypes)
+
+
+def _infer_embedding(shapes, dtypes, attrs):
+    ids, table = shapes
+    _int_attr("embedding", attrs, "start")
+    if len(ids) != 1 or dtypes[0] not in ("int32", "int64"):
+        raise ValueError(f"embedding: ids must be an integer vector [t], got {list(ids)} {dtypes[0]}")
+    if len(table) != 2:
+        raise ValueError(f"embedding: the table must be [rows, dim], got {list(table)}")
+    return (ids[0], table[1]), _same_dtype("embedding", dtypes[1:])
+
+
+register(
+    OpSpec(
+        "concat",
+        1,
+        None,
+        _infer_concat,
+        attrs={"axis": -1},
+        flops=lambda s, o, a: 0.0,
+        doc="operands of one shape but along `axis` joined along it",
+    )
+)
+register(
+    OpSpec(
+        "rope",
+        3,
+        3,
+        _infer_rope,
+        flops=_flops_rope,
+        doc="rotary embedding of x [.., s, heads*d] per head (rotate-half form): x*cos + rot(x)*sin, "
+        "cos and sin [s, d]",
+    )
+)
+register(
+    OpSpec(
+        "attention",
+        3,
+        None,
+        _infer_attention,
+        attrs={"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True, "kv_heads": None},
+        flops=_flops_attention,
+        doc="one query tile of multi-head attention: operands q [t, heads*d], key tiles k_1..k_m, then "
+        "value tiles v_1..v_m (each [t_j, kv_heads*d], keys in order); softmax(q k^T * scale + mask) v "
+        "per head, where query row r may see key rows <= offset + r when causal; kv_heads < heads "
+        "is grouped-query attention (None: kv_heads = heads)",
+    )
+)
+register(
+    OpSpec(
+        "attention_at",
+        4,
+        None,
+        _infer_attention_at,
+        attrs={"heads": REQUIRED, "scale": REQUIRED, "kv_heads": None},
+        flops=_flops_attention_at,
+        doc="attention of q [t, heads*d] at run-time position pos (int [1]) over cached key tiles k_1..k_m "
+        "then value tiles v_1..v_m ([t_j, kv_heads*d], positions 0.. in order): query row r sees keys "
+        "at positions <= pos + r (a decode step's attention over its KV cache; no host sync)",
+    )
+)
+register(
+    OpSpec(
+        "kv_write",
+        3,
+        3,
+        _infer_kv_write,
+        attrs={"start": 0},
+        flops=lambda s, o, a: 0.0,
+        doc="a KV cache block [b, c] (positions start..start+b-1) with new rows [t, c] written at positions "
+        "pos..pos+t-1 (pos: int [1], read on the device)",
+    )
+)
+register(
+    OpSpec(
+        "linear",
+        2,
+        2,
+        _infer_linear,
+        flops=lambda s, o, a: 2.0 * numel(o) * s[0][-1],
+        doc="x [.., k] @ w[n, k]^T -> [.., n]: a linear layer with the weight as checkpoints store it",
+    )
+)
+register(
+    OpSpec(
+        "embedding",
+        2,
+        2,
+        _infer_embedding,
+        attrs={"start": 0},
+        flops=lambda s, o, a: 0.0,
+        doc="rows of table [r, d] for ids [t] (int): row id - start, zeros for ids outside "
+        "start..start+r-1 (a vocabulary shard: the shards' lookups sum to the whole table's)",
+    )
+)

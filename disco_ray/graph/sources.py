@@ -1,0 +1,112 @@
+"""Sources: where a worker reads a graph input itself, instead of receiving it from the caller.
+
+A TaskGraph input may name a `Source`: a tensor of a safetensors file, or a block of it (a range
+of rows, of columns, ...). The worker that uses the input reads it once, when the graph is
+loaded, with the file memory-mapped and only the block asked for copied out (safetensors'
+`get_slice`), converts it to the input's dtype, and keeps it in its host memory for every run of
+every graph that names the same source. So a model's weights never pass through the driver, and
+with tensor parallelism each worker reads only its own shard of each matrix.
+
+In a TaskGraph document (an addition to FORMATS.md, see README):
+
+    {"id": "l0.wq_g1", "kind": "input", "gpu": 1, "shape": [64, 256], "dtype": "float32",
+     "source": {"path": "ckpt/model-00001-of-00002.safetensors",
+                "tensor": "model.layers.0.self_attn.q_proj.weight", "slices": [[64, 128]]}}
+
+`slices` gives, per leading dimension, `[start, stop)` or `null` for the whole dimension; the
+dimensions it does not name are whole. The block read must have the input's shape.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from .errors import FormatError, RunError
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    path: str  # a .safetensors file
+    tensor: str  # the tensor's name in the file
+    slices: tuple[tuple[int, int] | None, ...] = ()  # per leading dim: [start, stop) or whole
+
+    def to_dict(self) -> dict:
+        d: dict = {"path": self.path, "tensor": self.tensor}
+        if self.slices:
+            d["slices"] = [None if s is None else list(s) for s in self.slices]
+        return d
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> Source:
+        """Parses a "source" object; FormatError names `where` (the vertex) and the field."""
+        if not isinstance(doc, dict):
+            raise FormatError(f'{where}: "source" must be an object with "path" and "tensor"')
+        unknown = set(doc) - {"path", "tensor", "slices"}
+        if unknown:
+            raise FormatError(f'{where}: "source" has unknown field(s) {sorted(unknown)}')
+        path, tensor, raw = doc.get("path"), doc.get("tensor"), doc.get("slices", [])
+        if not isinstance(path, str) or not path:
+            raise FormatError(f'{where}: "source.path" must be a non-empty string, got {path!r}')
+        if not isinstance(tensor, str) or not tensor:
+            raise FormatError(f'{where}: "source.tensor" must be a non-empty string, got {tensor!r}')
+        if not isinstance(raw, (list, tuple)):
+            raise FormatError(f'{where}: "source.slices" must be a list, got {raw!r}')
+        slices: list[tuple[int, int] | None] = []
+        for n, s in enumerate(raw):
+            if s is None:
+                slices.append(None)
+                continue
+            try:
+                if isinstance(s, (str, bytes)) or len(s) != 2 or any(isinstance(x, bool) for x in s):
+                    raise TypeError
+                a, b = (operator.index(x) for x in s)
+            except (TypeError, ValueError):
+                raise FormatError(
+                    f'{where}: "source.slices[{n}]" must be [start, stop] or null, got {s!r}'
+                ) from None
+            if not 0 <= a <= b:
+                raise FormatError(f'{where}: "source.slices[{n}]" [{a}, {b}] is not a range')
+            slices.append((a, b))
+        return cls(path, tensor, tuple(slices))
+
+    def describe(self) -> str:
+        if not self.slices:
+            return f"{self.tensor} of {self.path}"
+        dims = ", ".join(":" if s is None else f"{s[0]}:{s[1]}" for s in self.slices)
+        return f"{self.tensor}[{dims}] of {self.path}"
+
+
+def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
+    """The block `src` names, as a contiguous CPU tensor of `shape` and `dtype`.
+
+    Raises:
+        RunError: the file cannot be read, lacks the tensor, or the block has another shape
+            (the message names `where`, the file and the tensor).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from .dtypes import torch_dtype
+
+    what = f"{where}: source {src.describe()}" if where else f"source {src.describe()}"
+    try:
+        with safe_open(src.path, framework="pt") as f:
+            if src.tensor not in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                raise RunError(f"{what}: the file has no tensor {src.tensor!r}")
+            sl = f.get_slice(src.tensor)
+            full = tuple(sl.get_shape())
+            if len(src.slices) > len(full):
+                raise RunError(f"{what}: {len(src.slices)} slices for a tensor of shape {list(full)}")
+            index = []
+            for d, s in enumerate(src.slices):
+                if s is not None and s[1] > full[d]:
+                    raise RunError(f"{what}: slice {s[0]}:{s[1]} of dim {d} exceeds {full[d]}")
+                index.append(slice(None) if s is None else slice(*s))
+            t = sl[tuple(index)] if index else f.get_tensor(src.tensor)
+    except OSError as e:
+        raise RunError(f"{what}: cannot read ({e.strerror or e})") from None
+    except SafetensorError as e:
+        raise RunError(f"{what}: not a readable safetensors file ({e})") from None
+    if tuple(t.shape) != tuple(shape):
+        raise RunError(f"{what}: has shape {list(t.shape)}, the input {list(shape)}")
+    return t.to(torch_dtype(dtype)).contiguous()
