@@ -27,6 +27,7 @@ _API = {
     "compile": "disco_ray.driver.program",
     "run_memgraph": "disco_ray.driver.program",
     "Program": "disco_ray.driver.program",
+    "models": "disco_ray.models",
     **{
         e: "disco_ray.graph.errors"
         for e in (

@@ -1,0 +1,250 @@
+"""LLaMA inference on disco-ray: a Hugging Face checkpoint loaded onto G workers, prefill and
+greedy generation with a KV cache the workers keep.
+
+    model = disco_ray.models.load("ckpt/", gpus=2, capacity="64MiB", engine="local")
+    logits = model.prefill([1, 2, 3])                   # [3, vocab] float32
+    new = model.generate([1, 2, 3], max_new_tokens=20)  # the new token ids
+    model.close()
+
+Every graph of the model runs on one pool of workers (`RayPool` or `LocalPool`), so they share
+each worker's arena, its resident weights (each worker reads its own shards from the checkpoint
+once) and the KV cache states. Graphs are planned once and kept: a prefill per number of row
+tiles of the prompt, a decode step per number of cache blocks (`workloads.llama_model` says how
+the cache is cut), so planning is off the per-token path: a new plan is made once per `block`
+tokens at most, and never for a length seen before. A decode step is one run: the driver ships
+the token, its position and its rotary row, and reads back the logits (one round trip).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from disco_ray.driver.engine_local import LocalPool
+from disco_ray.driver.program import ENGINES, Program
+from disco_ray.graph.dtypes import FLOATS
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.sizes import parse_capacity
+from planner import build_memgraph
+from workloads.checkpoint import Checkpoint
+from workloads.llama_model import ModelGraph, decode_graph, prefill_graph
+
+
+@dataclass(slots=True)
+class Generation:
+    """What one `LlamaModel.run_generate` did."""
+
+    tokens: list[int]  # the new token ids
+    prefill_logits: torch.Tensor | None  # [prompt length, vocab] float32, when asked for
+    prefill_s: float  # the prefill run (planning excluded)
+    decode_s: list[float] = field(default_factory=list)  # each decode step's run
+    planning_s: float = 0.0  # plans made during this call
+    stopped: str = "length"  # "length" or "eos"
+
+    def statistics(self) -> dict:
+        n = len(self.decode_s)
+        total = sum(self.decode_s)
+        return {
+            "tokens": self.tokens,
+            "prompt_prefill_s": round(self.prefill_s, 6),
+            "decode_steps": n,
+            "decode_s": round(total, 6),
+            "decode_tokens_per_s": round(n / total, 3) if total > 0 else None,
+            "decode_step_ms_median": round(1e3 * sorted(self.decode_s)[n // 2], 3) if n else None,
+            "planning_s": round(self.planning_s, 6),
+            "stopped": self.stopped,
+        }
+
+
+class LlamaModel:
+    """A LLaMA checkpoint on `gpus` workers with `capacity` arena bytes each.
+
+    Args:
+        path: a Hugging Face checkpoint directory (config.json + model.safetensors or shards).
+        gpus: GPUs (workers) to split the model over (tensor-parallel; heads, key/value heads and
+            intermediate_size must divide by it).
+        capacity: arena bytes per GPU: an int, a list per GPU, or "64MiB" / "64MiB,32MiB".
+        dtype: compute dtype (default: the checkpoint's); weights are converted when read.
+        block: KV cache block and prefill row tile (tokens).
+        engine, backend, streams, ahead, num_cpus, address, placement: as for `Program`.
+        check: run the sanitizer in every run (slow; for tests).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        gpus: int = 1,
+        capacity: int | str | Sequence[int],
+        dtype: str | None = None,
+        block: int = 64,
+        engine: str = "ray",
+        backend: str = "cpu",
+        streams: int = 5,
+        ahead: int | None = None,
+        num_cpus: int | None = None,
+        address: str | None = None,
+        placement: object | None = None,
+        check: bool = False,
+    ):
+        if engine not in ENGINES:
+            raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+            raise UsageError(f"gpus must be a positive integer, got {gpus!r}")
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise UsageError(f"block must be a positive integer, got {block!r}")
+        self.ck = Checkpoint(path)
+        self.config = self.ck.config
+        self.config.check_split(gpus)
+        if dtype is not None and dtype not in FLOATS:
+            raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
+        self.dtype = dtype or self.config.dtype
+        self.gpus, self.block, self.check = gpus, block, check
+        self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
+        self.engine, self.backend = engine, backend
+        if engine == "ray":
+            from disco_ray.driver.engine_ray import RayPool
+
+            self.pool: object = RayPool(num_cpus=num_cpus, placement=placement, address=address)
+        else:
+            self.pool = LocalPool()
+        self._prog_kw = dict(engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool)
+        self._programs: dict[tuple, tuple[ModelGraph, Program]] = {}
+        self.planning_s = 0.0
+        self.plans: list[dict] = []  # one entry per plan made: what, vertices, seconds, bytes moved
+
+    # ---- plans -------------------------------------------------------------------------------
+    def _program(self, key: tuple) -> tuple[ModelGraph, Program]:
+        """The graph and Program of `key`, built and planned on first use."""
+        got = self._programs.get(key)
+        if got is not None:
+            return got
+        t = time.perf_counter()
+        if key[0] == "prefill":
+            _, tiles, logits, cache = key
+            mgraph = prefill_graph(self.ck, self.gpus, tiles, self.block, self.dtype, logits, cache)
+        else:
+            mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
+        tg = mgraph.taskgraph
+        # the builder's order: layer by layer, each tile's vertices together (planner/order.py's
+        # default, depth-first from the outputs, streams the weights far more often)
+        mg = build_memgraph(tg, self.capacity, order=list(tg.vertices))
+        dt = time.perf_counter() - t
+        self.planning_s += dt
+        self.plans.append(
+            {
+                "graph": "/".join(str(k) for k in key),
+                "vertices": len(tg),
+                "memgraph_vertices": len(mg),
+                "planning_s": round(dt, 4),
+                "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
+                "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
+            }
+        )
+        got = self._programs[key] = (mgraph, Program(tg, mg, **self._prog_kw))
+        return got
+
+    def _run(self, key: tuple, ids: list[int], pos: int) -> tuple[ModelGraph, torch.Tensor, float]:
+        mgraph, prog = self._program(key)
+        feed = mgraph.feed(self.config, ids, pos)
+        t = time.perf_counter()
+        outs = prog.run(feed, check=self.check)
+        return mgraph, mgraph.gather(outs), time.perf_counter() - t
+
+    def _ids(self, ids: Sequence[int]) -> list[int]:
+        out = [int(i) for i in ids]
+        if not out:
+            raise UsageError("the prompt has no token ids")
+        bad = [i for i in out if not 0 <= i < self.config.vocab]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the vocabulary 0..{self.config.vocab - 1}")
+        return out
+
+    # ---- the API -------------------------------------------------------------------------------
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """The logits [len(ids), vocab] (float32) of every position of the prompt `ids`."""
+        ids = self._ids(ids)
+        tiles = math.ceil(len(ids) / self.block)
+        _, logits, _ = self._run(("prefill", tiles, "all", False), ids, 0)
+        return logits[: len(ids)]
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
+        """Greedy decoding: the new token ids after the prompt `ids` (at most `max_new_tokens`;
+        the first end-of-sequence token of the config ends it, and is included)."""
+        return self.run_generate(ids, max_new_tokens, stop_at_eos=stop_at_eos).tokens
+
+    def run_generate(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop_at_eos: bool = True,
+        prefill_logits: bool = False,
+    ) -> Generation:
+        """`generate` with its timings; `prefill_logits` also returns every prompt position's logits
+        (0 new tokens: prefill only)."""
+        ids = self._ids(ids)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        planned = self.planning_s
+        n = len(ids)
+        tiles = math.ceil(n / self.block)
+        cache = max_new_tokens > 1
+        mode = "all" if prefill_logits else "last"
+        if max_new_tokens == 0 and not prefill_logits:
+            return Generation([], None, 0.0)
+        _, logits, prefill_s = self._run(("prefill", tiles, mode, cache), ids, 0)
+        first = 0 if mode == "all" else (tiles - 1) * self.block  # logits[0] is this row
+        gen = Generation([], logits[:n].clone() if prefill_logits else None, prefill_s)
+        eos = set(self.config.eos) if stop_at_eos else set()
+        if max_new_tokens:
+            tok = int(logits[n - 1 - first].argmax())
+            gen.tokens.append(tok)
+        for step in range(1, max_new_tokens):
+            if gen.tokens[-1] in eos:
+                gen.stopped = "eos"
+                break
+            p = n + step - 1  # the position of the token fed in
+            _, logits, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p)
+            gen.decode_s.append(dt)
+            gen.tokens.append(int(logits[0].argmax()))
+        else:
+            if gen.tokens and gen.tokens[-1] in eos:
+                gen.stopped = "eos"
+        gen.planning_s = self.planning_s - planned
+        return gen
+
+    def statistics(self) -> dict:
+        return {
+            "model": str(self.ck.path),
+            "layers": self.config.layers,
+            "gpus": self.gpus,
+            "dtype": self.dtype,
+            "block": self.block,
+            "capacity": self.capacity,
+            "weight_bytes": self.ck.weight_bytes(self.dtype),
+            "plans": list(self.plans),
+            "planning_s": round(self.planning_s, 4),
+        }
+
+    def close(self) -> None:
+        """Ends every Program and the pool's workers (and a Ray the pool started)."""
+        for _, prog in self._programs.values():
+            prog.close()
+        self._programs.clear()
+        self.pool.close()  # type: ignore[attr-defined]
+
+    def __enter__(self) -> LlamaModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(path: str, **kw) -> LlamaModel:
+    """`LlamaModel(path, **kw)`: a LLaMA checkpoint directory ready to prefill and generate."""
+    return LlamaModel(path, **kw)

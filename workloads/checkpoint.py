@@ -1,0 +1,247 @@
+"""A Hugging Face LLaMA-family checkpoint directory, read without loading its weights.
+
+`Checkpoint(path)` reads `config.json` (and `generation_config.json` when present), finds which
+`.safetensors` file holds each tensor (`model.safetensors`, or the shards that
+`model.safetensors.index.json` maps), and reads each tensor's shape and dtype from the file
+headers. Weights are never read here: a graph names blocks of them as input `Source`s and each
+worker reads its own (`disco_ray.graph.sources`).
+
+Supported: `model_type` "llama" (LlamaForCausalLM), grouped-query attention
+(`num_key_value_heads`), `head_dim`, tied embeddings, RoPE of type default, linear or llama3,
+SiLU MLPs without biases. Anything else is refused with one `UsageError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.sources import Source
+
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    vocab: int
+    dim: int  # hidden_size
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # intermediate_size
+    eps: float  # rms_norm_eps
+    rope_theta: float
+    rope: dict  # rope type and its parameters ({"rope_type": "default"} when none)
+    tie: bool  # tie_word_embeddings
+    max_positions: int
+    dtype: str  # the checkpoint's dtype (config "dtype" or "torch_dtype")
+    eos: tuple[int, ...]  # generation stops at these (generation_config.json, else config.json)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, where: str, gen: dict | None = None) -> LlamaConfig:
+        """Parses a config.json object; UsageError naming `where` and the field for what is unsupported."""
+
+        def field(name: str, typ: type | tuple = int, default: object = ..., positive: bool = True):
+            if name not in cfg or cfg[name] is None:
+                if default is ...:
+                    raise UsageError(f"{where}: missing {name!r}")
+                return default
+            x = cfg[name]
+            if isinstance(x, bool) or not isinstance(x, typ):
+                raise UsageError(
+                    f"{where}: {name!r} must be {getattr(typ, '__name__', 'a number')}, got {x!r}"
+                )
+            if positive and not x > 0:
+                raise UsageError(f"{where}: {name!r} must be positive, got {x!r}")
+            return x
+
+        mt = cfg.get("model_type")
+        if mt != "llama":
+            arch = cfg.get("architectures")
+            raise UsageError(
+                f"{where}: model_type {mt!r} (architectures {arch}) is not supported: only LLaMA "
+                "checkpoints (model_type 'llama', LlamaForCausalLM) are"
+            )
+        for flag in ("attention_bias", "mlp_bias"):
+            if cfg.get(flag):
+                raise UsageError(f"{where}: {flag} true is not supported (LLaMA layers have no biases)")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UsageError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
+        dim, heads = field("hidden_size"), field("num_attention_heads")
+        kv = field("num_key_value_heads", default=heads)
+        if heads % kv:
+            raise UsageError(f"{where}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+        hd = field("head_dim", default=None)
+        if hd is None:
+            if dim % heads:
+                raise UsageError(
+                    f"{where}: hidden_size {dim} is not a multiple of num_attention_heads {heads}"
+                )
+            hd = dim // heads
+        if hd % 2:
+            raise UsageError(f"{where}: head_dim {hd} must be even (rotary embedding)")
+        # transformers 5 writes "rope_parameters"; 4.x "rope_theta" and "rope_scaling"
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise UsageError(f"{where}: rope_scaling must be an object, got {rope!r}")
+        rope = dict(rope)
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype not in ROPE_TYPES:
+            raise UsageError(
+                f"{where}: rope_scaling type {rtype!r} is not supported (one of {', '.join(ROPE_TYPES)})"
+            )
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise UsageError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+        rope["rope_type"] = rtype
+        need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+        for key in need.get(rtype, ()):
+            x = rope.get(key)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
+                raise UsageError(f"{where}: rope_scaling {rtype} needs a positive {key!r}, got {x!r}")
+        eps = field("rms_norm_eps", (int, float), 1e-6)
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise UsageError(f"{where}: dtype {dtype!r} is not supported (float32, float16, bfloat16)")
+        eos = (gen or {}).get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+            raise UsageError(f"{where}: eos_token_id must be an integer or a list of them, got {eos!r}")
+        max_pos = field("max_position_embeddings", default=2048)
+        if rtype == "llama3":
+            rope.setdefault("original_max_position_embeddings", max_pos)
+        return cls(
+            vocab=field("vocab_size"),
+            dim=dim,
+            layers=field("num_hidden_layers"),
+            heads=heads,
+            kv_heads=kv,
+            head_dim=hd,
+            ffn=field("intermediate_size"),
+            eps=float(eps),
+            rope_theta=float(theta),
+            rope=rope,
+            tie=bool(cfg.get("tie_word_embeddings", False)),
+            max_positions=max_pos,
+            dtype=dtype,
+            eos=eos_ids,
+        )
+
+    def check_split(self, gpus: int) -> None:
+        """Heads, key/value heads and the MLP must split evenly over `gpus` (tensor parallelism)."""
+        for name, n in (
+            ("num_attention_heads", self.heads),
+            ("num_key_value_heads", self.kv_heads),
+            ("intermediate_size", self.ffn),
+        ):
+            if n % gpus:
+                raise UsageError(
+                    f"config {name} {n} does not split over {gpus} GPUs (it must divide by {gpus})"
+                )
+
+
+class Checkpoint:
+    """A checkpoint directory: its config and where each tensor is (file, shape, dtype)."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise UsageError(f"{path}: not a checkpoint directory")
+        cfg_path = self.path / "config.json"
+        cfg = _read_json(cfg_path)
+        gen_path = self.path / "generation_config.json"
+        gen = _read_json(gen_path) if gen_path.exists() else None
+        self.config = LlamaConfig.from_dict(cfg, str(cfg_path), gen)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.exists():
+            doc = _read_json(index)
+            wm = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+                raise UsageError(f'{index}: no "weight_map" object of tensor -> file')
+            files = sorted(set(wm.values()))
+        elif single.exists():
+            files = [single.name]
+        else:
+            raise UsageError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self.tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}  # name -> (file, shape, dtype)
+        for name in files:
+            fp = self.path / name
+            try:
+                with safe_open(str(fp), framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                        sl = f.get_slice(key)
+                        dt = SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+                        self.tensors[key] = (str(fp), tuple(sl.get_shape()), dt)
+            except (OSError, SafetensorError) as e:
+                raise UsageError(f"{fp}: not a readable safetensors file ({e})") from None
+        self._check()
+
+    def _check(self) -> None:
+        c = self.config
+        hd = c.head_dim
+        want = {
+            "model.embed_tokens.weight": (c.vocab, c.dim),
+            "model.norm.weight": (c.dim,),
+        }
+        if not c.tie:
+            want["lm_head.weight"] = (c.vocab, c.dim)
+        for i in range(c.layers):
+            p = f"model.layers.{i}."
+            want |= {
+                p + "input_layernorm.weight": (c.dim,),
+                p + "post_attention_layernorm.weight": (c.dim,),
+                p + "self_attn.q_proj.weight": (c.heads * hd, c.dim),
+                p + "self_attn.k_proj.weight": (c.kv_heads * hd, c.dim),
+                p + "self_attn.v_proj.weight": (c.kv_heads * hd, c.dim),
+                p + "self_attn.o_proj.weight": (c.dim, c.heads * hd),
+                p + "mlp.gate_proj.weight": (c.ffn, c.dim),
+                p + "mlp.up_proj.weight": (c.ffn, c.dim),
+                p + "mlp.down_proj.weight": (c.dim, c.ffn),
+            }
+        for name, shape in want.items():
+            got = self.tensors.get(name)
+            if got is None:
+                raise UsageError(f"{self.path}: the checkpoint has no tensor {name!r}")
+            if got[1] != shape:
+                raise UsageError(
+                    f"{got[0]}: tensor {name!r} has shape {list(got[1])}, the config says {list(shape)}"
+                )
+
+    def source(
+        self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+    ) -> Source:
+        """The block of tensor `name` with rows [a, b) and columns [c, d) (None: all)."""
+        file = self.tensors[name][0]
+        slices: tuple = () if rows is None and cols is None else (rows, cols) if cols is not None else (rows,)
+        return Source(file, name, slices)
+
+    def weight_bytes(self, dtype: str | None = None) -> int:
+        """Bytes of all weights, as stored or (dtype given) converted."""
+        from disco_ray.graph.dtypes import ITEMSIZE
+
+        return sum(
+            math.prod(s) * ITEMSIZE[dtype or dt] for _, s, dt in self.tensors.values() if dt in ITEMSIZE
+        )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: missing") from None
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: want a JSON object")
+    return doc
