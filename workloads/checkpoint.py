@@ -134,16 +134,19 @@ class LlamaConfig:
         )
 
     def check_split(self, gpus: int) -> None:
-        """Heads, key/value heads and the MLP must split evenly over `gpus` (tensor parallelism)."""
-        for name, n in (
-            ("num_attention_heads", self.heads),
-            ("num_key_value_heads", self.kv_heads),
-            ("intermediate_size", self.ffn),
-        ):
+        """Heads and the MLP must split evenly over `gpus` (tensor parallelism); key/value heads
+        too, or each GPU holds a copy of the one key/value head its query heads share (when
+        num_key_value_heads divides gpus, as Megatron replicates them)."""
+        for name, n in (("num_attention_heads", self.heads), ("intermediate_size", self.ffn)):
             if n % gpus:
                 raise UsageError(
                     f"config {name} {n} does not split over {gpus} GPUs (it must divide by {gpus})"
                 )
+        if self.kv_heads % gpus and gpus % self.kv_heads:
+            raise UsageError(
+                f"config num_key_value_heads {self.kv_heads} does not split over {gpus} GPUs (one must "
+                "divide the other)"
+            )
 
 
 class Checkpoint:

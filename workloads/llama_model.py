@@ -49,17 +49,22 @@ class Split:
     kv_heads: int  # key/value heads per GPU
     ffn: int  # MLP units per GPU
     vocab: tuple[tuple[int, int], ...]  # each GPU's vocabulary rows [lo, hi)
+    kv_first: tuple[int, ...]  # each GPU's first key/value head
 
     @classmethod
     def of(cls, cfg: LlamaConfig, gpus: int) -> Split:
         cfg.check_split(gpus)
         bounds = [round(j * cfg.vocab / gpus) for j in range(gpus + 1)]
+        hg = cfg.heads // gpus
+        group = cfg.heads // cfg.kv_heads  # query heads per key/value head
+        kvg = max(1, cfg.kv_heads // gpus)  # fewer key/value heads than GPUs: one copy on each
         return cls(
             gpus,
-            cfg.heads // gpus,
-            cfg.kv_heads // gpus,
+            hg,
+            kvg,
             cfg.ffn // gpus,
             tuple(itertools.pairwise(bounds)),
+            tuple(j * hg // group for j in range(gpus)),
         )
 
 
@@ -169,14 +174,9 @@ class _Builder:
 
     def layer_weights(self, li: int, j: int) -> dict[str, str]:
         s, hd = self.split, self.cfg.head_dim
-        q, kv, f = (
-            (j * s.heads * hd, (j + 1) * s.heads * hd),
-            (j * s.kv_heads * hd, (j + 1) * s.kv_heads * hd),
-            (
-                j * s.ffn,
-                (j + 1) * s.ffn,
-            ),
-        )
+        q = (j * s.heads * hd, (j + 1) * s.heads * hd)
+        kv = (s.kv_first[j] * hd, (s.kv_first[j] + s.kv_heads) * hd)
+        f = (j * s.ffn, (j + 1) * s.ffn)
         p = f"model.layers.{li}."
         w = self.weight
         return {

@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "run": "disco_ray.cli.run",
     "workload": "disco_ray.cli.workload",
     "bench": "disco_ray.cli.bench",
+    "generate": "disco_ray.cli.generate",
     "demo": "disco_ray.cli.demo",
 }
 

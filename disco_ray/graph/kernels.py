@@ -113,16 +113,18 @@ def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
 
 @impl("attention")
 def _attention(out, ins, attrs):
-    from torch.nn.attention.bias import causal_lower_right
-
     q, kv = ins[0], ins[1:]
     m = len(kv) // 2
     h = attrs["heads"]
     kvh = attrs["kv_heads"] or h
     t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
     mask = None
-    if attrs["causal"] and attrs["offset"] == s - t:
-        mask = causal_lower_right(t, s)  # a query tile ending at the last key: the fused causal kernels
+    if attrs["causal"] and attrs["offset"] == s - t and q.is_cuda:
+        # a query tile ending at the last key: the fused causal kernels (importing the bias
+        # module costs ~2 s once, which the cpu backend, with no fused kernel to gain, skips)
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(t, s)
     elif attrs["causal"]:
         rows = torch.arange(t, device=q.device).unsqueeze(1) + attrs["offset"]
         mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows

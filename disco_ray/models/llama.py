@@ -44,6 +44,8 @@ class Generation:
     decode_s: list[float] = field(default_factory=list)  # each decode step's run
     planning_s: float = 0.0  # plans made during this call
     stopped: str = "length"  # "length" or "eos"
+    bytes_offloaded: int = 0  # by the runs of this call, as their plans say
+    bytes_reloaded: int = 0
 
     def statistics(self) -> dict:
         n = len(self.decode_s)
@@ -57,6 +59,8 @@ class Generation:
             "decode_step_ms_median": round(1e3 * sorted(self.decode_s)[n // 2], 3) if n else None,
             "planning_s": round(self.planning_s, 6),
             "stopped": self.stopped,
+            "bytes_offloaded": self.bytes_offloaded,
+            "bytes_reloaded": self.bytes_reloaded,
         }
 
 
@@ -72,6 +76,8 @@ class LlamaModel:
         block: KV cache block and prefill row tile (tokens).
         engine, backend, streams, ahead, num_cpus, address, placement: as for `Program`.
         check: run the sanitizer in every run (slow; for tests).
+        pool: a `RayPool` / `LocalPool` to run on and keep (default: one of its own, closed
+            with the model).
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class LlamaModel:
         address: str | None = None,
         placement: object | None = None,
         check: bool = False,
+        pool: object | None = None,
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
@@ -106,15 +113,19 @@ class LlamaModel:
         self.gpus, self.block, self.check = gpus, block, check
         self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
         self.engine, self.backend = engine, backend
-        if engine == "ray":
+        self.own_pool = pool is None
+        if pool is not None:
+            self.pool: object = pool
+        elif engine == "ray":
             from disco_ray.driver.engine_ray import RayPool
 
-            self.pool: object = RayPool(num_cpus=num_cpus, placement=placement, address=address)
+            self.pool = RayPool(num_cpus=num_cpus, placement=placement, address=address)
         else:
             self.pool = LocalPool()
         self._prog_kw = dict(engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool)
         self._programs: dict[tuple, tuple[ModelGraph, Program]] = {}
         self.planning_s = 0.0
+        self.load_s = 0.0  # loading graphs into the workers (the first also reads the weights)
         self.plans: list[dict] = []  # one entry per plan made: what, vertices, seconds, bytes moved
 
     # ---- plans -------------------------------------------------------------------------------
@@ -145,15 +156,31 @@ class LlamaModel:
                 "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
             }
         )
-        got = self._programs[key] = (mgraph, Program(tg, mg, **self._prog_kw))
+        prog = Program(tg, mg, **self._prog_kw)
+        t = time.perf_counter()
+        prog.engine  # noqa: B018  (loads the graph into the workers now, not in the first run)
+        self.load_s += time.perf_counter() - t
+        got = self._programs[key] = (mgraph, prog)
         return got
 
-    def _run(self, key: tuple, ids: list[int], pos: int) -> tuple[ModelGraph, torch.Tensor, float]:
+    def _run(
+        self,
+        key: tuple,
+        ids: list[int],
+        pos: int,
+        gen: Generation | None = None,
+        timeout: float | None = None,
+    ) -> tuple[torch.Tensor, float]:
+        """Runs graph `key` on tokens `ids` from position `pos`: (its logits, seconds)."""
         mgraph, prog = self._program(key)
         feed = mgraph.feed(self.config, ids, pos)
         t = time.perf_counter()
-        outs = prog.run(feed, check=self.check)
-        return mgraph, mgraph.gather(outs), time.perf_counter() - t
+        outs = prog.run(feed, check=self.check, timeout=timeout)
+        dt = time.perf_counter() - t
+        if gen is not None:
+            gen.bytes_offloaded += prog.mg.stats.get("bytes_offloaded", 0)
+            gen.bytes_reloaded += prog.mg.stats.get("bytes_reloaded", 0)
+        return mgraph.gather(outs), dt
 
     def _ids(self, ids: Sequence[int]) -> list[int]:
         out = [int(i) for i in ids]
@@ -169,7 +196,7 @@ class LlamaModel:
         """The logits [len(ids), vocab] (float32) of every position of the prompt `ids`."""
         ids = self._ids(ids)
         tiles = math.ceil(len(ids) / self.block)
-        _, logits, _ = self._run(("prefill", tiles, "all", False), ids, 0)
+        logits, _ = self._run(("prefill", tiles, "all", False), ids, 0)
         return logits[: len(ids)]
 
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
@@ -184,9 +211,10 @@ class LlamaModel:
         *,
         stop_at_eos: bool = True,
         prefill_logits: bool = False,
+        timeout: float | None = None,
     ) -> Generation:
         """`generate` with its timings; `prefill_logits` also returns every prompt position's logits
-        (0 new tokens: prefill only)."""
+        (0 new tokens: prefill only); `timeout` bounds each run (RunError past it)."""
         ids = self._ids(ids)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -197,9 +225,11 @@ class LlamaModel:
         mode = "all" if prefill_logits else "last"
         if max_new_tokens == 0 and not prefill_logits:
             return Generation([], None, 0.0)
-        _, logits, prefill_s = self._run(("prefill", tiles, mode, cache), ids, 0)
+        gen = Generation([], None, 0.0)
+        logits, gen.prefill_s = self._run(("prefill", tiles, mode, cache), ids, 0, gen, timeout)
         first = 0 if mode == "all" else (tiles - 1) * self.block  # logits[0] is this row
-        gen = Generation([], logits[:n].clone() if prefill_logits else None, prefill_s)
+        if prefill_logits:
+            gen.prefill_logits = logits[:n].clone()
         eos = set(self.config.eos) if stop_at_eos else set()
         if max_new_tokens:
             tok = int(logits[n - 1 - first].argmax())
@@ -209,7 +239,7 @@ class LlamaModel:
                 gen.stopped = "eos"
                 break
             p = n + step - 1  # the position of the token fed in
-            _, logits, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p)
+            logits, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p, gen, timeout)
             gen.decode_s.append(dt)
             gen.tokens.append(int(logits[0].argmax()))
         else:
@@ -229,6 +259,7 @@ class LlamaModel:
             "weight_bytes": self.ck.weight_bytes(self.dtype),
             "plans": list(self.plans),
             "planning_s": round(self.planning_s, 4),
+            "load_s": round(self.load_s, 4),
         }
 
     def close(self) -> None:
@@ -236,13 +267,35 @@ class LlamaModel:
         for _, prog in self._programs.values():
             prog.close()
         self._programs.clear()
-        self.pool.close()  # type: ignore[attr-defined]
+        if self.own_pool:
+            self.pool.close()  # type: ignore[attr-defined]
 
     def __enter__(self) -> LlamaModel:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def capacity_bounds(
+    path: str, *, gpus: int = 1, prompt: int, new_tokens: int = 0, block: int = 64, dtype: str | None = None
+) -> dict[str, list[int]]:
+    """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
+    prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
+    for every tensor of the largest graph at once ("roomy": nothing offloaded)."""
+    from planner import min_capacity, roomy_capacity
+
+    ck = Checkpoint(path)
+    tiles = math.ceil(prompt / block)
+    graphs = [prefill_graph(ck, gpus, tiles, block, dtype, "all", new_tokens > 1)]
+    last = prompt + new_tokens - 2  # the position the last decode step feeds
+    if new_tokens > 1:
+        graphs += [
+            decode_graph(ck, gpus, n, block, dtype) for n in range(prompt // block + 1, last // block + 2)
+        ]
+    low = [max(col) for col in zip(*(min_capacity(m.taskgraph) for m in graphs))]
+    high = [max(col) for col in zip(*(roomy_capacity(m.taskgraph) for m in graphs))]
+    return {"min": low, "roomy": high}
 
 
 def load(path: str, **kw) -> LlamaModel:
