@@ -46,7 +46,7 @@ def _checkout_copy(dst) -> None:
     (dst / ".venv" / "lib" / "big.bin").write_bytes(b"\0" * (1 << 20))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
     c = LocalCluster(checkout_on_path=False)  # the job must find the package in its working dir
     try:
@@ -57,20 +57,15 @@ def cluster():
         assert not left, f"processes of the test cluster still running: {left}"
 
 
-def test_job_submit_runs_the_graph_and_logs_its_summary(cluster, tmp_path):
+def _submit(cluster, tmp_path, entry: str) -> str:
+    """Submits `entry` (a shell line) with this checkout as working dir; waits; returns the logs."""
     from ray.job_submission import JobSubmissionClient
 
     wd = tmp_path / "wd"
     wd.mkdir()
     _checkout_copy(wd)
-    tg = random_taskgraph(401, n=30, gpus=2)
-    formats.save(tg, str(tmp_path / "g.json"))
     sid = f"disco-test-{uuid.uuid4().hex[:8]}"
     url = f"http://127.0.0.1:{cluster.dashboard_port}"
-    entry = (
-        "python -c \"import os, sys; sys.exit('.venv was uploaded' if os.path.exists('.venv') else 0)\" && "
-        f"python -m disco_ray.cli.job {tmp_path / 'g.json'} --placement spread --check-reference --links"
-    )
     r = subprocess.run(
         [
             cluster.ray,
@@ -107,9 +102,36 @@ def test_job_submit_runs_the_graph_and_logs_its_summary(cluster, tmp_path):
         time.sleep(1)
     logs = client.get_job_logs(sid)
     assert status == "SUCCEEDED", f"job {sid}: {status}\n{logs[-4000:]}"
+    return logs
+
+
+def test_job_submit_runs_the_graph_and_logs_its_summary(cluster, tmp_path):
+    tg = random_taskgraph(401, n=30, gpus=2)
+    formats.save(tg, str(tmp_path / "g.json"))
+    entry = (
+        "python -c \"import os, sys; sys.exit('.venv was uploaded' if os.path.exists('.venv') else 0)\" && "
+        f"python -m disco_ray.cli.job {tmp_path / 'g.json'} --placement spread --check-reference --links"
+    )
+    logs = _submit(cluster, tmp_path, entry)
     assert "reference: match" in logs and "transfer paths:" in logs, logs[-4000:]
     line = next(ln for ln in logs.splitlines() if ln.startswith(PREFIX))
     summary = json.loads(line[len(PREFIX) :])
     assert summary["vertices"] > 0 and summary["reference"] == "match"
     assert [w["gpu"] for w in summary["placement"]["workers"]] == [0, 1]
     assert summary["placement"]["gpus_per_worker"] == 1.0 and summary["links"]["links"]
+
+
+def test_job_submit_generates_with_a_checkpoint(cluster, tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_models import PROMPT, expected, make_checkpoint
+
+    hf = make_checkpoint(tmp_path / "ckpt", num_key_value_heads=2)
+    _, want = expected(hf, PROMPT, 5)
+    ids = ",".join(map(str, PROMPT))
+    entry = (
+        f"python -m disco_ray generate {tmp_path / 'ckpt'} --prompt-ids {ids} --max-new-tokens 5 --gpus 2 "
+        "--capacity 512KiB --block 4 --ignore-eos --json --address auto"
+    )
+    logs = _submit(cluster, tmp_path, entry)
+    doc = json.loads(next(ln for ln in logs.splitlines() if ln.startswith("{")))
+    assert doc["tokens"] == want and doc["gpus"] == 2 and doc["engine"] == "ray"
