@@ -297,3 +297,30 @@ def test_cli_generate_names_what_a_directory_lacks(checkpoints, tmp_path):
     assert r.returncode == 2 and "no model.safetensors or model.safetensors.index.json" in r.stderr
     r = run_cli("generate", tmp_path / "nope", *args)
     assert r.returncode == 2 and "not a checkpoint directory" in r.stderr
+
+
+def test_cli_generate_takes_a_text_prompt_with_the_checkpoints_tokenizer(checkpoints, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    import shutil
+
+    path, hf = checkpoints["mha"]
+    shutil.copytree(path, tmp_path / "m")
+    words = ["<unk>", *(f"w{i}" for i in range(1, 128))]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    _, want = expected(hf, PROMPT, 4)
+    text = " ".join(words[i] for i in PROMPT)
+    r = run_cli(
+        "generate", tmp_path / "m", "--prompt", text, "--max-new-tokens", "4", "--capacity", "1MiB",
+        "--engine", "local", "--block", "4", "--ignore-eos", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["tokens"] == want and doc["prompt_tokens"] == len(PROMPT)
+    assert doc["text"].split() == [words[i] for i in want]
+    r = run_cli("generate", path, "--prompt", "w1 w2", "--max-new-tokens", "1", "--capacity", "1MiB")
+    assert r.returncode == 2 and "tokenizer.json, which is missing" in r.stderr
