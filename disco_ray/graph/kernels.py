@@ -156,6 +156,13 @@ def _kv_write(out, ins, attrs):
 def _linear(out, ins, attrs):
     x, w = ins
     torch.matmul(x, w.t(), out=out)
+    if attrs["scale"] != 1.0:
+        out.mul_(attrs["scale"])
+
+
+@impl("reduce_sum")
+def _reduce_sum(out, ins, attrs):
+    out.copy_(ins[0].float().sum().mul(attrs["scale"]).reshape(1))
 
 
 @impl("embedding")

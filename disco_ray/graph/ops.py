@@ -121,3 +121,23 @@ register(
     )
 )
 register(OpSpec("transpose", 1, 1, _infer_transpose, flops=lambda s, o, a: 0.0, doc="swap the last two dims"))
+
+
+def _infer_reduce_sum(shapes, dtypes, attrs):
+    sc = attrs["scale"]
+    if isinstance(sc, bool) or not isinstance(sc, (int, float)):
+        raise ValueError(f"reduce_sum: attribute scale must be a number, got {sc!r}")
+    return (1,), _same_dtype("reduce_sum", dtypes[:1])
+
+
+register(
+    OpSpec(
+        "reduce_sum",
+        1,
+        1,
+        _infer_reduce_sum,
+        attrs={"scale": 1.0},
+        flops=lambda s, o, a: float(numel(s[0])),
+        doc="scale * the sum of every element of x, as a tensor [1] (summed in float32)",
+    )
+)

@@ -3,6 +3,8 @@ KV cache writes, linear layers in the checkpoint's [out, in] layout, and embeddi
 
 from __future__ import annotations
 
+import math
+
 from .opspec import REQUIRED, OpSpec, _same_dtype, numel, register
 
 
@@ -125,6 +127,9 @@ def _infer_linear(shapes, dtypes, attrs):
     x, w = shapes
     if len(x) < 1 or len(w) != 2 or x[-1] != w[1]:
         raise ValueError(f"linear needs x [.., k] and w [n, k], got {list(x)} and {list(w)}")
+    sc = attrs.get("scale", 1.0)
+    if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not math.isfinite(sc):
+        raise ValueError(f"linear: attribute scale must be a finite number, got {sc!r}")
     return (*x[:-1], w[0]), _same_dtype("linear", dtypes)
 
 
@@ -205,8 +210,10 @@ register(
         2,
         2,
         _infer_linear,
+        attrs={"scale": 1.0},
         flops=lambda s, o, a: 2.0 * numel(o) * s[0][-1],
-        doc="x [.., k] @ w[n, k]^T -> [.., n]: a linear layer with the weight as checkpoints store it",
+        doc="scale * x [.., k] @ w[n, k]^T -> [.., n]: a linear layer with the weight as checkpoints store "
+        "it (scale: a LoRA adapter's alpha / rank)",
     )
 )
 register(
