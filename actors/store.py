@@ -118,6 +118,13 @@ class WorkerStore:
             )
         return s
 
+    def write_state(self, id: str, value: torch.Tensor) -> None:
+        """Sets state `id` to `value` (made if new; RunError if it exists with another size)."""
+        flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
+        s = self.state(id, flat.numel(), str(value.dtype).removeprefix("torch."))
+        s.buf.copy_(flat)
+        s.version += 1
+
     def read_state(self, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """A copy of state `id` as a typed CPU tensor."""
         s = self.states.get(id)

@@ -118,6 +118,11 @@ class GpuWorker:
             raise RunError(f"this worker has no state {id!r}")
         return self.store.read_state(id, shape, dtype)
 
+    def write_state(self, id: str, value: torch.Tensor) -> None:
+        if self.store is None:
+            raise RunError(f"this worker has no graph loaded to hold state {id!r}")
+        self.store.write_state(id, value)
+
     def clear_states(self) -> None:
         if self.store is not None:
             self.store.clear_states()

@@ -188,29 +188,20 @@ class Checkpoint:
                 raise UsageError(f"{fp}: not a readable safetensors file ({e})") from None
         self._check()
 
-    def _check(self) -> None:
-        c = self.config
-        hd = c.head_dim
-        want = {
-            "model.embed_tokens.weight": (c.vocab, c.dim),
-            "model.norm.weight": (c.dim,),
+    @classmethod
+    def virtual(cls, config: LlamaConfig, dtype: str = "float16") -> Checkpoint:
+        """A checkpoint of `config`'s shapes whose files do not exist: for graphs that are planned
+        and simulated, never run (the papers' 7B and 65B settings)."""
+        ck = cls.__new__(cls)
+        ck.path = Path("(virtual)")
+        ck.config = config
+        ck.tensors = {
+            name: ("(virtual).safetensors", shape, dtype) for name, shape in _shapes(config).items()
         }
-        if not c.tie:
-            want["lm_head.weight"] = (c.vocab, c.dim)
-        for i in range(c.layers):
-            p = f"model.layers.{i}."
-            want |= {
-                p + "input_layernorm.weight": (c.dim,),
-                p + "post_attention_layernorm.weight": (c.dim,),
-                p + "self_attn.q_proj.weight": (c.heads * hd, c.dim),
-                p + "self_attn.k_proj.weight": (c.kv_heads * hd, c.dim),
-                p + "self_attn.v_proj.weight": (c.kv_heads * hd, c.dim),
-                p + "self_attn.o_proj.weight": (c.dim, c.heads * hd),
-                p + "mlp.gate_proj.weight": (c.ffn, c.dim),
-                p + "mlp.up_proj.weight": (c.ffn, c.dim),
-                p + "mlp.down_proj.weight": (c.dim, c.ffn),
-            }
-        for name, shape in want.items():
+        return ck
+
+    def _check(self) -> None:
+        for name, shape in _shapes(self.config).items():
             got = self.tensors.get(name)
             if got is None:
                 raise UsageError(f"{self.path}: the checkpoint has no tensor {name!r}")
@@ -234,6 +225,31 @@ class Checkpoint:
         return sum(
             math.prod(s) * ITEMSIZE[dtype or dt] for _, s, dt in self.tensors.values() if dt in ITEMSIZE
         )
+
+
+def _shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a LLaMA checkpoint of config `c` holds, with their shapes."""
+    hd = c.head_dim
+    want: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab, c.dim),
+        "model.norm.weight": (c.dim,),
+    }
+    if not c.tie:
+        want["lm_head.weight"] = (c.vocab, c.dim)
+    for i in range(c.layers):
+        p = f"model.layers.{i}."
+        want |= {
+            p + "input_layernorm.weight": (c.dim,),
+            p + "post_attention_layernorm.weight": (c.dim,),
+            p + "self_attn.q_proj.weight": (c.heads * hd, c.dim),
+            p + "self_attn.k_proj.weight": (c.kv_heads * hd, c.dim),
+            p + "self_attn.v_proj.weight": (c.kv_heads * hd, c.dim),
+            p + "self_attn.o_proj.weight": (c.dim, c.heads * hd),
+            p + "mlp.gate_proj.weight": (c.ffn, c.dim),
+            p + "mlp.up_proj.weight": (c.ffn, c.dim),
+            p + "mlp.down_proj.weight": (c.dim, c.ffn),
+        }
+    return want
 
 
 def _read_json(path: Path) -> dict:

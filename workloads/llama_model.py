@@ -74,12 +74,13 @@ class ModelGraph:
 
     kind: str  # "prefill" or "decode"
     taskgraph: TaskGraph
-    rows: int  # token rows per run: tiles * block (prefill) or 1 (decode)
+    rows: int  # token rows per run: blocks * block (prefill) or 1 (decode)
     block: int
-    blocks: int  # prefill: row tiles; decode: cache blocks the step reads
+    blocks: int  # cache blocks: the prompt's (prefill), those the step reads (decode)
     dtype: str = "float32"
     logits: list[tuple[int, list[str]]] = field(default_factory=list)  # (first row, output per GPU)
     split: Split | None = None
+    tiles: list[tuple[int, int]] = field(default_factory=list)  # prefill: (first row, rows) per tile
 
     def feed(self, cfg: LlamaConfig, ids: list[int], pos: int = 0) -> dict[str, torch.Tensor]:
         """The caller inputs of one run: token ids (padded to `rows`), positions from `pos`."""
@@ -99,9 +100,8 @@ class ModelGraph:
                     f"sin_g{j}": sin.clone(),
                 }
             return out
-        b = self.block
-        for t in range(self.blocks):
-            rows = slice(t * b, (t + 1) * b)
+        for t, (r0, n) in enumerate(self.tiles):
+            rows = slice(r0, r0 + n)
             for j in range(g):
                 out |= {
                     f"tok_t{t}_g{j}": tok[rows].clone(),
@@ -265,43 +265,60 @@ class _Builder:
 def prefill_graph(
     ck: Checkpoint,
     gpus: int,
-    tiles: int,
+    blocks: int,
     block: int,
     dtype: str | None = None,
     logits: str = "all",
     cache: bool = False,
+    tile: int | None = None,
 ) -> ModelGraph:
-    """The prompt's `tiles` row tiles of `block` tokens through the whole model.
+    """The prompt, `blocks` * `block` tokens (padded), through the whole model in row tiles.
 
     Args:
         logits: "all" (every row's logits) or "last" (the last tile's only: what generation needs).
-        cache: carry each layer's rotated keys and values of tile t into KV cache block t.
+        cache: carry each layer's rotated keys and values into the KV cache blocks.
+        tile: rows per tile, a multiple of `block` (default `block`); the last tile may be shorter.
+            Larger tiles make larger matrix products (faster on a CPU) and larger activations.
     """
     if logits not in ("all", "last"):
         raise UsageError(f"logits must be 'all' or 'last', got {logits!r}")
+    tile = block if tile is None else tile
+    if tile < block or tile % block:
+        raise UsageError(f"the prefill tile {tile} must be a multiple of the cache block {block}")
+    rows = blocks * block
+    spans = [(r0, min(tile, rows - r0)) for r0 in range(0, rows, tile)]
     b = _Builder(ck, gpus, dtype or ck.config.dtype)
     g, cfg, s, G = b.g, b.cfg, b.split, gpus
     hd = cfg.head_dim
-    tok = [[g.input(f"tok_t{t}_g{j}", (block,), "int64", gpu=j) for j in range(G)] for t in range(tiles)]
-    cos = [[g.input(f"cos_t{t}_g{j}", (block, hd), b.dtype, gpu=j) for j in range(G)] for t in range(tiles)]
-    sin = [[g.input(f"sin_t{t}_g{j}", (block, hd), b.dtype, gpu=j) for j in range(G)] for t in range(tiles)]
-    h = [b.embed(tok[t], t % G, f"t{t}") for t in range(tiles)]
+    n = len(spans)
+    tok = [
+        [g.input(f"tok_t{t}_g{j}", (r,), "int64", gpu=j) for j in range(G)] for t, (_, r) in enumerate(spans)
+    ]
+    cos = [
+        [g.input(f"cos_t{t}_g{j}", (r, hd), b.dtype, gpu=j) for j in range(G)]
+        for t, (_, r) in enumerate(spans)
+    ]
+    sin = [
+        [g.input(f"sin_t{t}_g{j}", (r, hd), b.dtype, gpu=j) for j in range(G)]
+        for t, (_, r) in enumerate(spans)
+    ]
+    h = [b.embed(tok[t], t % G, f"t{t}") for t in range(n)]
     for li in range(cfg.layers):
         ks: list[list[str]] = [[] for _ in range(G)]
         vs: list[list[str]] = [[] for _ in range(G)]
         last = li == cfg.layers - 1
-        for t in range(tiles):
+        for t, (r0, r) in enumerate(spans):
             stem = f"l{li}.t{t}"
             # the last layer of a tile whose logits nobody wants only gives the cache its k, v
-            needed = not (last and logits == "last" and t < tiles - 1)
+            needed = not (last and logits == "last" and t < n - 1)
             qkv = b.attn_in(li, h[t], cos[t], sin[t], stem, need_q=needed)
             att = []
             for j, (q, k, v) in enumerate(qkv):
                 ks[j].append(k)
                 vs[j].append(v)
                 if cache:
-                    g.save_state(k, f"kc.l{li}.b{t}_g{j}")
-                    g.save_state(v, f"vc.l{li}.b{t}_g{j}")
+                    _save_blocks(g, k, f"kc.l{li}", r0, r, block, j)
+                    _save_blocks(g, v, f"vc.l{li}", r0, r, block, j)
                 if not needed:
                     continue
                 att.append(
@@ -314,17 +331,27 @@ def prefill_graph(
                         heads=s.heads,
                         kv_heads=s.kv_heads,
                         scale=hd**-0.5,
-                        offset=t * block,
+                        offset=r0,
                         causal=True,
                     )
                 )
             if needed:
                 h[t] = b.attn_out_mlp(li, att, h[t], t % G, stem, last)
     out = []
-    for t in range(tiles):
-        if logits == "all" or t == tiles - 1:
-            out.append((t * block, b.head(h[t][0], t % G, f"t{t}")))
-    return ModelGraph("prefill", g, tiles * block, block, tiles, b.dtype, out, s)
+    for t, (r0, _) in enumerate(spans):
+        if logits == "all" or t == n - 1:
+            out.append((r0, b.head(h[t][0], t % G, f"t{t}")))
+    return ModelGraph("prefill", g, rows, block, blocks, b.dtype, out, s, spans)
+
+
+def _save_blocks(g: TaskGraph, x: str, stem: str, r0: int, rows: int, block: int, j: int) -> None:
+    """Carries the tile x (rows r0..r0+rows) into the KV cache states of its blocks."""
+    if rows == block:
+        g.save_state(x, f"{stem}.b{r0 // block}_g{j}")
+        return
+    for k in range(rows // block):
+        part = g.kernel("slice", x, id=f"{x}.b{k}", axis=0, start=k * block, stop=(k + 1) * block)
+        g.save_state(part, f"{stem}.b{r0 // block + k}_g{j}")
 
 
 def decode_graph(ck: Checkpoint, gpus: int, blocks: int, block: int, dtype: str | None = None) -> ModelGraph:
@@ -371,4 +398,4 @@ def decode_graph(ck: Checkpoint, gpus: int, blocks: int, block: int, dtype: str 
                 )
             )
         h = b.attn_out_mlp(li, att, h, 0, stem, li == cfg.layers - 1)
-    return ModelGraph("decode", g, 1, block, blocks, b.dtype, [(0, b.head(h[0], 0, "d"))], s)
+    return ModelGraph("decode", g, 1, block, blocks, b.dtype, [(0, b.head(h[0], 0, "d"))], s, [(0, 1)])

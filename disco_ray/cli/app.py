@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "workload": "disco_ray.cli.workload",
     "bench": "disco_ray.cli.bench",
     "generate": "disco_ray.cli.generate",
+    "finetune": "disco_ray.cli.finetune",
     "demo": "disco_ray.cli.demo",
 }
 

@@ -53,7 +53,8 @@ def add_generate(sub) -> None:
     )
     add_capacity_arg(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
-    p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block / prefill tile (64)")
+    p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block, in tokens (64)")
+    p.add_argument("--tile", type=int, metavar="N", help="prefill row tile, a multiple of --block (4 blocks)")
     p.add_argument("--logits", metavar="OUT.npz", help="write the prompt's logits as array 'logits'")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens and statistics")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -95,7 +96,13 @@ def cmd_generate(args) -> int:
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     with LlamaModel(
-        args.model, gpus=args.gpus, capacity=args.capacity, dtype=args.dtype, block=args.block, **kw
+        args.model,
+        gpus=args.gpus,
+        capacity=args.capacity,
+        dtype=args.dtype,
+        block=args.block,
+        tile=args.tile,
+        **kw,
     ) as model:
         gen = model.run_generate(
             ids,

@@ -43,6 +43,11 @@ class LocalPool:
             raise RunError(f"the pool has no worker for gpu:{gpu}")
         return self.stores[gpu].read_state(id, tuple(shape), dtype)
 
+    def write_state(self, gpu: int, id: str, value: torch.Tensor) -> None:
+        if gpu not in self.stores:
+            raise RunError(f"the pool has no worker for gpu:{gpu}")
+        self.stores[gpu].write_state(id, value)
+
     def clear_states(self) -> None:
         for s in self.stores.values():
             s.clear_states()

@@ -125,6 +125,14 @@ class RayPool:
             raise RunError(f"the pool has no worker for gpu:{gpu}")
         return ray.get(self.workers[gpu].read_state.remote(id, tuple(shape), dtype))
 
+    def write_state(self, gpu: int, id: str, value: torch.Tensor) -> None:
+        """Sets state `id` of GPU `gpu`'s worker (e.g. an adapter's initial weights)."""
+        import ray
+
+        if len(self.workers) <= gpu:
+            raise RunError(f"the pool has no worker for gpu:{gpu}")
+        ray.get(self.workers[gpu].write_state.remote(id, value))
+
     def clear_states(self) -> None:
         """Zeroes every worker's states (a new KV cache, say); resident inputs stay."""
         import ray

@@ -73,7 +73,9 @@ class LlamaModel:
             intermediate_size must divide by it).
         capacity: arena bytes per GPU: an int, a list per GPU, or "64MiB" / "64MiB,32MiB".
         dtype: compute dtype (default: the checkpoint's); weights are converted when read.
-        block: KV cache block and prefill row tile (tokens).
+        block: KV cache block (tokens); prompts are padded to a multiple of it.
+        tile: prefill row tile (tokens, a multiple of `block`; default 4 blocks): larger tiles make
+            larger matrix products, smaller ones smaller activations.
         engine, backend, streams, ahead, num_cpus, address, placement: as for `Program`.
         check: run the sanitizer in every run (slow; for tests).
         pool: a `RayPool` / `LocalPool` to run on and keep (default: one of its own, closed
@@ -88,6 +90,7 @@ class LlamaModel:
         capacity: int | str | Sequence[int],
         dtype: str | None = None,
         block: int = 64,
+        tile: int | None = None,
         engine: str = "ray",
         backend: str = "cpu",
         streams: int = 5,
@@ -104,6 +107,10 @@ class LlamaModel:
             raise UsageError(f"gpus must be a positive integer, got {gpus!r}")
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
             raise UsageError(f"block must be a positive integer, got {block!r}")
+        tile = 4 * block if tile is None else tile
+        if not isinstance(tile, int) or isinstance(tile, bool) or tile < block or tile % block:
+            raise UsageError(f"tile must be a multiple of block {block}, got {tile!r}")
+        self.tile = tile
         self.ck = Checkpoint(path)
         self.config = self.ck.config
         self.config.check_split(gpus)
@@ -136,8 +143,10 @@ class LlamaModel:
             return got
         t = time.perf_counter()
         if key[0] == "prefill":
-            _, tiles, logits, cache = key
-            mgraph = prefill_graph(self.ck, self.gpus, tiles, self.block, self.dtype, logits, cache)
+            _, blocks, logits, cache = key
+            mgraph = prefill_graph(
+                self.ck, self.gpus, blocks, self.block, self.dtype, logits, cache, self.tile
+            )
         else:
             mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
         tg = mgraph.taskgraph
@@ -170,8 +179,9 @@ class LlamaModel:
         pos: int,
         gen: Generation | None = None,
         timeout: float | None = None,
-    ) -> tuple[torch.Tensor, float]:
-        """Runs graph `key` on tokens `ids` from position `pos`: (its logits, seconds)."""
+    ) -> tuple[torch.Tensor, int, float]:
+        """Runs graph `key` on tokens `ids` from position `pos`: (its logits, the prompt row of
+        their first row, seconds)."""
         mgraph, prog = self._program(key)
         feed = mgraph.feed(self.config, ids, pos)
         t = time.perf_counter()
@@ -180,7 +190,7 @@ class LlamaModel:
         if gen is not None:
             gen.bytes_offloaded += prog.mg.stats.get("bytes_offloaded", 0)
             gen.bytes_reloaded += prog.mg.stats.get("bytes_reloaded", 0)
-        return mgraph.gather(outs), dt
+        return mgraph.gather(outs), mgraph.logits[0][0], dt
 
     def _ids(self, ids: Sequence[int]) -> list[int]:
         out = [int(i) for i in ids]
@@ -195,8 +205,8 @@ class LlamaModel:
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """The logits [len(ids), vocab] (float32) of every position of the prompt `ids`."""
         ids = self._ids(ids)
-        tiles = math.ceil(len(ids) / self.block)
-        logits, _ = self._run(("prefill", tiles, "all", False), ids, 0)
+        blocks = math.ceil(len(ids) / self.block)
+        logits, _, _ = self._run(("prefill", blocks, "all", False), ids, 0)
         return logits[: len(ids)]
 
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
@@ -220,14 +230,13 @@ class LlamaModel:
             raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         planned = self.planning_s
         n = len(ids)
-        tiles = math.ceil(n / self.block)
+        blocks = math.ceil(n / self.block)
         cache = max_new_tokens > 1
         mode = "all" if prefill_logits else "last"
         if max_new_tokens == 0 and not prefill_logits:
             return Generation([], None, 0.0)
         gen = Generation([], None, 0.0)
-        logits, gen.prefill_s = self._run(("prefill", tiles, mode, cache), ids, 0, gen, timeout)
-        first = 0 if mode == "all" else (tiles - 1) * self.block  # logits[0] is this row
+        logits, first, gen.prefill_s = self._run(("prefill", blocks, mode, cache), ids, 0, gen, timeout)
         if prefill_logits:
             gen.prefill_logits = logits[:n].clone()
         eos = set(self.config.eos) if stop_at_eos else set()
@@ -239,7 +248,7 @@ class LlamaModel:
                 gen.stopped = "eos"
                 break
             p = n + step - 1  # the position of the token fed in
-            logits, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p, gen, timeout)
+            logits, _, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p, gen, timeout)
             gen.decode_s.append(dt)
             gen.tokens.append(int(logits[0].argmax()))
         else:
@@ -255,6 +264,7 @@ class LlamaModel:
             "gpus": self.gpus,
             "dtype": self.dtype,
             "block": self.block,
+            "tile": self.tile,
             "capacity": self.capacity,
             "weight_bytes": self.ck.weight_bytes(self.dtype),
             "plans": list(self.plans),
@@ -278,7 +288,14 @@ class LlamaModel:
 
 
 def capacity_bounds(
-    path: str, *, gpus: int = 1, prompt: int, new_tokens: int = 0, block: int = 64, dtype: str | None = None
+    path: str,
+    *,
+    gpus: int = 1,
+    prompt: int,
+    new_tokens: int = 0,
+    block: int = 64,
+    tile: int | None = None,
+    dtype: str | None = None,
 ) -> dict[str, list[int]]:
     """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
     prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
@@ -286,8 +303,8 @@ def capacity_bounds(
     from planner import min_capacity, roomy_capacity
 
     ck = Checkpoint(path)
-    tiles = math.ceil(prompt / block)
-    graphs = [prefill_graph(ck, gpus, tiles, block, dtype, "all", new_tokens > 1)]
+    blocks = math.ceil(prompt / block)
+    graphs = [prefill_graph(ck, gpus, blocks, block, dtype, "all", new_tokens > 1, tile or 4 * block)]
     last = prompt + new_tokens - 2  # the position the last decode step feeds
     if new_tokens > 1:
         graphs += [

@@ -1,0 +1,155 @@
+"""LoRA adapters in PEFT's layout: `adapter_config.json` + `adapter_model.safetensors`.
+
+Keys are those `peft.PeftModel.save_pretrained` writes for a LLaMA, e.g.
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
+([out, r]), so `peft.PeftModel.from_pretrained(base, DIR)` loads what `save` writes, and `load`
+reads what PEFT saved. Only what disco-ray trains is accepted: plain LoRA (no DoRA, no bias, no
+dropout, no per-layer rank or alpha patterns) on the linear layers of the decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from disco_ray.graph.errors import UsageError
+from workloads.llama_train import TARGETS, LoraSpec
+
+PREFIX = "base_model.model.model.layers."
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+
+
+def key(layer: int, module: str, which: str) -> str:
+    """PEFT's key of adapter matrix `which` ("A" or "B") of `module` in decoder layer `layer`."""
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"{PREFIX}{layer}.{block}.{module}.lora_{which}.weight"
+
+
+def init(
+    spec: LoraSpec, layers: int, dims: dict[str, tuple[int, int]], seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A fresh adapter as PEFT makes one: A ~ kaiming-uniform(a=sqrt(5)) (bound 1/sqrt(in)), B = 0.
+
+    `dims[module]` is the module's (out, in).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for li in range(layers):
+        for m in spec.targets:
+            o, i = dims[m]
+            bound = 1.0 / math.sqrt(i)
+            out[key(li, m, "A")] = (torch.rand(spec.rank, i, generator=gen) * 2 - 1) * bound
+            out[key(li, m, "B")] = torch.zeros(o, spec.rank)
+    return out
+
+
+def load(
+    path: str | Path, layers: int, dims: dict[str, tuple[int, int]]
+) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """(spec, tensors by PEFT key) of the adapter directory `path`; UsageError naming the field or key."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_path = path / CONFIG
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{cfg_path}: missing (an adapter directory has adapter_config.json)") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{cfg_path}: cannot read it as JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{cfg_path}: want a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise UsageError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for field, ok in (
+        ("lora_dropout", lambda x: not x),
+        ("bias", lambda x: x in (None, "none")),
+        ("use_dora", lambda x: not x),
+        ("fan_in_fan_out", lambda x: not x),
+        ("rank_pattern", lambda x: not x),
+        ("alpha_pattern", lambda x: not x),
+        ("layers_to_transform", lambda x: x is None),
+        ("modules_to_save", lambda x: not x),
+    ):
+        if field in cfg and not ok(cfg[field]):
+            raise UsageError(
+                f"{cfg_path}: {field} {cfg[field]!r} is not supported by disco-ray's LoRA training"
+            )
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str) or not isinstance(targets, list):
+        raise UsageError(f"{cfg_path}: target_modules must be a list of module names, got {targets!r}")
+    spec = LoraSpec(
+        rank=cfg.get("r", 8),
+        alpha=cfg.get("lora_alpha", 8),
+        targets=tuple(m for m in TARGETS if m in targets),
+        rslora=bool(cfg.get("use_rslora", False)),
+    )
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise UsageError(f"{cfg_path}: target_modules {unknown} are not among {', '.join(TARGETS)}")
+    spec.check()
+    try:
+        raw = load_file(str(path / WEIGHTS))
+    except FileNotFoundError:
+        raise UsageError(f"{path / WEIGHTS}: missing") from None
+    except (OSError, SafetensorError) as e:
+        raise UsageError(f"{path / WEIGHTS}: not a readable safetensors file ({e})") from None
+    tensors = {k.replace(".default.weight", ".weight"): v for k, v in raw.items()}
+    out = {}
+    for li in range(layers):
+        for m in spec.targets:
+            o, i = dims[m]
+            for which, shape in (("A", (spec.rank, i)), ("B", (o, spec.rank))):
+                k = key(li, m, which)
+                if k not in tensors:
+                    raise UsageError(f"{path / WEIGHTS}: no tensor {k!r}")
+                if tuple(tensors[k].shape) != shape:
+                    raise UsageError(
+                        f"{path / WEIGHTS}: {k!r} has shape {list(tensors[k].shape)}, want {list(shape)}"
+                    )
+                out[k] = tensors[k].float()
+    return spec, out
+
+
+def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base: str) -> None:
+    """Writes the adapter directory (the files appear whole: written aside, then renamed)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": list(spec.targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": spec.rslora,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+    }
+    for name, write in (
+        (WEIGHTS, lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, p)),
+        (CONFIG, lambda p: Path(p).write_text(json.dumps(cfg, indent=2))),
+    ):
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, path / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,225 @@
+"""LoRA fine-tuning of a LLaMA checkpoint on disco-ray.
+
+    trainer = disco_ray.models.finetune.LoraTrainer("ckpt/", gpus=2, capacity="64MiB",
+                                                    lora=LoraSpec(rank=16, alpha=32), optim=OptimSpec(lr=1e-4))
+    losses = trainer.train(tokens, steps=10)     # tokens: int64 [batch, seq]
+    trainer.save_adapter("adapter/")             # PEFT's layout: PeftModel.from_pretrained loads it
+    trainer.close()
+
+One step is one run of one TaskGraph (`workloads.llama_train`): forward, loss, backward and the
+optimizer on the batch's sequences. The graph is planned once per batch shape and reused for
+every step. The adapter's matrices and the optimizer's moments are worker states: written once
+before the first step, updated in place by every step's optimizer vertices, read back only when
+asked for (`adapter()`, `save_adapter`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from disco_ray.driver.engine_local import LocalPool
+from disco_ray.driver.program import ENGINES, Program
+from disco_ray.graph.dtypes import FLOATS
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.sizes import parse_capacity
+from planner import build_memgraph
+from workloads.checkpoint import Checkpoint
+from workloads.llama_train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
+
+from . import adapter
+
+
+class LoraTrainer:
+    """A checkpoint with a LoRA adapter on `gpus` workers, trained one optimizer step per run.
+
+    Args:
+        path: the Hugging Face checkpoint directory (its weights stay frozen).
+        lora: rank, alpha and target modules of a new adapter (ignored with `init_adapter`).
+        init_adapter: a PEFT adapter directory to start from.
+        optim: AdamW (torch.optim.AdamW's update; weight decay 0 unless given) or SGD.
+        seed: of a new adapter's A matrices (B starts at zero, as PEFT does).
+        grad_sum: how a weight gradient's partials are summed ("add": one n-ary add; "chain").
+        capacity, gpus, dtype, block, engine, backend, streams, ahead, pool, check: as for
+            `disco_ray.models.LlamaModel`.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        gpus: int = 1,
+        capacity: int | str | Sequence[int],
+        lora: LoraSpec | None = None,
+        init_adapter: str | None = None,
+        optim: OptimSpec | None = None,
+        dtype: str | None = None,
+        block: int = 64,
+        seed: int = 0,
+        grad_sum: str = "add",
+        engine: str = "ray",
+        backend: str = "cpu",
+        streams: int = 5,
+        ahead: int | None = None,
+        pool: object | None = None,
+        check: bool = False,
+        **cluster: object,
+    ):
+        if engine not in ENGINES:
+            raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+        self.ck = Checkpoint(path)
+        self.config = self.ck.config
+        self.config.check_split(gpus)
+        if dtype is not None and dtype not in FLOATS:
+            raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
+        self.dtype = dtype or self.config.dtype
+        self.gpus, self.block, self.grad_sum, self.check = gpus, block, grad_sum, check
+        self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
+        self.optim = optim or OptimSpec()
+        self.optim.check()
+        dims = {m: module_dims(self.config, m) for m in TARGETS}
+        if init_adapter is not None:
+            self.lora, self._start = adapter.load(init_adapter, self.config.layers, dims)
+        else:
+            self.lora = lora or LoraSpec()
+            self.lora.check()
+            self._start = adapter.init(self.lora, self.config.layers, dims, seed)
+        self.own_pool = pool is None
+        if pool is not None:
+            self.pool: object = pool
+        elif engine == "ray":
+            from disco_ray.driver.engine_ray import RayPool
+
+            self.pool = RayPool(**cluster)  # type: ignore[arg-type]
+        else:
+            self.pool = LocalPool()
+        self._prog_kw = dict(engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool)
+        self._programs: dict[tuple[int, int], tuple[TrainGraph, Program]] = {}
+        self._written = False  # the adapter's initial states are on the workers
+        self.steps_done = 0
+        self.losses: list[float] = []
+        self.step_s: list[float] = []
+        self.plans: list[dict] = []
+
+    def _program(self, batch: int, seq: int) -> tuple[TrainGraph, Program]:
+        got = self._programs.get((batch, seq))
+        if got is not None:
+            return got
+        t = time.perf_counter()
+        tgraph = train_graph(
+            self.ck, self.gpus, batch, seq, self.block, self.lora, self.optim, self.dtype, self.grad_sum
+        )
+        tg = tgraph.taskgraph
+        mg = build_memgraph(tg, self.capacity, order=list(tg.vertices))
+        self.plans.append(
+            {
+                "graph": f"train/{batch}x{seq}",
+                "vertices": len(tg),
+                "memgraph_vertices": len(mg),
+                "planning_s": round(time.perf_counter() - t, 4),
+                "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
+                "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
+            }
+        )
+        prog = Program(tg, mg, **self._prog_kw)
+        prog.engine  # noqa: B018  (loads the graph, and makes its states, now)
+        if not self._written:
+            for p in tgraph.params:
+                self.pool.write_state(p.gpu, p.state, self._packed(p))  # type: ignore[attr-defined]
+            self._written = True
+        got = self._programs[(batch, seq)] = (tgraph, prog)
+        return got
+
+    def _packed(self, p) -> torch.Tensor:
+        full = self._start[adapter.key(p.layer, p.module, p.which)]
+        block = full[p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]].to(getattr(torch, self.dtype))
+        if self.optim.slots == 1:
+            return block.contiguous()
+        return torch.cat([block, torch.zeros_like(block), torch.zeros_like(block)]).contiguous()
+
+    def step(self, tokens: torch.Tensor, timeout: float | None = None) -> float:
+        """One optimizer step on `tokens` [batch, seq]; returns the step's mean loss."""
+        tokens = _check_tokens(tokens, self.config.vocab)
+        tgraph, prog = self._program(*tokens.shape)
+        feed = tgraph.feed(self.config, tokens, self.steps_done + 1)
+        t = time.perf_counter()
+        outs = prog.run(feed, check=self.check, timeout=timeout)
+        self.step_s.append(time.perf_counter() - t)
+        self.steps_done += 1
+        loss = float(outs[tgraph.loss].float().reshape(-1)[0])
+        self.losses.append(loss)
+        return loss
+
+    def train(
+        self, tokens: torch.Tensor, steps: int, batch: int | None = None, timeout: float | None = None
+    ) -> list[float]:
+        """`steps` optimizer steps over `tokens` [N, seq]: step k takes `batch` rows (default all N),
+        cycling through the file; returns each step's loss."""
+        tokens = _check_tokens(tokens, self.config.vocab)
+        n = tokens.shape[0]
+        batch = n if batch is None else batch
+        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= n:
+            raise UsageError(f"batch must be between 1 and the {n} sequences given, got {batch!r}")
+        out = []
+        for k in range(steps):
+            rows = [(k * batch + i) % n for i in range(batch)]
+            out.append(self.step(tokens[rows], timeout))
+        return out
+
+    def adapter(self) -> dict[str, torch.Tensor]:
+        """The adapter now, whole matrices keyed as PEFT saves them (float32)."""
+        if not self._programs:
+            return {k: v.clone() for k, v in self._start.items()}
+        tgraph = next(iter(self._programs.values()))[0]
+        out = {k: torch.zeros_like(v) for k, v in self._start.items()}
+        for p in tgraph.params:
+            n, m = p.shape
+            st = self.pool.read_state(p.gpu, p.state, (self.optim.slots * n, m), self.dtype)  # type: ignore[attr-defined]
+            out[adapter.key(p.layer, p.module, p.which)][p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]] = st[
+                :n
+            ].float()
+        return out
+
+    def save_adapter(self, path: str) -> None:
+        adapter.save(path, self.lora, self.adapter(), str(self.ck.path))
+
+    def statistics(self) -> dict:
+        return {
+            "model": str(self.ck.path),
+            "gpus": self.gpus,
+            "dtype": self.dtype,
+            "lora": {"rank": self.lora.rank, "alpha": self.lora.alpha, "targets": list(self.lora.targets)},
+            "optimizer": self.optim.name,
+            "lr": self.optim.lr,
+            "steps": self.steps_done,
+            "losses": list(self.losses),
+            "step_s": [round(s, 6) for s in self.step_s],
+            "plans": list(self.plans),
+        }
+
+    def close(self) -> None:
+        for _, prog in self._programs.values():
+            prog.close()
+        self._programs.clear()
+        if self.own_pool:
+            self.pool.close()  # type: ignore[attr-defined]
+
+    def __enter__(self) -> LoraTrainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_tokens(tokens, vocab: int) -> torch.Tensor:
+    t = torch.as_tensor(tokens)
+    if t.dtype not in (torch.int64, torch.int32) or t.dim() != 2:
+        raise UsageError(f"tokens must be an integer array [batch, seq], got {t.dtype} {list(t.shape)}")
+    if t.shape[0] < 1 or t.shape[1] < 2:
+        raise UsageError(f"tokens [batch, seq] need a row and 2 tokens a row, got {list(t.shape)}")
+    bad = t[(t < 0) | (t >= vocab)]
+    if bad.numel():
+        raise UsageError(f"token id {int(bad[0])} is outside the vocabulary 0..{vocab - 1}")
+    return t.long()
