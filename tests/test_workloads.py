@@ -171,8 +171,9 @@ def test_attention_op_matches_sdpa(t, tiles, offset):
 
 
 def test_attention_flops_count_only_unmasked_pairs():
-    for t, keys, off in [(4, 8, 4), (4, 4, 0), (5, 3, 0), (3, 10, 2), (6, 6, 9)]:
-        brute = sum(min(keys, off + r + 1) for r in range(t))
+    cases = [(4, 8, 4), (4, 4, 0), (5, 3, 0), (3, 10, 2), (6, 6, 9), (4, 4, -1), (4, 4, -3), (4, 4, -9)]
+    for t, keys, off in cases:  # negative offsets: a key tile after the query tile (the backward's pairs)
+        brute = sum(min(keys, max(0, off + r + 1)) for r in range(t))
         assert ops.attention_pairs(t, keys, off, True) == brute
         assert ops.attention_pairs(t, keys, off, False) == t * keys
     spec = ops.OPS["attention"]

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .kernels_train import KERNELS as TRAIN_KERNELS
 
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
-IMPLS: dict[str, Impl] = {}
+IMPLS: dict[str, Impl] = dict(TRAIN_KERNELS)  # the training ops' kernels live in kernels_train
 
 
 def impl(name: str):
@@ -90,6 +91,13 @@ def _rope(out, ins, attrs):
     d = cos.shape[-1]
     xv = x.unflatten(-1, (-1, d))  # [.., s, heads, d]
     ov = out.unflatten(-1, (-1, d))
+    if attrs.get("inverse", False):  # .get: vertices saved before the attribute existed
+        # the transpose of x -> x*cos + rot(x)*sin, since rot^T = -rot: x*cos - rot(x*sin)
+        xs = xv * sin.unsqueeze(-2)
+        torch.mul(xv, cos.unsqueeze(-2), out=ov)
+        ov[..., : d // 2].add_(xs[..., d // 2 :])
+        ov[..., d // 2 :].sub_(xs[..., : d // 2])
+        return
     rot = torch.cat((-xv[..., d // 2 :], xv[..., : d // 2]), dim=-1)
     torch.mul(xv, cos.unsqueeze(-2), out=ov)
     ov.addcmul_(rot, sin.unsqueeze(-2))

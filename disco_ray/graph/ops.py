@@ -4,16 +4,28 @@ The torch implementations live in `disco_ray.graph.kernels`; they write into a g
 the runtime can run them on arena views on the CPU or a GPU. An op of one's own registers with
 `register(OpSpec(...))` here and `kernels.impl(name)` there (see README, "Ops"). This module
 registers FORMATS.md's ops and the elementwise and normalisation ops; `ops_llm` the transformer
-ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups).
+ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups); `ops_train`
+the training ops (backward of the layers, cross-entropy, optimizer steps).
 """
 
 from __future__ import annotations
 
-from . import ops_llm
+from . import ops_llm, ops_train
 from .ops_llm import attention_pairs
 from .opspec import OPS, REQUIRED, OpSpec, Shape, _broadcast, _same_dtype, get, numel, register
 
-__all__ = ["OPS", "REQUIRED", "OpSpec", "Shape", "attention_pairs", "get", "numel", "ops_llm", "register"]
+__all__ = [
+    "OPS",
+    "REQUIRED",
+    "OpSpec",
+    "Shape",
+    "attention_pairs",
+    "get",
+    "numel",
+    "ops_llm",
+    "ops_train",
+    "register",
+]
 
 
 def _infer_matmul(shapes, dtypes, attrs):

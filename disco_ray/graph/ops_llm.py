@@ -29,6 +29,8 @@ def _infer_rope(shapes, dtypes, attrs):
     s, d = cos
     if d % 2 or x[-2] != s or x[-1] % d:
         raise ValueError(f"rope: x {list(x)} does not fit cos/sin {[s, d]} (even d dividing the last dim)")
+    if not isinstance(attrs.get("inverse", False), bool):
+        raise ValueError(f"rope: attribute inverse must be true or false, got {attrs['inverse']!r}")
     return x, _same_dtype("rope", dtypes)
 
 
@@ -79,9 +81,10 @@ def attention_pairs(t: int, keys: int, offset: int, causal: bool) -> int:
     """Number of (query row, key) pairs an attention tile scores: query row r sees keys <= offset + r."""
     if not causal:
         return t * keys
-    first = min(keys, max(0, offset + 1))  # keys row 0 sees
-    cut = max(0, min(t, keys - first))  # rows whose window the mask cuts short
-    return cut * first + cut * (cut - 1) // 2 + (t - cut) * keys
+    a = offset + 1  # row r sees min(keys, max(0, a + r)) keys
+    lo = min(t, max(0, 1 - a))  # rows before lo see none (a key tile after the queries)
+    hi = min(t, max(lo, keys - a))  # rows lo..hi-1 see a + r, the rest all keys
+    return (hi - lo) * a + (lo + hi - 1) * (hi - lo) // 2 + (t - hi) * keys
 
 
 def _flops_attention(shapes, out, attrs):
@@ -160,9 +163,11 @@ register(
         3,
         3,
         _infer_rope,
+        attrs={"inverse": False},
         flops=_flops_rope,
         doc="rotary embedding of x [.., s, heads*d] per head (rotate-half form): x*cos + rot(x)*sin, "
-        "cos and sin [s, d]",
+        "cos and sin [s, d]; inverse: the transpose x*cos - rot(x*sin), rope's backward (and its inverse "
+        "for LLaMA's cos/sin, whose halves are equal)",
     )
 )
 register(
