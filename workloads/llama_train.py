@@ -484,7 +484,9 @@ def train_graph(
                 )
                 for j in range(G)
             ]
-            saved[0][s][t] = b.reduce(emb, [], t % G, f"b{s}.t{t}.h0")
+            saved[0][s][t] = b.reduce(
+                emb, [], (s * T + t) % G, f"b{s}.t{t}.h0"
+            )  # owners rotate over tiles and sequences
     for li in range(L):
         for s in range(batch):
             ks: list[list[str]] = [[] for _ in range(G)]
