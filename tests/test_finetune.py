@@ -22,6 +22,7 @@ from disco_ray.models import adapter  # noqa: E402
 from disco_ray.models.finetune import LoraTrainer  # noqa: E402
 from planner import min_capacity, roomy_capacity  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
+from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from tests.test_models import make_checkpoint  # noqa: E402
 from workloads.checkpoint import Checkpoint  # noqa: E402
 from workloads.llama_train import LoraSpec, OptimSpec, train_graph  # noqa: E402
@@ -205,3 +206,17 @@ def test_cli_finetune_writes_a_peft_adapter_and_prints_losses(base, init_adapter
     bad = run_cli("finetune", base, "--data", tmp_path / "tokens.npy", "--steps", "1", "--lr", "0.1",
                   "--capacity", "1MiB", "--out", tmp_path / "o2", "--lora-targets", "q_proj,nope", "--engine", "local")  # fmt: skip
     assert bad.returncode == 2 and "nope" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.ray
+def test_the_ray_engine_trains_like_peft(base, init_adapter, pool):  # noqa: F811
+    data = tokens(2, 9)
+    want_losses, want_w = peft_train(base, init_adapter, data, steps=2)
+    with LoraTrainer(
+        base, gpus=2, capacity=capacity(base, 2, 9, "tight"), init_adapter=init_adapter, optim=OptimSpec(lr=1e-2),
+        block=BLOCK, engine="ray", pool=pool,
+    ) as tr:  # fmt: skip
+        assert tr.train(data, steps=2) == pytest.approx(want_losses, rel=1e-4)
+        got = tr.adapter()
+    for k, w in want_w.items():
+        torch.testing.assert_close(got[k], w, rtol=2e-4, atol=2e-5, msg=k)
