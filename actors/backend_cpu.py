@@ -14,7 +14,7 @@ import torch
 
 from disco_ray.graph.kernels import IMPLS
 
-from .backend import Done, Work
+from .backend import LAUNCH, Done, Work
 
 _STOP = -1
 
@@ -41,7 +41,9 @@ class CpuBackend:
     def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
 
-    def open(self, streams: int, work: Work, done: Done) -> None:
+    def open(
+        self, streams: int, work: Work, done: Done, workspace: int = 0, kernel_streams: int | None = None
+    ) -> None:
         self.close()
         self._queues = [queue.SimpleQueue() for _ in range(streams)]
         self._threads = [
@@ -76,10 +78,11 @@ class CpuBackend:
                 if ev is not None:
                     ev.set()
 
-    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), blocking: bool = False) -> None:
-        # `blocking` (the work waits on the host, e.g. a Ray call) changes nothing here: each
-        # stream has its own thread. The executor submits under its lock, and a vertex of `waits` has not had its `done`
-        # yet (it counts as running), so its event is made here before it could be looked up
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), mode: int = LAUNCH) -> None:
+        # `mode` changes nothing here: each stream has its own thread, which may wait on the host
+        # (a Ray call); DEFERRED work (NCCL) only exists on cuda. The executor submits under its
+        # lock, and a vertex of `waits` has not had its `done` yet (it counts as running), so its
+        # event is made here before it could be looked up
         for u in waits:
             if u not in self._finished:
                 self._finished[u] = threading.Event()

@@ -5,22 +5,24 @@ allocated in `__init__` (arena, host store, a torch view per vertex operand, str
 run only issues copies and kernels on those views (TURNIP section 5: no allocation while a graph
 runs; the host-side copy a Ray transfer returns is the one exception, see `read_range`).
 
-Launch path (hot): a completion, in the stream thread that ran the vertex, updates the local
-counters (`actors.worker_core.WorkerCore`) under one lock, and `StreamSlots` picks what to start
-on which stream: a ready vertex on a free stream, or with launch ahead (`ahead` > 0) a kernel
-behind its running predecessors, which the backend starts once they are done (CUDA: the stream
-waits on their events; cpu: the stream thread waits), so on a GPU the host prepares the next
-kernels of a chain while the current one runs. Launch ahead is off while the sanitizer runs on a
-backend that launches asynchronously (its checks run at launch). The
-completion is appended to a deque that a reporter thread drains and sends as one batch to the
-coordinator: at once when the worker goes idle, else within `flush_s` (1 ms) while it is busy if
-another GPU waits for one of them, and within `lazy_s` (50 ms) if none (the coordinator only
-counts those: each report is a Ray call, host time the launches would otherwise get).
+Launch path (hot): a completion, in the thread that found it, updates the local counters
+(`actors.worker_core.WorkerCore`) under one lock, and `StreamSlots` picks what to start on which
+stream: a ready kernel on a free compute stream, a ready copy on its lane (loads, offloads, the
+transfers from each peer: a copy never waits for a compute stream), or with launch ahead
+(`ahead` > 0) a kernel behind its running predecessors, which the backend starts once they are
+done (CUDA: the stream waits on their events; cpu: the stream thread waits), so on a GPU the
+host prepares the next kernels of a chain while the current one runs. Launch ahead is off while
+the sanitizer runs on a backend that launches asynchronously (its checks run at launch). The
+completion goes to the reporter (`actors.reporter`), which batches completions for the
+coordinator with a bounded lag.
+
+Streams of a worker: 0..S-1 compute; then the lanes: host-to-device (inputs, reloads),
+device-to-host (offloads), one per peer this GPU receives transfers from, and one for deferred
+transfers (NCCL: one communicator, its operations in one order, `actors.nccl_channel`).
 """
 
 from __future__ import annotations
 
-import collections
 import random
 import threading
 import time
@@ -31,11 +33,13 @@ import numpy as np
 import torch
 
 from disco_ray.graph.errors import RunError, UsageError
+from disco_ray.graph.kernels import temp_bytes
 from disco_ray.graph.memgraph import HOST, Loc, MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .backend import Backend
+from .backend import BLOCKING, DEFERRED, LAUNCH, Backend
 from .backend_cpu import CpuBackend
+from .loads import Loads
 from .plans import (
     K_COPY,
     K_INPUT,
@@ -47,13 +51,15 @@ from .plans import (
     as_tensor,
     describe,
 )
+from .reporter import ReportThread
 from .sanitizer import Sanitizer, granule_for
-from .store import State, WorkerStore, source_key
+from .store import WorkerStore
 from .transport import Transport
 from .worker_core import StreamSlots, WorkerCore
 
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
+COPY_DEPTH = 2  # copies in flight per lane: one running, the next queued behind it on the device
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +84,7 @@ class WorkerConfig:
     streams: int = 5  # streams per GPU
     ahead: int | None = None  # kernels launched ahead per stream; None: the backend's default
     flush_s: float = 1e-3  # longest a busy worker holds back a completion another GPU waits for
-    lazy_s: float = 0.05  # longest it holds back the others (only the end of the run waits on them)
+    lazy_s: float = 0.05  # longest it may hold back the others (see actors/reporter.py)
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -121,7 +127,6 @@ class Executor:
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self.core = WorkerCore(mg, gpu)
-        self._urgent = False  # an awaited completion is queued
         mine = [mg.vertex(v) for v in self.core.mine]
         host_need = max(
             [v.out.end for v in mine if v.out.device == HOST]
@@ -135,60 +140,53 @@ class Executor:
         self.granule = granule_for([v.out for v in mine] + [r.loc for v in mine for r in v.ins])
         self.views = Views(gpu, mg, tg, self.arena, self.host)
         self.plans: dict[int, VertexPlan] = {v.id: self.views.plan(v) for v in mine}
-        loaded = {p.value for p in self.plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)}
-        # the caller hands in these at each run; sourced inputs and states are the worker's own
-        self.input_values = sorted(x for x in loaded if tg[x].from_caller)
-        self._own: dict[str, torch.Tensor] = {}
-        self._states: dict[str, State] = {}
-        self._acquired: list[str] = []
-        try:
-            for x in sorted(loaded - set(self.input_values)):
-                if tg[x].source is not None:
-                    self._own[x] = store.acquire(tg[x])
-                    self._acquired.append(x)
-                else:
-                    self._states[x] = store.state(x, tg[x].nbytes, tg[x].dtype)
-                    self._own[x] = self._states[x].buf
-            # carried values of this GPU: (value, the vertex holding it at the end, its state)
+        stage = getattr(self.backend, "stages_inputs", False)
+        self.loads = Loads(gpu, mg, tg, self.plans, store, self.backend.alloc, stage)
+        self.input_values = self.loads.caller  # what the caller hands in
+        self.staging = self.loads.staging
+        try:  # carried values of this GPU: (value, the vertex holding it at the end, its state)
             self.carries = [
                 (value, mg.outputs[value], store.state(key, tg[value].nbytes, tg[value].dtype))
                 for value, key in tg.carry.items()
                 if tg[value].gpu == gpu
             ]
         except BaseException:
-            self._release()
+            self.loads.release()
             raise
-        self.stable = _stable_loads(mg, gpu, self.plans, set(self._own))
-        self._tokens: dict[tuple[int, int], tuple] = {}
         self._skip: frozenset[int] = frozenset()
-        # a backend with `stages_inputs` (cuda) gets the graph inputs copied, before each run, into
-        # one buffer of its own allocated here (pinned: H2D from it runs at full speed)
-        self._stage: dict[str, tuple[int, int]] = {}
-        self.staging: torch.Tensor | None = None
-        if getattr(self.backend, "stages_inputs", False):
-            top = 0
-            for name in self.input_values:
-                self._stage[name] = (top, self.tg[name].nbytes)
-                top += -(-self.tg[name].nbytes // 256) * 256
-            self.staging = self.backend.alloc(top, host=True)
         self._lock = threading.Lock()
-        self._inputs: dict[str, torch.Tensor] = {}
         self._sanitizer: Sanitizer | None = None
         self._check = False
-        self._blocking: set[int] = set()
+        self._mode: dict[int, int] = {}  # vid -> how its work behaves (actors.backend), when not LAUNCH
+        self._watched: frozenset[int] = frozenset()  # vids whose completion the transport wants to know
+        self._completed_hook: Callable[[int], None] | None = None
+        self._after_pull: Callable[..., None] | None = None
         self._delay: tuple[float, float] | None = None
         self._rng = random.Random(0)
-        self._done_q: collections.deque[int] = collections.deque()
-        self._wake = threading.Event()
         self._finished = threading.Event()
-        self._closing = False
         self._error: str | None = None
-        self.slots = StreamSlots(self.core, streams)
+        # lanes after the compute streams: loads, offloads, a lane per peer sending to this GPU,
+        # and the deferred lane (no limit: NCCL posts its receives in its own order)
+        self.peers = sorted({p.src_gpu for p in self.plans.values() if p.kind == K_TRANSFER})
+        self.h2d, self.d2h = streams, streams + 1
+        self.peer_lane = {peer: streams + 2 + k for k, peer in enumerate(self.peers)}
+        self.deferred_lane = streams + 2 + len(self.peers)
+        limits: list[int | None] = [COPY_DEPTH] * (2 + len(self.peers)) + ([None] if self.peers else [])
+        self.slots = StreamSlots(self.core, streams, limits)
         self.trace: list[tuple[int, int, int, int]] = []
-        self.reports = 0
-        self.backend.open(streams, self._work, self._done)
-        self._reporter = threading.Thread(target=self._report_loop, daemon=True, name=f"reporter-{gpu}")
-        self._reporter.start()
+        # kernel temporaries: the most any kernel of this GPU needs, kept ready per compute stream
+        self.workspace = max(
+            [temp_bytes(p.op, p.out, p.ins, p.attrs) for p in self.plans.values() if p.kind == K_KERNEL] + [0]
+        )
+        self.backend.open(self.slots.total, self._work, self._done, self.workspace, streams)
+        self._reporter = ReportThread(
+            gpu,
+            None if report is None else lambda batch: report(gpu, batch),
+            lambda e: self._fail(None, RunError(f"gpu:{gpu}: reporting completions failed: {e}")),
+            lambda: bool(self.slots.running) and self._error is None,
+            config.flush_s,
+            config.lazy_s,
+        )
 
     # ---- a run ---------------------------------------------------------------------------------
     def begin(
@@ -199,40 +197,18 @@ class Executor:
         delay: tuple[float, float] | None = None,
         seed: int = 0,
     ) -> None:
-        """Resets the counters for a new run on `inputs` (the caller's tensors this GPU reads)."""
+        """Resets the counters for a new run on `inputs` (the caller's tensors this GPU reads).
+
+        An input missing from `inputs` that an earlier run handed in is the one of that run: the
+        worker keeps its copy (in its pinned staging buffer on cuda) and, when the plan never
+        overwrites its arena range, the value stays on the GPU too (weights passed by the caller
+        cross the host link once).
+        """
         with self._lock:
             if self.slots.running:
                 raise RunError(f"gpu:{self.gpu}: a run is still in progress")
-            self._inputs = {}
-            for name in self.input_values:
-                if name not in inputs:
-                    raise RunError(f"gpu:{self.gpu}: input {name!r} was not handed to this worker")
-                t = torch.as_tensor(inputs[name])
-                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-                nb = self.tg[name].nbytes  # checked once here, not at every load of it
-                if flat.numel() != nb:
-                    raise RunError(f"gpu:{self.gpu}: input {name!r} has {flat.numel()} bytes, not {nb}")
-                if self.staging is not None:
-                    off, _ = self._stage[name]
-                    flat = self.staging[off : off + nb].copy_(flat)
-                self._inputs[name] = flat
-            self._inputs.update(self._own)
-            # loads of values the arena still holds from the last run are skipped (actors/store.py)
-            slot = self.arena_slot
-            self._tokens = {}
-            skip = []
-            for vid in self.stable:
-                p = self.plans[vid]
-                x = p.value
-                st = self._states.get(x)
-                token = ("state", x, st.version) if st is not None else ("source", source_key(self.tg[x]))
-                where = (p.out_loc.offset, p.out_loc.nbytes)
-                self._tokens[where] = token
-                if slot.holds.get(where) == token:
-                    skip.append(vid)
-            self._skip = frozenset(skip)
-            self.store.loads_skipped += len(skip)
-            slot.holds = {}  # this run writes the arena: only its own end says what it holds
+            # loads of values the arena still holds from the last run are skipped (actors/loads.py)
+            self._skip = self.loads.begin(inputs, self.arena_slot)
             if check:
                 if self._sanitizer is None:
                     self._sanitizer = Sanitizer(
@@ -244,24 +220,44 @@ class Executor:
                     )
                 self._sanitizer.reset()
             self._check = check
-            # transfers whose pull waits on the host: a one-thread backend runs them aside
+            lane_of, self._mode = self._lanes()
+            # a transport's optional hooks (actors/transport_cuda.py): a new run, the completions
+            # it waits for (NCCL sends), the check of a finished pull under the sanitizer
             tr = self.transport
-            self._blocking = {
-                vid
-                for vid, p in self.plans.items()
-                if p.kind == K_TRANSFER and (tr is None or tr.blocks(p.src_gpu))
-            }
+            self._watched = frozenset(getattr(tr, "watched", lambda: ())())
+            self._completed_hook = getattr(tr, "completed", None)
+            self._after_pull = getattr(tr, "after_pull", None) if check else None
+            begin_run = getattr(tr, "begin_run", None)
+            if begin_run is not None:
+                begin_run()
             self._delay = delay
             self._rng = random.Random(seed * 7919 + self.gpu)
             # launch ahead is off while the sanitizer runs on a backend that launches
             # asynchronously: its checks run at launch
-            self.slots.start(0 if check and getattr(self.backend, "async_launch", False) else self.ahead)
+            ahead = 0 if check and getattr(self.backend, "async_launch", False) else self.ahead
+            self.slots.start(ahead, lane_of)
             self.trace = []
-            self._done_q.clear()
+            self._reporter.reset()
             self._error = None
             self._finished.clear()
             if self.core.finished:
                 self._end_run()
+
+    def _lanes(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH)."""
+        lane_of: dict[int, int] = {}
+        mode: dict[int, int] = {}
+        for vid, p in self.plans.items():
+            if p.kind in (K_INPUT, K_RELOAD_INPUT):
+                lane_of[vid] = self.h2d
+            elif p.kind == K_COPY:
+                lane_of[vid] = self.d2h if p.out_loc.device == HOST else self.h2d
+            elif p.kind == K_TRANSFER:
+                m = BLOCKING if self.transport is None else self.transport.mode(p.src_gpu)
+                lane_of[vid] = self.deferred_lane if m == DEFERRED else self.peer_lane[p.src_gpu]
+                if m != LAUNCH:
+                    mode[vid] = m
+        return lane_of, mode
 
     def dispatch(self, vids: list[int]) -> None:
         """The coordinator hands over vertices whose remote predecessors are done."""
@@ -277,9 +273,9 @@ class Executor:
     def _pump(self) -> None:
         # caller holds the lock
         if self._error is None:
-            blocking = self._blocking
+            mode = self._mode
             for vid, s, waits in self.slots.take():
-                self.backend.submit(s, vid, waits, vid in blocking)
+                self.backend.submit(s, vid, waits, mode.get(vid, LAUNCH))
 
     @property
     def launched_ahead(self) -> int:
@@ -307,7 +303,7 @@ class Executor:
             assert p.src_loc is not None  # a transfer's plan has one
             self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
         elif vid not in self._skip:
-            self.backend.copy(p.out, self._inputs[p.value])
+            self.backend.copy(p.out, self.loads.inputs[p.value])
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
         if exc is None and self._check and self._sanitizer is not None:
@@ -316,6 +312,9 @@ class Executor:
                 for value, loc, src in p.checks:
                     self._sanitizer.check_read(vid, value, loc, src, "after it ran")
                 self._sanitizer.end_write(p.out_loc, vid)
+                if p.kind == K_TRANSFER and self._after_pull is not None:
+                    assert p.src_loc is not None  # a transfer's plan has one
+                    self._after_pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
             except RunError as e:
                 exc = e
         if exc is not None:
@@ -324,6 +323,8 @@ class Executor:
             self._fail(vid, exc)
             return
         self.trace.append((vid, s, t0, t1))
+        if vid in self._watched and self._completed_hook is not None:  # an NCCL send's source
+            self._completed_hook(vid)
         with self._lock:
             self.core.complete(vid)
             self.slots.landed(vid, s)
@@ -331,11 +332,7 @@ class Executor:
             finished = self.core.finished
         if finished:
             self._end_run()
-        self._done_q.append(vid)
-        if vid in self.core.awaited:  # another GPU waits for it: reported within flush_s
-            self._urgent = True
-        if not self._wake.is_set():
-            self._wake.set()
+        self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
 
     def _end_run(self) -> None:
         """Every vertex of this GPU is done: saves the carried values as their states and records
@@ -345,15 +342,10 @@ class Executor:
                 st.buf.copy_(self.views.buf(self.mg.vertex(vid).out, vid))
                 st.version += 1
             if self._error is None:
-                self.arena_slot.holds = self._tokens
+                self.loads.end(self.arena_slot)
         except BaseException as e:
             self._fail(None, RunError(f"gpu:{self.gpu}: saving the carried states failed: {e}"))
         self._finished.set()
-
-    def _release(self) -> None:
-        for x in self._acquired:
-            self.store.release(self.tg[x])
-        self._acquired = []
 
     def _fail(self, vid: int | None, exc: BaseException) -> None:
         if isinstance(exc, RunError):
@@ -367,37 +359,18 @@ class Executor:
             if self._error is not None:
                 return
             self._error = msg
+        self._reporter.flush()  # what completed before the failure reaches the coordinator first
         self._finished.set()
         if self._fail_cb is not None:
             self._fail_cb(self.gpu, vid, msg)
 
-    def _report_loop(self) -> None:
-        q = self._done_q
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._closing:
-                return
-            sent = time.perf_counter()
-            while True:
-                n = len(q)
-                busy = self.slots.running and self._error is None
-                # a completion another GPU waits for goes within flush_s; the others (the
-                # coordinator only counts them) wait up to lazy_s while the worker is busy:
-                # each report is a Ray call, host time taken from launching
-                if n and (self._urgent or not busy or time.perf_counter() - sent >= self.lazy_s):
-                    self._urgent = False
-                    batch = [q.popleft() for _ in range(n)]
-                    self.reports += 1
-                    sent = time.perf_counter()
-                    try:
-                        if self._report is not None:
-                            self._report(self.gpu, batch)
-                    except Exception as e:
-                        self._fail(None, RunError(f"gpu:{self.gpu}: reporting completions failed: {e}"))
-                if not busy:
-                    break
-                time.sleep(self.flush_s)
+    def fail(self, message: str) -> None:
+        """Ends the run with `message` (a transport's channel that found its peer lost)."""
+        self._fail(None, RunError(message))
+
+    @property
+    def reports(self) -> int:
+        return self._reporter.reports
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once every vertex of this GPU completed or the run failed."""
@@ -441,7 +414,10 @@ class Executor:
             "vertices": len(self.plans),
             "done": self.core.done,
             "reports": self.reports,
+            "report_interval_ms": round(self._reporter.core.interval * 1e3, 3),
             "streams": self.streams,
+            "lanes": self.slots.total - self.streams,
+            "workspace_bytes": self.workspace,
             "ahead": self.ahead,
             "launched_ahead": self.launched_ahead,
             "arena_bytes": self.arena.numel(),
@@ -454,34 +430,13 @@ class Executor:
         }
 
     def close(self) -> None:
-        self._closing = True
-        self._wake.set()
+        self._reporter.close()
         self.backend.close()
-        self._reporter.join(timeout=5)
-        self._release()
+        self.loads.release()
 
 
-def _stable_loads(mg: MemGraph, gpu: int, plans: Mapping[int, VertexPlan], own: set[str]) -> list[int]:
-    """The input loads of values in `own` (sourced inputs, states) whose arena range no other
-    vertex of this GPU writes: at the end of a run the range still holds the value."""
-    writes = sorted(
-        (p.out_loc.offset, p.out_loc.end, vid)
-        for vid, p in plans.items()
-        if p.out_loc.device == gpu and p.out_loc.nbytes > 0
-    )
-    out = []
-    reach = -1  # the furthest end of the ranges before this one
-    for n, (off, end, vid) in enumerate(writes):
-        p = plans[vid]
-        alone = reach <= off and (n + 1 == len(writes) or writes[n + 1][0] >= end)
-        if alone and p.kind == K_INPUT and p.value in own:
-            out.append(vid)
-        reach = max(reach, end)
-    return sorted(out)
-
-
-def make_backend(name: str) -> Backend:
-    """The backend called `name` ("cpu"; "cuda" once that backend is added)."""
+def make_backend(name: str, device: int | None = None) -> Backend:
+    """The backend called `name` ("cpu" or "cuda"; `device`: the CUDA device index to use)."""
     if name == "cpu":
         return CpuBackend()
     if name == "cuda":
@@ -489,5 +444,5 @@ def make_backend(name: str) -> Backend:
             from .backend_cuda import CudaBackend
         except ImportError:
             raise UsageError("backend 'cuda' is not available in this build (use --backend cpu)") from None
-        return CudaBackend()
+        return CudaBackend(device)
     raise UsageError(f"unknown backend {name!r} (cpu or cuda)")

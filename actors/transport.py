@@ -4,11 +4,14 @@ A transfer runs on its destination GPU once its source vertex (on the source GPU
 the MemGraph keeps the source range intact until the transfer completes, so the destination
 simply pulls it. `pull(src_gpu, loc, dst, reader, expect)` copies the bytes of `loc` in worker
 `src_gpu`'s arena into the uint8 view `dst`; `reader` (the transfer vertex) and `expect` (the
-vertex that wrote the range) let the source's sanitizer check the read.
+vertex that wrote the range) let the source's sanitizer check the read. `mode(src_gpu)` says how
+a pull behaves (`actors.backend`): LAUNCH (it enqueues a copy, or copies, and returns), BLOCKING
+(it waits on the host for the bytes), DEFERRED (it registers the receive with a channel that
+enqueues it later, in an order agreed with the source: NCCL).
 
 Implemented here: `LocalTransport` (workers in one process: a direct copy) and `RayTransport`
-(the destination calls the source actor's `read_range` and copies the returned bytes). A CUDA
-build adds peer copies through CUDA IPC handles and NCCL send/recv behind the same method.
+(the destination calls the source actor's `read_range` and copies the returned bytes). The CUDA
+transports (`actors.transport_cuda`: CUDA IPC peer copies, NCCL) go behind the same methods.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import torch
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import Loc
 
+from .backend import BLOCKING, LAUNCH
+
 
 class Transport(Protocol):
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None: ...
 
-    def blocks(self, src_gpu: int) -> bool:
-        """True when a pull from `src_gpu` waits on the host (a Ray call), not only enqueues."""
+    def mode(self, src_gpu: int) -> int:
+        """How a pull from `src_gpu` behaves: LAUNCH, BLOCKING or DEFERRED (actors.backend)."""
         ...
 
 
@@ -39,8 +44,8 @@ class LocalTransport:
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
         self.executors[src_gpu].read_range(loc, reader, expect, into=dst)
 
-    def blocks(self, src_gpu: int) -> bool:
-        return False  # one copy_ call (enqueued on CUDA, done at return on the cpu backend)
+    def mode(self, src_gpu: int) -> int:
+        return LAUNCH  # one copy_ call (enqueued on CUDA, done at return on the cpu backend)
 
 
 class RayTransport:
@@ -49,8 +54,8 @@ class RayTransport:
     def __init__(self, handles: Sequence[Any]):
         self.handles = handles
 
-    def blocks(self, src_gpu: int) -> bool:
-        return True
+    def mode(self, src_gpu: int) -> int:
+        return BLOCKING
 
     def pull(self, src_gpu: int, loc: Loc, dst: torch.Tensor, reader: int, expect: int) -> None:
         import ray

@@ -13,6 +13,7 @@ then serve.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,8 +42,23 @@ class GpuWorker:
         self.transport: Any = None
         self.store: WorkerStore | None = None
         self.coord: Any = None
+        self.device: int | None = None  # the CUDA device index to use (`share_devices`); None: the current
 
     def ping(self) -> bool:
+        return True
+
+    def gpu_ids(self) -> tuple[str, list[str]]:
+        """(node id, the GPU ids Ray assigned to this actor)."""
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+    def share_devices(self, visible: str, index: int) -> bool:
+        """Makes this process see `visible` (the GPUs of every worker on its node) and use device
+        `index` of it, so CUDA IPC can map a peer GPU's arena (`actors.transport_cuda`). Only
+        before CUDA starts here: False (nothing changed) once it has."""
+        if torch.cuda.is_initialized():
+            return False
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        self.device = index
         return True
 
     def load(
@@ -59,8 +75,10 @@ class GpuWorker:
         of the shared arena, its host store, and the sourced inputs it names, read now."""
         self.unload(key)
         self.coord = coordinator
+        if config.backend == "cuda" and self.device is not None:
+            torch.cuda.set_device(self.device)  # its own entry of the node's shared device list
         if self.store is None or self.store.gpu != gpu:
-            backend = make_backend(config.backend)
+            backend = make_backend(config.backend, self.device)
             self.store = WorkerStore(gpu, backend.alloc, getattr(backend, "stages_inputs", False))
         if config.backend == "cuda":  # IPC / NCCL peers, opened by `transport_connect` once all have loaded
             from .transport_cuda import CudaTransport
@@ -73,6 +91,7 @@ class GpuWorker:
             mg,
             tg,
             config,
+            backend=make_backend(config.backend, self.device),
             transport=transport,
             report=self._report,
             fail=self._fail,
@@ -89,14 +108,14 @@ class GpuWorker:
             raise RunError(f"this worker has no graph {key!r} loaded")
         return self.graphs[key]
 
-    def transport_describe(self, key: str, nccl_ids_for: list[int]) -> dict:
-        return self._graph(key)[1].describe(nccl_ids_for)
+    def transport_describe(self, key: str) -> dict:
+        return self._graph(key)[1].describe()
 
-    def transport_connect(self, key: str, infos: list[dict], paths: dict) -> dict:
-        return self._graph(key)[1].connect(infos, paths)
+    def transport_nccl_id(self, key: str) -> Any:
+        return self._graph(key)[1].nccl_id()
 
-    def nccl_send(self, dst_gpu: int, loc: Loc) -> None:
-        self.transport.send(dst_gpu, loc)
+    def transport_connect(self, key: str, infos: list[dict], paths: dict, nccl_uid: Any) -> dict:
+        return self._graph(key)[1].connect(infos, paths, nccl_uid)
 
     def unload(self, key: str | None = None) -> None:
         """Drops graph `key` (None: every graph; the store with them)."""

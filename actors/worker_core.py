@@ -20,7 +20,7 @@ planned next vertex is not ready yet (work conservation, TURNIP section 5).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph, MKind
@@ -115,70 +115,106 @@ class WorkerCore:
 
 
 class StreamSlots:
-    """Which vertex goes to which of a worker's S streams, and when (pure; the executor holds its
+    """Which vertex goes to which of a worker's streams, and when (pure; the executor holds its
     lock around every call).
 
-    A ready vertex goes to a stream with nothing in flight, the one freed last first (a chain on
-    one worker stays on its thread). With launch ahead (`start(ahead)`, ahead > 0) a queued
-    kernel (see `WorkerCore`) goes to the stream of its most recently launched running
-    predecessor when it is queued, up to `ahead` vertices behind the one that stream runs, and
-    waits on its running predecessors on other streams (the stream itself orders those on it).
-    Each queued kernel's stream is chosen once and kept in that stream's heap, so `take` costs
-    per launch, not per queued kernel.
+    Streams 0..S-1 run kernels; the streams after them are lanes, each for one kind of copy
+    (`lane_of`: host-to-device loads, device-to-host offloads, the transfers from one peer). A
+    ready copy goes to its lane at once, up to that lane's limit of vertices in flight (None: no
+    limit), whatever the kernels do: copies are what offload overlap lives on, so a kernel chain
+    launched ahead never holds a load back (it did when copies took a free compute stream).
+
+    A ready kernel goes to a compute stream with nothing in flight, the one freed last first (a
+    chain on one worker stays on its thread). With launch ahead (`start(ahead)`, ahead > 0) a
+    queued kernel (see `WorkerCore`) goes to the compute stream of its most recently launched
+    running predecessor there, up to `ahead` vertices behind the one that stream runs (or, when
+    its running predecessors are all copies on lanes, to the least busy compute stream with room),
+    and waits on its running predecessors on other streams (the stream itself orders those on
+    it). Each queued kernel's stream is chosen once and kept in a heap, so `take` costs per
+    launch, not per queued kernel.
     """
 
-    def __init__(self, core: WorkerCore, streams: int):
+    def __init__(self, core: WorkerCore, streams: int, lane_limits: Sequence[int | None] = ()):
         self.core, self.streams = core, streams
+        self.lane_limits = tuple(lane_limits)
+        self.total = streams + len(self.lane_limits)
         self.start(0)
 
-    def start(self, ahead: int) -> None:
+    def start(self, ahead: int, lane_of: Mapping[int, int] | None = None) -> None:
+        """A new run; `lane_of`: vertex -> the lane (a stream index >= S) it runs on."""
         self.ahead = ahead
+        self.lane_of = dict(lane_of or {})
+        for v, lane in self.lane_of.items():
+            if not self.streams <= lane < self.total:
+                raise RunError(
+                    f"vertex {v} was given lane {lane}; lanes are {self.streams}..{self.total - 1}"
+                )
         self.core.start(ahead=ahead > 0)
         self.free = list(range(self.streams - 1, -1, -1))  # nothing in flight; pop() takes stream 0 first
-        self.depth = [0] * self.streams  # vertices in flight per stream
+        self.depth = [0] * self.total  # vertices in flight per stream
         self.inflight: dict[int, tuple[int, int]] = {}  # vid -> (launch number, stream), with ahead
-        # with ahead: queued kernels by the stream they go behind (heaps of ids), chosen once
+        self.ready_kernels: list[int] = []  # heap: ready, waiting for a free compute stream
+        self.ready_lanes: list[list[int]] = [[] for _ in self.lane_limits]  # heaps: ready copies
+        # with ahead: queued kernels by the compute stream they go behind (heaps of ids), chosen
+        # once; `anywhere`: those whose running predecessors are all on lanes
         self.behind: list[list[int]] = [[] for _ in range(self.streams)]
+        self.anywhere: list[int] = []
         self.launches = 0
         self.launched_ahead = 0  # this run's vertices launched behind running predecessors
         self.running = 0
 
     def take(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """What to launch now, in order: (vertex, stream, vertices on other streams to wait on)."""
-        core, free, out = self.core, self.free, []
-        while free and core.ready:
-            vid = core.pop()
-            assert vid is not None  # core.ready is not empty
-            out.append(self._launch(vid, free.pop(), ()))
+        core, out, lane_of, base = self.core, [], self.lane_of, self.streams
+        while core.ready:  # sort the newly ready: copies by lane, kernels aside
+            vid = heapq.heappop(core.ready)
+            lane = lane_of.get(vid)
+            heapq.heappush(self.ready_kernels if lane is None else self.ready_lanes[lane - base], vid)
+        for i, h in enumerate(self.ready_lanes):
+            s, limit = base + i, self.lane_limits[i]
+            while h and (limit is None or self.depth[s] < limit):
+                out.append(self._launch(heapq.heappop(h), s, ()))
+        free = self.free
+        while free and self.ready_kernels:
+            out.append(self._launch(heapq.heappop(self.ready_kernels), free.pop(), ()))
+        out.sort()  # the lowest id first: the loop launches in this order
         if not self.ahead:
             return out
-        limit, depth, inflight, behind = self.ahead + 1, self.depth, self.inflight, self.behind
+        limit, depth, inflight = self.ahead + 1, self.depth, self.inflight
         left, launched, preds = core.left, core.launched, core.local_preds
+        stale = lambda h: h and (h[0] in launched or not left[h[0]])  # noqa: E731  (launched, or ready: served above)
         while True:
             self._sort_queued()
-            # the lowest queued id among the streams with room (the planner's order)
+            # the lowest queued id among the compute streams with room (the planner's order)
             vid, s = -1, -1
             for t in range(self.streams):
-                h = behind[t]
+                h = self.behind[t]
                 if depth[t] < limit:
-                    while h and (h[0] in launched or not left[h[0]]):  # launched, or ready: `pop` serves it
+                    while stale(h):
                         heapq.heappop(h)
                     if h and (vid < 0 or h[0] < vid):
                         vid, s = h[0], t
+            h = self.anywhere
+            while stale(h):
+                heapq.heappop(h)
+            if h and (vid < 0 or h[0] < vid):
+                roomy = [t for t in range(self.streams) if depth[t] < limit]
+                if roomy:
+                    vid, s = h[0], min(roomy, key=lambda t: depth[t])
             if vid < 0:
                 return out
-            heapq.heappop(behind[s])
+            heapq.heappop(self.behind[s] if self.behind[s] and self.behind[s][0] == vid else self.anywhere)
             self.launched_ahead += 1
             waits = tuple(u for u in preds[vid] if u in inflight and inflight[u][1] != s)
             out.append(self._launch(vid, s, waits))
 
     def _sort_queued(self) -> None:
-        """Moves newly queued kernels to the heap of the stream of their most recently launched
-        running predecessor: behind it, they wait on no vertex of that stream."""
-        core, inflight = self.core, self.inflight
+        """Moves newly queued kernels to the heap of the compute stream of their most recently
+        launched running predecessor there: behind it, they wait on no vertex of that stream."""
+        core, inflight, base = self.core, self.inflight, self.streams
         while (vid := core.pop_queued()) is not None:
-            s = max(inflight[u] for u in core.local_preds[vid] if u in inflight)[1]
-            heapq.heappush(self.behind[s], vid)
+            on = [inflight[u] for u in core.local_preds[vid] if u in inflight and inflight[u][1] < base]
+            heapq.heappush(self.behind[max(on)[1]] if on else self.anywhere, vid)
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
         self.running += 1
@@ -195,6 +231,6 @@ class StreamSlots:
             del self.inflight[vid]
         d = self.depth[s] - 1
         self.depth[s] = d
-        if d == 0:
+        if d == 0 and s < self.streams:
             self.free.append(s)
         self.running -= 1

@@ -7,16 +7,12 @@ choice is pure and also tested without a GPU.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
 from actors.transport_cuda import choose_path, choose_paths
 from disco_ray.driver.program import Program
 from disco_ray.graph.reference import evaluate, random_inputs
-from tests.fake_cuda import FakeStream, install
 from tests.runtime_helpers import plan, random_taskgraph
 
 CUDA = torch.cuda.is_available()
@@ -47,168 +43,43 @@ def _exact_fp32():
 
 
 # ---- path choice (pure: runs everywhere) --------------------------------------------------------
-def _info(node="n0", uuid="GPU-0", ipc=True, nccl=True):
-    return {"node": node, "uuid": uuid, "ipc": ipc, "nccl": nccl}
+def _info(node="n0", uuid="GPU-0", ipc=True, nccl=True, device=0, peers=()):
+    return {
+        "node": node,
+        "uuid": uuid,
+        "ipc": ipc,
+        "nccl": nccl,
+        "p2p": ipc,
+        "device": device,
+        "visible": "0,1",
+        "peer_access": list(peers),
+    }
 
 
 def test_path_choice():
     assert choose_path(_info(), _info()) == "ipc"  # workers sharing one GPU
     assert choose_path(_info(), _info(ipc=False)) == "ray"  # same GPU: NCCL refuses two ranks there
-    assert choose_path(_info(), _info(uuid="GPU-1")) == "nccl"  # two GPUs of one node
+    assert choose_path(_info(), _info(uuid="GPU-1")) == "nccl"  # two GPUs of one node, no peer access
     assert choose_path(_info(), _info(node="n1", uuid="GPU-1")) == "nccl"  # two nodes
     assert choose_path(_info(), _info(uuid="GPU-1", nccl=False)) == "ray"  # no cupy on one side
     assert choose_path(_info(), _info(), allow=("ray",)) == "ray"
+    # two GPUs of one node that see each other (the node's devices shared) and have peer access
+    a, b = _info(uuid="GPU-0", device=0, peers=[1]), _info(uuid="GPU-1", device=1, peers=[0])
+    assert choose_path(a, b) == "p2p"
+    assert choose_path(a, {**b, "visible": "1"}) == "nccl"  # each sees only its own GPU (Ray's default)
+    assert choose_path(a, {**b, "peer_access": []}) == "nccl"  # no peer access one way
+    assert choose_path(a, {**b, "node": "n1"}) == "nccl"
+    assert choose_path(a, b, allow=("ipc", "nccl", "ray")) == "nccl"
+    # NCCL takes one rank per GPU: worker 1 shares GPU-0 with worker 0, so its pair goes through Ray
     infos = [_info(), _info(), _info(uuid="GPU-1")]
-    assert choose_paths(infos) == {(0, 1): "ipc", (0, 2): "nccl", (1, 2): "nccl"}
+    assert choose_paths(infos) == {(0, 1): "ipc", (0, 2): "nccl", (1, 2): "ray"}
 
 
-# ---- the cuda backend's threads on a stand-in device (tests/fake_cuda.py; runs everywhere) -------
-@pytest.mark.parametrize(
-    "ahead,device_s,streams", [(0, 0.0, 3), (4, 0.0, 3), (0, 2e-4, 3), (4, 2e-4, 3), (2, 2e-4, 1)]
-)
-def test_cuda_backend_loop_and_wakers_on_a_fake_device(monkeypatch, ahead, device_s, streams):
-    """The cuda backend's loop and waker threads, event waits and shutdown, with torch.cuda
-    replaced by host stand-ins (kernels run on the CPU at launch, events complete `device_s`
-    later): outputs match the reference, the loop launches in submission order, launch ahead
-    waits on events, the loop sleeps while the device works and is woken, nothing hangs."""
-    from actors import backend_cuda
-    from actors.executor import Executor, WorkerConfig
+def test_workers_of_a_node_share_their_devices():
+    from actors.transport_cuda import shared_visible
 
-    install(monkeypatch.setattr)
-    monkeypatch.setattr(FakeStream, "device_s", device_s)
-    FakeStream.waited = []
-    tg = random_taskgraph(404, n=60, gpus=1, size=16)
-    mg = plan(tg, "tight")
-    be = backend_cuda.CudaBackend()
-    submitted, launched = [], []
-    submit, launch = be.submit, be._launch
-    monkeypatch.setattr(be, "submit", lambda s, vid, *a: (submitted.append(vid), submit(s, vid, *a)))
-    monkeypatch.setattr(be, "_launch", lambda vid, *a: (launched.append(vid), launch(vid, *a))[1])
-    ex = Executor(0, mg, tg, WorkerConfig(streams=streams, ahead=ahead), backend=be)
-    try:
-        for run in range(2):
-            inputs = random_inputs(tg, run)
-            ex.begin(inputs, delay=(0, 2e-4), seed=run)
-            ex.dispatch(list(ex.core.mine))
-            assert ex.wait(timeout=20), f"run {run} hung"
-            assert ex.error is None, ex.error
-            out = {k: ex.output(k, mg.outputs[k]) for k in tg.outputs}
-            _same(out, evaluate(tg, inputs), f"run {run} ahead {ahead}")
-            assert all(t0 <= t1 for _, _, t0, t1 in ex.trace)
-        assert launched == submitted and len(launched) == 2 * len(ex.core.mine)
-        assert (ex.launched_ahead > 0) == (ahead > 0)
-        assert bool(FakeStream.waited) == (ahead > 0 and streams > 1)  # one stream: no waits
-        host = ex.statistics()["backend"]["host"]
-        assert host["launches"] == 2 * len(ex.core.mine) and host["launch_us_mean"] > 0, host
-        assert host["blocking"] == 0
-        assert (host["idle_s"] > 0) == (device_s > 0), host
-        threads = list(ex.backend._threads)
-        names = ["cuda-loop"] + [f"cuda-{k}-{s}" for k in ("wait", "blocking") for s in range(streams)]
-        assert [t.name for t in threads] == names
-    finally:
-        ex.close()
-    assert not any(t.is_alive() for t in threads)
-
-
-def test_fake_device_loop_is_woken_by_the_same_vertex_twice(monkeypatch):
-    """A vertex's events come back in the next run: the loop must arm its waker with them again."""
-    from actors import backend_cuda
-
-    install(monkeypatch.setattr)
-    monkeypatch.setattr(FakeStream, "device_s", 2e-3)
-    be = backend_cuda.CudaBackend()
-    finished = threading.Semaphore(0)
-    be.open(1, lambda vid, s: None, lambda *a: finished.release())
-    try:
-        for run in range(3):
-            be.submit(0, 7)
-            assert finished.acquire(timeout=10), f"run {run}: the loop was never woken"
-        assert be.statistics()["host"]["idle_s"] > 0
-    finally:
-        be.close()
-
-
-def test_a_failing_launch_loop_fails_the_run_instead_of_hanging(monkeypatch):
-    """An error of the loop outside any vertex (here: re-reading the device clock) ends the run
-    with an error naming the loop; nothing hangs."""
-    from actors import backend_cuda
-    from actors.executor import Executor, WorkerConfig
-
-    install(monkeypatch.setattr)
-    tg = random_taskgraph(7, n=20, gpus=1, size=16)
-    mg = plan(tg, "roomy")
-    ex = Executor(0, mg, tg, WorkerConfig(streams=2), backend=backend_cuda.CudaBackend())
-
-    def broken(self, every_s=0.5):
-        raise RuntimeError("device clock unreadable")
-
-    monkeypatch.setattr(backend_cuda._Clock, "rebase", broken)
-    try:
-        ex.begin(random_inputs(tg, 0))
-        ex.dispatch(list(ex.core.mine))
-        assert ex.wait(timeout=20), "the run hung"
-        assert ex.error is not None and "launch loop failed" in ex.error, ex.error
-        assert "device clock unreadable" in ex.error
-    finally:
-        ex.close()
-
-
-def test_bench_host_runs_the_llama_structure_on_the_stand_in_device(monkeypatch, capsys):
-    """benchmarks/bench_host.py: llama_prefill's 7B vertex structure on the loop, outputs checked."""
-    import importlib.util
-    import pathlib
-
-    from tests import fake_cuda
-
-    monkeypatch.setattr(fake_cuda, "install", lambda: install(monkeypatch.setattr))  # undone after
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_host.py"
-    spec = importlib.util.spec_from_file_location("bench_host", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--repeat", "1", "--streams", "2", "--ahead", "4"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("llama_prefill structure: 572 vertices")
-    assert lines[-1].split()[:2] == ["2", "4"]
-
-
-@pytest.mark.parametrize("seed,check", [(0, False), (1, False), (2, True)])
-def test_blocking_transfers_run_beside_the_loop_on_a_fake_device(monkeypatch, seed, check):
-    """Transfers whose pull waits on the host run in helper threads while the loop holds their
-    stream: the other streams go on, and nothing queued behind them (launch ahead; off under the
-    sanitizer, which checks every read) starts early: the outputs match the reference."""
-    from actors import backend_cuda, executor
-    from actors.executor import WorkerConfig
-    from actors.transport import LocalTransport
-    from disco_ray.driver.engine_local import LocalEngine
-    from disco_ray.driver.program import RunOptions
-
-    install(monkeypatch.setattr)
-    monkeypatch.setattr(executor, "make_backend", lambda name: backend_cuda.CudaBackend())
-    helpers = set()
-    pull = LocalTransport.pull
-
-    def slow_pull(self, *a):  # a pull that waits on the host, like a Ray call
-        helpers.add(threading.current_thread().name)
-        time.sleep(1e-3)
-        pull(self, *a)
-
-    monkeypatch.setattr(LocalTransport, "pull", slow_pull)
-    monkeypatch.setattr(LocalTransport, "blocks", lambda self, src: True)
-    tg = random_taskgraph(seed, n=80, gpus=3, size=16)
-    mg = plan(tg, "tight")
-    eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2, ahead=2))
-    try:
-        inputs = random_inputs(tg, seed)
-        out, _ = eng.run(inputs, RunOptions(check=check, delay=(0, 2e-4), seed=seed))
-        _same(out, evaluate(tg, inputs), f"seed {seed}")
-        blocking = sum(w["backend"]["host"]["blocking"] for w in eng.statistics()["workers"])
-        transfers = sum(1 for v in mg.vertices if v.kind.value == "transfer")
-        assert blocking == transfers > 0
-        assert helpers and all(n.startswith("cuda-blocking") for n in helpers), helpers
-    finally:
-        eng.close()
+    assigned = [("n0", ["3"]), ("n0", ["1"]), ("n1", ["0"]), ("n0", ["3"]), ("n1", ["2"])]
+    assert shared_visible(assigned) == [("1,3", 1), ("1,3", 0), ("0,2", 0), ("1,3", 1), ("0,2", 1)]
 
 
 # ---- local engine: one process, every worker's arena on the GPU ---------------------------------
@@ -257,14 +128,23 @@ def test_half_precision_local(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_no_device_allocation_while_graphs_run():
-    tg = random_taskgraph(21, n=40, gpus=2, size=64)
+@pytest.mark.parametrize("graph", ["random", "llama"])
+def test_no_device_allocation_while_graphs_run(graph):
+    """No cudaMalloc during runs: the arenas and each compute stream's reserved temporaries
+    (attention's among them, for llama) are made before."""
+    if graph == "llama":
+        from workloads.llama import llama_prefill
+
+        w = llama_prefill(preset="tiny", layers=2, gpus=2, seq=256, tile=64)
+        tg, fixed = w.taskgraph, w.inputs
+    else:
+        tg, fixed = random_taskgraph(21, n=40, gpus=2, size=64), None
     with Program(tg, plan(tg, "tight"), engine="local", backend="cuda", streams=3) as prog:
         assert prog.engine is not None  # arenas, streams and per-stream workspaces are made here
         torch.cuda.synchronize()
         segments = [torch.cuda.memory_stats()["segment.all.allocated"]]
         for run in range(3):
-            inputs = random_inputs(tg, run)
+            inputs = fixed or random_inputs(tg, run)
             out = prog.run(inputs, delay=(0, 2e-4) if run else None, seed=run, timeout=120)
             segments.append(torch.cuda.memory_stats()["segment.all.allocated"])
             _same(out, evaluate(tg, inputs), f"run {run}")
@@ -284,27 +164,35 @@ def test_inputs_are_staged_in_pinned_memory():
         assert ex.host.numel() == 0 or ex.host.is_pinned()
         assert ex.arena.is_cuda
         ex.begin(random_inputs(tg, 0))
-        assert all(t.is_pinned() for t in ex._inputs.values())
+        assert all(t.is_pinned() for t in ex.loads.inputs.values())
     finally:
         ex.close()
 
 
 # ---- ray engine: 2-4 workers sharing the GPU, transfers over CUDA IPC ----------------------------
-@pytest.fixture(scope="module")
-def gpu_pool():
-    if not CUDA:
-        pytest.skip("needs CUDA")
+def _ray_pool(num_gpus: int):
+    """A RayPool on a local Ray with `num_gpus` GPUs (started here unless one runs), then removed;
+    skipped with fewer GPUs."""
+    if not CUDA or torch.cuda.device_count() < num_gpus:
+        pytest.skip(f"needs {num_gpus} CUDA device(s)")
     ray = pytest.importorskip("ray")
     from disco_ray.driver.engine_ray import RayPool
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False, logging_level="WARNING")
+        ray.init(
+            address="local", num_cpus=8, num_gpus=num_gpus, include_dashboard=False, logging_level="WARNING"
+        )
     p = RayPool()
     yield p
     p.discard()
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gpu_pool():
+    yield from _ray_pool(1)
 
 
 @pytest.mark.gpu
@@ -368,16 +256,21 @@ def test_sanitizer_fires_on_cuda(gpu_pool):
         prog.run(random_inputs(tg, 0), check=True, timeout=180)
 
 
-# ---- NCCL: one rank, to itself (two ranks on one GPU are refused by NCCL) -------------------------
+# ---- two GPUs: peer copies and NCCL (skipped with fewer) -----------------------------------------
+TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
+needs_two = pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_nccl_send_recv_helpers_on_one_rank():
-    from actors.transport_cuda import nccl_available, nccl_recv, nccl_send
+def test_the_nccl_calls_the_channel_makes_on_one_rank():
+    """cupy's NCCL as the channel uses it (names, a group, the async-error check), on one rank:
+    two ranks on one GPU are refused by NCCL, so this is what a one-GPU machine can check."""
+    from actors.transport_cuda import nccl_module
 
-    if not nccl_available():
+    nccl = nccl_module()
+    if nccl is None:
         pytest.skip("no cupy NCCL here")
-    from cupy.cuda import nccl
-
     comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
     try:
         src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
@@ -385,13 +278,43 @@ def test_nccl_send_recv_helpers_on_one_rank():
         st = torch.cuda.Stream()
         torch.cuda.synchronize()
         nccl.groupStart()  # a rank's send to itself must be grouped with its recv
-        nccl_send(comm, src, 0, st)
-        nccl_recv(comm, dst, 0, st)
+        comm.send(src.data_ptr(), src.numel(), nccl.NCCL_UINT8, 0, st.cuda_stream)
+        comm.recv(dst.data_ptr(), dst.numel(), nccl.NCCL_UINT8, 0, st.cuda_stream)
         nccl.groupEnd()
         st.synchronize()
+        comm.check_async_error()
         assert torch.equal(src, dst)
     finally:
         comm.destroy()
+
+
+@pytest.fixture(scope="module")
+def two_gpu_pool():
+    yield from _ray_pool(2)
+
+
+@pytest.mark.gpu
+@pytest.mark.ray
+@needs_two
+@pytest.mark.parametrize("paths", ["p2p,nccl,ray", "nccl,ray"])
+def test_two_gpus_transfer_over_peer_copies_or_nccl(two_gpu_pool, monkeypatch, paths):
+    """Two workers on two GPUs: with peer access, the driver lets them see each other's GPU and
+    transfers are peer copies; without it (or narrowed to NCCL), NCCL in one agreed order. Both
+    directions at once, with the sanitizer, and the summary names the path opened."""
+    monkeypatch.setenv("DISCO_CUDA_PATHS", paths)
+    two_gpu_pool.discard()  # fresh actors: CUDA must not have started in them yet
+    tg = random_taskgraph(441, n=80, gpus=2, size=64)
+    mg = plan(tg, "tight")
+    with Program(tg, mg, engine="ray", backend="cuda", pool=two_gpu_pool, streams=3) as prog:
+        for run in range(2):
+            inputs = random_inputs(tg, run)
+            out = prog.run(inputs, check=run == 0, delay=(0, 5e-4) if run else None, seed=run, timeout=180)
+            _same(out, evaluate(tg, inputs), f"{paths} run {run}")
+        opened = prog.last_summary["transports"]["0-1"]
+        stats = prog.statistics()["engine"]["workers"]
+    peer_access = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
+    assert opened == ("p2p" if paths.startswith("p2p") and peer_access else "nccl"), opened
+    assert sum(w["transport"]["pulls"][opened] for w in stats) > 0
 
 
 def test_cuda_backend_refused_without_cuda():

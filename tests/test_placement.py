@@ -123,3 +123,5 @@ def test_describe_reports_what_the_transports_opened():
     assert chosen and set(chosen.values()) == {"cuda-ipc"}
     fell_back = describe(info, mg, "cuda", {"0-1": "ray"})["paths"]
     assert set(fell_back) == set(chosen) and set(fell_back.values()) == {"object-store"}
+    p2p = describe(info, mg, "cuda", {"0-1": "p2p"})
+    assert set(p2p["paths"].values()) == {"cuda-p2p"} and p2p["path_counts"] == {"cuda-p2p": len(chosen)}

@@ -53,8 +53,8 @@ def test_partial_overwrite_unwritten_and_in_flight_writes_are_named():
 def racy_memgraph(with_mem_edge: bool) -> tuple[TaskGraph, MemGraph]:
     """silu(y) overwrites x's range while silu(x) still needs it; only a memory edge orders them.
 
-    Ids put the overwriter first, so one stream (lowest id first, no launch ahead) runs it
-    before the reader.
+    Ids put the overwriter first, so one compute stream (lowest id first, no launch ahead) runs it
+    before the reader once both are ready.
     """
     tg = TaskGraph(gpus=1)
     tg.input("x", (8, 8))
@@ -76,8 +76,9 @@ def racy_memgraph(with_mem_edge: bool) -> tuple[TaskGraph, MemGraph]:
     if with_mem_edge:  # the correct plan: the reader first, then the overwrite after it
         edges = [(0, 2, "data"), (1, 3, "data"), (2, 3, "mem")]
         outputs = {"sx": 2, "sy": 3}
-    else:
-        edges = [(1, 2, "data"), (0, 3, "data")]
+    else:  # (1, 3) orders nothing that matters: it makes 2 and 3 ready together (inputs run on
+        # their own lane, so 3 would otherwise be ready, and run, as soon as x is loaded)
+        edges = [(1, 2, "data"), (0, 3, "data"), (1, 3, "mem")]
         outputs = {"sy": 2, "sx": 3}
     return tg, MemGraph([768], verts, edges, outputs, [0])
 

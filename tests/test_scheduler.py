@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Scheduler, WorkerFailed
 from actors.worker_core import StreamSlots, WorkerCore
+from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
 
 
@@ -259,3 +261,69 @@ def test_random_dags_complete_in_dependency_order(seed, ahead):
     mg = mgraph(gpus, edges, kinds)
     done = simulate(mg, rng, ahead=ahead)
     assert sorted(done) == list(range(n)), f"seed {seed}"
+
+
+def _drive(slots, steps=200):
+    """Completes launched vertices in launch order (a device running each stream in order),
+    taking after each completion; returns ({vid: the number of completions before its launch},
+    {vid: its completion's number, from 1})."""
+    launched_at: dict[int, int] = {}
+    completed: dict[int, int] = {}
+    fifo = []
+    done = 0
+    for vid, s, _ in slots.take():
+        launched_at[vid] = done
+        fifo.append((vid, s))
+    while fifo and steps:
+        steps -= 1
+        # the oldest launch whose local predecessors are done and that heads its stream
+        k = next(
+            i for i, (v, s) in enumerate(fifo) if slots.core.left[v] == 0 and all(t != s for _, t in fifo[:i])
+        )
+        vid, s = fifo.pop(k)
+        slots.core.complete(vid)
+        slots.landed(vid, s)
+        done += 1
+        completed[vid] = done
+        for w, t, _ in slots.take():
+            launched_at[w] = done
+            fifo.append((w, t))
+    return launched_at, completed
+
+
+def test_a_ready_copy_gets_its_lane_at_once_whatever_kernels_run_ahead():
+    """Two chains of 8 kernels keep both compute streams full with launch ahead 4; a reload that
+    becomes ready when the first kernel completes is launched right then on its lane (before,
+    copies took a free compute stream, and this one waited for a chain to end)."""
+    # 0, 1: inputs; 2..9 chain A (on 0); 10..17 chain B (on 1); 18 reload after 2; 19 uses 18 and 9
+    kinds = {0: MKind.INPUT, 1: MKind.INPUT, 18: MKind.RELOAD}
+    edges = [(0, 2), (1, 10), (2, 18), (18, 19), (9, 19)]
+    edges += [(v, v + 1) for v in range(2, 9)] + [(v, v + 1) for v in range(10, 17)]
+    mg = mgraph([0] * 20, edges, kinds)
+    slots = StreamSlots(WorkerCore(mg, 0), streams=2, lane_limits=[2])  # lane 2: host-to-device
+    slots.start(ahead=4, lane_of={0: 2, 1: 2, 18: 2})
+    slots.core.dispatch(range(20))
+    at, completed = _drive(slots)
+    assert set(at) == set(completed) == set(range(20))
+    late = at[18] - completed[2]
+    assert late == 0, f"the reload, ready at completion {completed[2]}, waited for {late} more"
+    assert slots.running == 0
+
+
+def test_copy_lanes_have_limits_and_kernels_never_use_them():
+    kinds = {v: MKind.INPUT for v in range(5)}
+    mg = mgraph([0] * 6, [(v, 5) for v in range(5)], kinds)
+    slots = StreamSlots(WorkerCore(mg, 0), streams=1, lane_limits=[2, None])
+    slots.start(ahead=0, lane_of={0: 1, 1: 1, 2: 1, 3: 2, 4: 2})
+    slots.core.dispatch(range(6))
+    got = slots.take()
+    assert got == [(0, 1, ()), (1, 1, ()), (3, 2, ()), (4, 2, ())]  # lane 1 holds 2; lane 2 has no limit
+    slots.core.complete(0)
+    slots.landed(0, 1)
+    assert slots.take() == [(2, 1, ())]
+    for v, s in [(1, 1), (2, 1), (3, 2), (4, 2)]:
+        slots.core.complete(v)
+        slots.landed(v, s)
+    assert slots.take() == [(5, 0, ())]  # the kernel on the compute stream
+    with pytest.raises(RunError, match="lane 0"):
+        slots.start(0, lane_of={0: 0})

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from actors.executor import _stable_loads
+from actors.loads import stable_loads
 from actors.plans import K_INPUT, VertexPlan
 from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import Program, compile
@@ -150,7 +150,7 @@ def test_stable_loads_are_those_no_other_vertex_overwrites():
         6: plan("e", 128, 0),  # empty
     }
     mg = MemGraph([256], [], [], {})
-    assert _stable_loads(mg, 0, plans, {"a", "b", "d", "e"}) == [0]
+    assert stable_loads(mg, 0, plans, {"a", "b", "d", "e"}) == [0]
 
 
 # ---- states and carry --------------------------------------------------------------------------
@@ -238,3 +238,34 @@ def test_a_pool_of_the_other_engine_is_refused():
     tg = counter(1)
     with pytest.raises(Exception, match="LocalPool cannot serve the ray engine"):
         Program(tg, build_memgraph(tg, 1 << 20), engine="ray", pool=LocalPool())
+
+
+@pytest.mark.parametrize("engine", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_caller_inputs_left_out_are_the_ones_the_workers_hold(engine, request):
+    """Weights handed in once: later runs leave them out, the workers use their copies (and, with
+    room in the arena, skip loading them again); one passed again replaces the copy; after the
+    workers are remade every input must be given again."""
+    shared = request.getfixturevalue("pool") if engine == "ray" else LocalPool()
+    g = TaskGraph(gpus=2)
+    w0, w1 = g.input("w0", (8, 8), gpu=0), g.input("w1", (8, 8), gpu=1)
+    x = g.input("x", (4, 8), gpu=0)
+    h = g.matmul(x, w0, id="h")
+    g.output(g.matmul(g.transfer(h, gpu=1, id="h1"), w1, id="y"))
+    torch.manual_seed(0)
+    weights = {"w0": torch.randn(8, 8), "w1": torch.randn(8, 8)}
+    prog = compile(g, engine=engine, pool=shared)
+    try:
+        for k in range(3):
+            xs = {"x": torch.randn(4, 8)}
+            out = prog.run({**xs, **weights} if k == 0 else xs)
+            torch.testing.assert_close(out["y"], evaluate(g, {**xs, **weights})["y"])
+        skipped = sum(w["loads_skipped"] for w in prog.statistics()["engine"]["workers"])
+        assert skipped == 2, f"the weights were loaded again ({skipped} loads skipped)"
+        weights["w1"] = torch.randn(8, 8)
+        out = prog.run({"x": xs["x"], "w1": weights["w1"]})
+        torch.testing.assert_close(out["y"], evaluate(g, {**xs, **weights})["y"])
+        prog.close()  # the workers' copies go with the engine
+        with pytest.raises(RunError, match="input 'w0' is missing"):
+            prog.run(xs)
+    finally:
+        prog.close()

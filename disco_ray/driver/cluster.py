@@ -70,8 +70,10 @@ def _pull(worker, src_gpu: int, src_handle, nbytes: int, repeats: int) -> dict:
     import numpy as np
     import ray
 
-    transport = getattr(getattr(worker, "ex", None), "transport", None)
-    probe = getattr(transport, "probe", None)  # a cuda transport times its own path
+    transport = getattr(worker, "transport", None)
+    probe = getattr(transport, "probe", None)  # a cuda transport times its own one-sided copy
+    if probe is not None and not probe(src_gpu, nbytes):
+        probe = None  # the pair's path has none (NCCL needs both ends): time the object store
     dst = np.empty(nbytes, dtype=np.uint8)
     times = []
     for i in range(repeats + 1):
@@ -142,9 +144,10 @@ def measure_links(
     node_of = [w["node_id"] for w in placement["workers"][:n]]
     if pairs is None:
         pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
+    opened = placement.get("paths", {})  # what the transports opened, "a->b" -> path
     links = []
     for a, b in pairs:
-        path = transfer_path(node_of[a], node_of[b], backend)
+        path = opened.get(f"{a}->{b}") or transfer_path(node_of[a], node_of[b], backend)
         try:
             r = ray.get(workers[b].call.remote(_pull, a, workers[a], nbytes, repeats))
         except (RayActorError, RayTaskError) as e:

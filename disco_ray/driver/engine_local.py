@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, Executor, RunOptions, WorkerConfig, make_backend
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
 from actors.store import WorkerStore
-from actors.transport import LocalTransport
+from actors.transport import LocalTransport, Transport
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
@@ -69,8 +69,12 @@ class LocalEngine:
         *,
         config: WorkerConfig = DEFAULT_WORKER,
         pool: LocalPool | None = None,
+        transports: Callable[[list[Executor]], list[Transport]] | None = None,
         **_: object,
     ):
+        """`transports`: makes each GPU's transport from the (not yet filled) list of executors;
+        default: one `LocalTransport` (a direct copy). Tests put the CUDA transports here, on the
+        stand-in device and NCCL."""
         self.tg, self.mg = tg, mg
         self.pool = LocalPool() if pool is None else pool
         self.sched = Scheduler(mg)
@@ -80,7 +84,7 @@ class LocalEngine:
         self.execs: list[Executor] = []
         n = mg.gpus
         self.transports = {f"{i}-{j}": "local" for i in range(n) for j in range(i + 1, n)}
-        transport = LocalTransport(self.execs)
+        made = transports(self.execs) if transports is not None else [LocalTransport(self.execs)] * n
         try:
             for g in range(mg.gpus):
                 self.execs.append(
@@ -89,12 +93,14 @@ class LocalEngine:
                         mg,
                         tg,
                         config,
-                        transport=transport,
+                        transport=made[g],
                         report=self._report,
                         fail=self._fail,
                         store=self.pool.store(g, config.backend),
                     )
                 )
+                if hasattr(made[g], "attach"):
+                    made[g].attach(self.execs[g])
         except BaseException:
             self.close()
             raise
@@ -123,9 +129,12 @@ class LocalEngine:
         self, inputs: Mapping[str, torch.Tensor], opts: RunOptions = DEFAULT_RUN
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
         """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
-        for ex in self.execs:
+        for ex in self.execs:  # an input left out is the one the worker holds from an earlier run
             ex.begin(
-                {k: inputs[k] for k in ex.input_values}, check=opts.check, delay=opts.delay, seed=opts.seed
+                {k: inputs[k] for k in ex.input_values if k in inputs},
+                check=opts.check,
+                delay=opts.delay,
+                seed=opts.seed,
             )
         self._error = None
         self._done.clear()

@@ -102,6 +102,8 @@ class RayPool:
                 max_concurrency=MAX_CONCURRENCY,
             )
             self.coord, self.workers = self.placed.coord, self.placed.workers
+            if backend == "cuda":
+                share_devices(self.workers)
         return self.coord, self.workers[:gpus]
 
     def discard(self) -> None:
@@ -247,7 +249,7 @@ class RayEngine:
                 [
                     w.begin.remote(
                         self.key,
-                        {k: inputs[k] for k in wants[g]},
+                        {k: inputs[k] for k in wants[g] if k in inputs},  # left out: the worker's copy
                         opts.check,
                         opts.delay,
                         opts.seed,
@@ -378,6 +380,21 @@ class RayEngine:
             )
         except Exception:
             self.pool.discard()
+
+
+def share_devices(workers: Sequence) -> list[bool]:
+    """Gives the workers of each node the same CUDA_VISIBLE_DEVICES (their GPUs together), each
+    using its own entry, before CUDA starts in them: CUDA IPC between two GPUs of a node needs
+    both visible (actors/transport_cuda.py, "p2p"). Returns, per worker, whether it took effect."""
+    import ray
+
+    from actors.transport_cuda import shared_visible
+
+    assigned = ray.get([w.gpu_ids.remote() for w in workers])
+    if any(not ids for _, ids in assigned):
+        return [False] * len(workers)
+    plan = shared_visible(assigned)
+    return ray.get([w.share_devices.remote(vis, idx) for w, (vis, idx) in zip(workers, plan, strict=True)])
 
 
 def _cause(e: Exception) -> str:

@@ -8,8 +8,10 @@ to every worker, and the driver watches it.
 
 The transfer path between two workers follows from where they landed and the backend:
 same-process (local engine), object-store (cpu backend: the destination pulls through Ray, within a
-node or across nodes), cuda-ipc (cuda, same node: peer copy through CUDA IPC handles), nccl (cuda,
-different nodes). Pure functions below decide; `place` is the thin Ray shell.
+node or across nodes), cuda-ipc (cuda, same node: peer copy through CUDA IPC handles; cuda-p2p when
+the two workers are on two GPUs with peer access), nccl (cuda, different nodes). Pure functions
+below decide the expected path; the run summary shows what the transports actually opened.
+`place` is the thin Ray shell.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from disco_ray.graph.errors import RunError, UsageError
 
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
-PATHS = ("same-process", "object-store", "cuda-ipc", "nccl")
+PATHS = ("same-process", "object-store", "cuda-ipc", "cuda-p2p", "nccl")
 READY_TIMEOUT_S = 120.0  # a placement group that cannot be satisfied fails the run instead of hanging
 NO_GPU_CPU = 0.001  # a bundle must ask for something: on a cluster without GPUs (cpu backend) a sliver of CPU
 
@@ -112,7 +114,13 @@ def transfer_paths(
 
 
 # the names the transports give their paths (engine.transports, "i-j" -> name) -> the names used here
-OPENED = {"ray": "object-store", "ipc": "cuda-ipc", "nccl": "nccl", "local": "same-process"}
+OPENED = {
+    "ray": "object-store",
+    "ipc": "cuda-ipc",
+    "p2p": "cuda-p2p",
+    "nccl": "nccl",
+    "local": "same-process",
+}
 
 
 def describe(info: dict, mg, backend: str, opened: dict[str, str] | None = None) -> dict:

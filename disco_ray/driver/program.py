@@ -98,6 +98,7 @@ class Program:
             "address": address,
         }
         self._engine = None
+        self._held: set[str] = set()  # caller inputs the engine's workers keep from earlier runs
         self.last_summary: dict | None = None
         self.last_records: list[list] | None = None
 
@@ -108,6 +109,7 @@ class Program:
         if self._engine is not None and self._engine.stale:
             self.close()
         if self._engine is None:
+            self._held = set()
             for m in self._kw["op_modules"]:
                 __import__(m)
             self._engine = _make_engine(self.engine_name, self.tg, self.mg, **self._kw)
@@ -119,7 +121,11 @@ class Program:
         """Runs once; returns the outputs keyed by TaskGraph id.
 
         Args:
-            inputs: a tensor (or numpy array) for every graph input.
+            inputs: a tensor (or numpy array) for every graph input the caller hands in. An input
+                given in an earlier run of this Program may be left out: the workers keep their
+                copy of it (weights then cross Ray and the host link once; see
+                `actors.executor.Executor.begin`). A Program whose workers were remade (after a
+                failure) needs every input again.
             check: run the sanitizer (every read checks its writer; see actors/sanitizer.py).
             trace: path of a Chrome/Perfetto trace-event JSON to write.
             delay: debug: sleep uniform(lo, hi) seconds before each vertex (seeded by `seed`),
@@ -132,7 +138,8 @@ class Program:
             RunError: a bad input (before anything runs), a kernel that raised, a dead worker,
                 the sanitizer, or the timeout.
         """
-        check_inputs(self.tg, inputs)
+        alive = self._engine is not None and not self._engine.stale
+        check_inputs(self.tg, inputs, self._held if alive else ())
         tensors = {k: torch.as_tensor(v) for k, v in inputs.items()}
         bar = None
         progress = opts.pop("progress", None)
@@ -152,6 +159,7 @@ class Program:
             if bar is not None:
                 bar.close()
         wall = time.perf_counter() - t
+        self._held |= set(tensors)
         self.last_records = records
         self.last_summary = summarize(self.mg, records, wall)
         self.last_summary["transports"] = dict(getattr(eng, "transports", {}))  # "i-j" -> path
@@ -169,6 +177,7 @@ class Program:
 
     def close(self) -> None:
         """Kills the engine's actors (and the Ray it started); the Program stays usable."""
+        self._held = set()
         if self._engine is not None:
             eng, self._engine = self._engine, None
             eng.close()

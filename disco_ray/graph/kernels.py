@@ -181,3 +181,84 @@ def _embedding(out, ins, attrs):
     inside = (local >= 0) & (local < rows)
     torch.index_select(table, 0, local.clamp(0, rows - 1), out=out)
     out.mul_(inside.unsqueeze(1).to(out.dtype))
+
+
+# ---- temporaries -----------------------------------------------------------------------------------
+# What an implementation above may allocate while it runs (torch's caching allocator), in bytes,
+# an upper bound on CUDA: the backend keeps that much ready on each compute stream before a run,
+# so no kernel calls cudaMalloc mid-run (TURNIP section 5: no allocation while a graph runs).
+# Ops not listed write `out` in place (out= variants, copy_) and allocate nothing; an op added
+# elsewhere without an entry is assumed to need one output-sized temporary.
+TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
+TEMPS: dict[str, TempBytes] = {}
+IN_PLACE = frozenset({"matmul", "add", "mul", "scale", "softmax", "silu", "transpose", "concat", "linear"})
+
+
+def temp_bytes(op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> int:
+    """Upper bound of the bytes `op`'s implementation allocates besides `out` (see TEMPS)."""
+    if op in IN_PLACE:
+        return 0
+    fn = TEMPS.get(op)
+    return _nbytes(out) if fn is None else fn(out, ins, attrs)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _temps(name: str):
+    def deco(fn: TempBytes) -> TempBytes:
+        TEMPS[name] = fn
+        return fn
+
+    return deco
+
+
+@_temps("rmsnorm")
+def _rmsnorm_temps(out, ins, attrs):
+    # F.rms_norm's result, plus what its unfused form makes (a float32 copy, its square, the
+    # normalized product): fused on CUDA it needs only the first
+    return _nbytes(out) + 3 * ins[0].numel() * 4
+
+
+@_temps("rope")
+def _rope_temps(out, ins, attrs):
+    return 2 * _nbytes(ins[0])  # the rotated half-swapped copy and the negated half
+
+
+def _attention_temps(q: torch.Tensor, kv: list[torch.Tensor], attrs: Mapping, masked: bool) -> int:
+    m = len(kv) // 2
+    h = attrs["heads"]
+    kvh = attrs["kv_heads"] or h
+    t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
+    d = q.shape[1] // h
+    esz = q.element_size()
+    kv_bytes = 2 * s * kvh * d * esz if m > 1 else 0  # the concatenated key and value tiles
+    if kvh != h:
+        kv_bytes += 2 * s * h * d * esz  # grouped heads repeated to every query head
+    mask = t * s + 16 * (t + s) if masked else 0  # a boolean mask made from two aranges
+    o = t * h * d * esz + t * h * 4  # SDPA's output and its log-sum-exp
+    # the math fallback (masks the fused kernels refuse) materializes scores and probabilities
+    scores = 2 * t * s * h * max(esz, 4)
+    return kv_bytes + mask + o + scores
+
+
+@_temps("attention")
+def _attention_temps_op(out, ins, attrs):
+    return _attention_temps(ins[0], ins[1:], attrs, attrs["causal"])
+
+
+@_temps("attention_at")
+def _attention_at_temps(out, ins, attrs):
+    return _attention_temps(ins[0], ins[2:], attrs, True)
+
+
+@_temps("kv_write")
+def _kv_write_temps(out, ins, attrs):
+    return 8 * ins[1].shape[0]  # the row indices
+
+
+@_temps("embedding")
+def _embedding_temps(out, ins, attrs):
+    ids = ins[0].numel()
+    return 3 * 8 * ids + out.shape[0] * out.element_size()  # shifted, clamped ids, mask, its cast

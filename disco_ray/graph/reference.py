@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -13,12 +13,15 @@ from .kernels import run_kernel
 from .taskgraph import Kind, TaskGraph
 
 
-def check_inputs(tg: TaskGraph, inputs: Mapping[str, object]) -> None:
+def check_inputs(tg: TaskGraph, inputs: Mapping[str, object], held: Collection[str] = ()) -> None:
     """Refuses missing inputs and inputs of the wrong shape or dtype, naming the first one.
 
-    Only the caller's inputs are asked for: an input with a source or a state is the worker's.
+    Only the caller's inputs are asked for: an input with a source or a state is the worker's,
+    and one in `held` the workers keep from an earlier run (it may be left out).
     """
     for v in tg.caller_inputs():
+        if v.id not in inputs and v.id in held:
+            continue
         if v.id not in inputs:
             raise RunError(f"input {v.id!r} is missing (shape {list(v.shape)}, {v.dtype})")
         t = inputs[v.id]
