@@ -113,6 +113,17 @@ def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
 
     k = heads(ks[0] if len(ks) == 1 else torch.cat(ks, dim=0), kvh)
     v = heads(vs[0] if len(vs) == 1 else torch.cat(vs, dim=0), kvh)
+    t, g = q.shape[0], h // kvh
+    if g > 1 and t * g <= 64:
+        # a few query rows (a decode step): each key/value head's group of query heads in one
+        # product, instead of copying keys and values per query head for the fused kernel
+        qg = q.unflatten(-1, (kvh, g, -1)).permute(1, 2, 0, 3).reshape(kvh, g * t, -1)
+        sc = torch.matmul(qg, k[0].transpose(-1, -2)).mul_(scale)
+        if mask is not None:
+            sc.masked_fill_(~mask.repeat(g, 1), float("-inf"))
+        o = torch.matmul(sc.softmax(-1), v[0])  # [kvh, g*t, d]
+        out.unflatten(-1, (kvh, g, -1)).copy_(o.unflatten(1, (g, t)).permute(2, 0, 1, 3))
+        return
     if kvh != h:
         k, v = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)
     o = scaled_dot_product_attention(heads(q, h), k, v, attn_mask=mask, scale=scale)
