@@ -154,6 +154,8 @@ class Executor:
             self.loads.release()
             raise
         self._skip: frozenset[int] = frozenset()
+        self._acc_started: set[str] = set()  # sum-into groups whose first member was launched
+        self._acc_first: dict[int, bool] = {}  # sum-into member -> it is its group's first
         self._lock = threading.Lock()
         self._sanitizer: Sanitizer | None = None
         self._check = False
@@ -209,6 +211,8 @@ class Executor:
                 raise RunError(f"gpu:{self.gpu}: a run is still in progress")
             # loads of values the arena still holds from the last run are skipped (actors/loads.py)
             self._skip = self.loads.begin(inputs, self.arena_slot)
+            self._acc_started = set()
+            self._acc_first = {}
             if check:
                 if self._sanitizer is None:
                     self._sanitizer = Sanitizer(
@@ -217,6 +221,7 @@ class Executor:
                         self.host.numel(),
                         self.granule,
                         lambda vid: describe(self.mg, vid),
+                        self._acc_alias(),
                     )
                 self._sanitizer.reset()
             self._check = check
@@ -270,11 +275,22 @@ class Executor:
         except RunError as e:
             self._fail(None, e)
 
+    def _acc_alias(self) -> dict[int, int]:
+        """Sum-into member -> its group's last member (the writer its readers name)."""
+        last: dict[str, int] = {}
+        for vid, key in self.core.groups.items():
+            last[key] = max(last.get(key, vid), vid)
+        return {vid: last[key] for vid, key in self.core.groups.items()}
+
     def _pump(self) -> None:
         # caller holds the lock
         if self._error is None:
             mode = self._mode
             for vid, s, waits in self.slots.take():
+                key = self.core.groups.get(vid)
+                if key is not None:  # one member at a time (the core's lock): the first writes
+                    self._acc_first[vid] = key not in self._acc_started
+                    self._acc_started.add(key)
                 self.backend.submit(s, vid, waits, mode.get(vid, LAUNCH))
 
     @property
@@ -285,15 +301,17 @@ class Executor:
         if self._error is not None:  # the run failed: what was launched ahead is skipped
             return
         p = self.plans[vid]
-        if self._delay is not None:
-            time.sleep(self._rng.uniform(*self._delay))
         san = self._sanitizer if self._check else None
         if san is not None:
             for value, loc, src in p.checks:
                 san.check_read(vid, value, loc, src, "before it ran")
             san.begin_write(p.out_loc, vid)
+        if self._delay is not None:  # inside the write: a writer overlapping it is seen
+            time.sleep(self._rng.uniform(*self._delay))
         k = p.kind
-        if k == K_KERNEL:
+        if k == K_KERNEL and vid in self.core.groups and not self._acc_first[vid]:
+            self.backend.kernel("add", p.out, [p.out, p.ins[0]], p.attrs)  # sum-into: add the operand
+        elif k == K_KERNEL:
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
         elif k == K_COPY:
             self.backend.copy(p.out, p.ins[0])

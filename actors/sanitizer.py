@@ -6,6 +6,10 @@ runs, so both a wrong plan (another value lies there) and a race (a writer overl
 in time, which random delays make likely) stop the run with a RunError naming the reader, the
 expected and the found writer. Granules are the gcd of every offset and size of the worker's
 ranges (at most 256 bytes), so two tensors never share one.
+
+The sum-into kernels of one `accumulate` write its range one at a time in any order: they record
+the group's last member (the writer its readers name, `alias`), and a member that starts while
+another member of its group is writing fails the run (the write lock was not held).
 """
 
 from __future__ import annotations
@@ -34,9 +38,16 @@ class Sanitizer:
     """Shadow writers of one worker's arena (device `gpu`) and host store."""
 
     def __init__(
-        self, gpu: int, arena_bytes: int, host_bytes: int, granule: int, describe: Callable[[int], str]
+        self,
+        gpu: int,
+        arena_bytes: int,
+        host_bytes: int,
+        granule: int,
+        describe: Callable[[int], str],
+        alias: dict[int, int] | None = None,
     ):
         self.gpu = gpu
+        self.alias = alias or {}  # sum-into member -> the member its group's readers name
         self.granule = granule
         self.describe = describe
         self._shadow = {
@@ -54,10 +65,17 @@ class Sanitizer:
         return self._shadow[loc.device][loc.offset // g : -(-loc.end // g)]
 
     def begin_write(self, loc: Loc, vid: int) -> None:
-        self._slice(loc)[:] = -2 - vid
+        who = self.alias.get(vid, vid)
+        s = self._slice(loc)
+        if vid in self.alias and s.size and (s == -2 - who).any():
+            raise RunError(
+                f"sanitizer: {self.describe(vid)} on gpu:{self.gpu} started while another sum-into "
+                "kernel of its group was writing (no write lock)"
+            )
+        s[:] = -2 - who
 
     def end_write(self, loc: Loc, vid: int) -> None:
-        self._slice(loc)[:] = vid
+        self._slice(loc)[:] = self.alias.get(vid, vid)
 
     def check_read(self, reader: int, value: str, loc: Loc, expect: int, when: str) -> None:
         """Raises RunError unless every granule of `loc` was last written, completely, by `expect`."""

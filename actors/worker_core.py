@@ -11,6 +11,12 @@ their completion itself (a CUDA event), so the GPU never idles while the host pr
 kernel of a chain. Copies (loads, offloads, transfers) are only ever started when ready: a copy
 lane is FIFO, and a copy queued on it ahead of time would hold back every later copy.
 
+Sum-into groups (TURNIP appendix A): the kernels of one `accumulate` (MemGraph vertices with
+`acc`) add their operands into one range in any order, one at a time: the core makes at most one
+member of a group ready at once (the group's write lock, taken when a member becomes ready and
+released when it completes); the others wait, by id, until it is released. Members are never
+launched ahead.
+
 Priority: when a stream frees, the worker starts the ready vertex with the LOWEST MemGraph id.
 The planner numbers vertices in its serial order (the simulated execution BUILDMEMGRAPH followed,
 TURNIP section 6), so lowest-id-first follows that plan where it can and deviates only when the
@@ -33,7 +39,10 @@ class WorkerCore:
         self.gpu = gpu
         gpu_of = {v.id: v.gpu for v in mg.vertices}
         self.mine = [v.id for v in mg.vertices if v.gpu == gpu]
-        self.kernels = frozenset(v.id for v in mg.vertices if v.gpu == gpu and v.kind is MKind.KERNEL)
+        self.groups = {v.id: v.value for v in mg.vertices if v.gpu == gpu and v.acc is not None}
+        self.kernels = frozenset(
+            v.id for v in mg.vertices if v.gpu == gpu and v.kind is MKind.KERNEL and v.id not in self.groups
+        )
         preds: dict[int, int] = dict.fromkeys(self.mine, 0)
         self.local_succs: dict[int, list[int]] = {}
         self.local_preds: dict[int, list[int]] = {}
@@ -58,7 +67,19 @@ class WorkerCore:
         self.launched: set[int] = set()
         self.ready: list[int] = []  # heap of ids: dispatched, local predecessors done
         self.queued: list[int] = []  # heap of kernel ids: dispatched, local predecessors launched
+        self.held: set[str] = set()  # sum-into groups with a member ready or running
+        self.parked: dict[str, list[int]] = {}  # group -> heap of its other ready members
         self.done = 0
+
+    def _ready(self, v: int) -> None:
+        key = self.groups.get(v)
+        if key is None:
+            heapq.heappush(self.ready, v)
+        elif key in self.held:
+            heapq.heappush(self.parked.setdefault(key, []), v)
+        else:
+            self.held.add(key)
+            heapq.heappush(self.ready, v)
 
     def dispatch(self, vids: Iterable[int]) -> None:
         """The coordinator hands over `vids`; those whose local predecessors are done become ready."""
@@ -69,7 +90,7 @@ class WorkerCore:
                 raise RunError(f"gpu:{self.gpu} was handed vertex {v} twice")
             self.dispatched.add(v)
             if self.left[v] == 0:
-                heapq.heappush(self.ready, v)
+                self._ready(v)
             elif self.ahead and self.unlaunched[v] == 0 and v in self.kernels:
                 heapq.heappush(self.queued, v)
 
@@ -89,11 +110,17 @@ class WorkerCore:
         """`vid` finished; its local successors that are dispatched, unblocked and not launched
         yet become ready."""
         self.done += 1
+        key = self.groups.get(vid)
+        if key is not None:  # the group's lock passes to its next ready member, if any
+            self.held.discard(key)
+            waiting = self.parked.get(key)
+            if waiting:
+                self._ready(heapq.heappop(waiting))
         for w in self.local_succs.get(vid, ()):
             k = self.left[w] - 1
             self.left[w] = k
             if k == 0 and w in self.dispatched and w not in self.launched:
-                heapq.heappush(self.ready, w)
+                self._ready(w)
 
     def pop(self) -> int | None:
         """The ready vertex with the lowest id (the planner's order), or None."""

@@ -7,17 +7,36 @@ from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 
 def naive_memgraph(tg: TaskGraph, extra_edges=()) -> MemGraph:
-    """Every TaskGraph vertex gets its own byte range (nothing reused, nothing offloaded)."""
+    """Every TaskGraph vertex gets its own byte range (nothing reused, nothing offloaded); an
+    `accumulate` becomes one sum-into kernel per operand (any order, one at a time)."""
     pos: dict[str, int] = {}
+    members: dict[str, list[int]] = {}  # accumulate -> its sum-into kernels
     off = [0] * tg.gpus
     verts, edges = [], []
+
+    def deps(x: str) -> list[int]:
+        return members.get(x, [pos[x]])
+
     for v in tg:
         i = len(verts)
-        ins = tuple(Read(x, pos[x], verts[pos[x]].out) for x in v.inputs)
         kind = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKind.TRANSFER}[v.kind]
-        verts.append(MemVertex(i, kind, v.id, v.gpu, ins, Loc(v.gpu, off[v.gpu], v.nbytes)))
+        out = Loc(v.gpu, off[v.gpu], v.nbytes)
         off[v.gpu] += v.nbytes
-        edges += [(pos[x], i, "data") for x in dict.fromkeys(v.inputs)]
+        if v.op == "accumulate":
+            for k, x in enumerate(v.inputs):
+                j = len(verts)
+                verts.append(
+                    MemVertex(
+                        j, kind, v.id, v.gpu, (Read(x, pos[x], verts[pos[x]].out),), out, (k, len(v.inputs))
+                    )
+                )
+                edges += [(d, j, "data") for d in deps(x)]
+                members.setdefault(v.id, []).append(j)
+            pos[v.id] = members[v.id][-1]
+            continue
+        ins = tuple(Read(x, pos[x], verts[pos[x]].out) for x in v.inputs)
+        verts.append(MemVertex(i, kind, v.id, v.gpu, ins, out))
+        edges += [(d, i, "data") for x in dict.fromkeys(v.inputs) for d in deps(x)]
         pos[v.id] = i
     edges += [(pos[a], pos[b], "mem") for a, b in extra_edges]
     return MemGraph(list(off), verts, edges, {o: pos[o] for o in tg.outputs})
@@ -66,12 +85,18 @@ def execute_random_order(mg: MemGraph, tg: TaskGraph, inputs, seed: int = 0) -> 
 def _run(mg, tg, inputs, rng, view, succs, indeg, ready) -> None:
     from disco_ray.graph.kernels import run_kernel
 
+    started: set[str] = set()  # sum-into groups whose first member ran (it writes, later ones add)
     while ready:
         p = ready.pop(rng.randrange(len(ready)))
         v = mg.vertices[p]
         out = view(v.out, v.gpu, v.value)
         if v.kind is MKind.INPUT:
             out.copy_(inputs[v.value])
+        elif v.acc is not None:
+            r = v.ins[0]
+            x = view(r.loc, v.gpu, r.value)
+            out.add_(x) if v.value in started else out.copy_(x)
+            started.add(v.value)
         elif v.kind is MKind.KERNEL:
             tv = tg[v.value]
             ins = [view(r.loc, v.gpu, r.value) if r.src is not None else inputs[r.value] for r in v.ins]

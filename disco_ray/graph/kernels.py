@@ -36,6 +36,7 @@ def _matmul(out, ins, attrs):
     torch.matmul(ins[0], ins[1], out=out)
 
 
+@impl("accumulate")
 @impl("add")
 def _add(out, ins, attrs):
     if len(ins) == 1:

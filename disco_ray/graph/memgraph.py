@@ -73,9 +73,12 @@ class MemVertex:
     gpu: int  # where it runs; a transfer runs on (and writes to) its destination GPU
     ins: tuple[Read, ...]
     out: Loc
+    # a sum-into kernel: part k of n of an `accumulate` TaskGraph vertex (reads operand k, adds
+    # it into the sum's range under a write lock; the first of the group to run writes it)
+    acc: tuple[int, int] | None = None
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "id": self.id,
             "kind": self.kind.value,
             "value": self.value,
@@ -83,6 +86,9 @@ class MemVertex:
             "ins": [{"value": r.value, "src": r.src, "loc": r.loc.to_dict()} for r in self.ins],
             "out": self.out.to_dict(),
         }
+        if self.acc is not None:
+            d["accumulate"] = {"part": self.acc[0], "parts": self.acc[1]}
+        return d
 
 
 @dataclass(slots=True)
@@ -203,7 +209,19 @@ class MemGraph:
                     raise FormatError(f'{where}: a read\'s "src" must be a vertex id or null')
                 if not all(isinstance(x, str) for x in (r["value"], *(x.value for x in ins))):
                     raise FormatError(f'{where}: a "value" must be a TaskGraph id (a string)')
-                verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where)))
+                acc = r.get("accumulate")
+                if acc is not None:
+                    ok = (
+                        isinstance(acc, dict)
+                        and all(type(acc.get(k)) is int for k in ("part", "parts"))
+                        and 0 <= acc["part"] < acc["parts"]
+                    )
+                    if not ok or kind is not MKind.KERNEL:
+                        raise FormatError(
+                            f'{where}: "accumulate" must be {{"part": k, "parts": n}} (0 <= k < n) on a kernel'
+                        )
+                    acc = (acc["part"], acc["parts"])
+                verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where), acc))
             edges = []
             for e in doc["edges"]:
                 if not (

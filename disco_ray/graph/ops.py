@@ -153,3 +153,17 @@ register(
         doc="scale * the sum of every element of x, as a tensor [1] (summed in float32)",
     )
 )
+
+
+register(
+    OpSpec(
+        "accumulate",
+        1,
+        None,
+        _infer_same_shape("accumulate"),
+        flops=lambda s, o, a: (len(s) - 1) * numel(o),
+        doc="the sum of 1 or more tensors of one shape, which a plan may compute as sum-into kernels: one "
+        "per operand, each adding its operand into the sum as soon as it exists, in any order, one at a "
+        "time (TURNIP appendix A)",
+    )
+)
