@@ -85,8 +85,11 @@ class WorkerConfig:
     ahead: int | None = None  # kernels launched ahead per stream; None: the backend's default
     flush_s: float = 1e-3  # longest a busy worker holds back a completion another GPU waits for
     lazy_s: float = 0.05  # longest it may hold back the others (see actors/reporter.py)
+    sources: str = "host"  # sourced inputs: "host" (read once, kept) or "disk" (read at each load)
 
     def __post_init__(self) -> None:
+        if self.sources not in ("host", "disk"):
+            raise RunError(f"sources must be 'host' or 'disk', got {self.sources!r}")
         if self.streams < 1:
             raise RunError(f"streams must be >= 1, got {self.streams}")
         if self.ahead is not None and self.ahead < 0:
@@ -141,7 +144,9 @@ class Executor:
         self.views = Views(gpu, mg, tg, self.arena, self.host)
         self.plans: dict[int, VertexPlan] = {v.id: self.views.plan(v) for v in mine}
         stage = getattr(self.backend, "stages_inputs", False)
-        self.loads = Loads(gpu, mg, tg, self.plans, store, self.backend.alloc, stage)
+        self.loads = Loads(
+            gpu, mg, tg, self.plans, store, self.backend.alloc, stage, config.sources == "disk"
+        )
         self.input_values = self.loads.caller  # what the caller hands in
         self.staging = self.loads.staging
         try:  # carried values of this GPU: (value, the vertex holding it at the end, its state)
@@ -321,7 +326,7 @@ class Executor:
             assert p.src_loc is not None  # a transfer's plan has one
             self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
         elif vid not in self._skip:
-            self.backend.copy(p.out, self.loads.inputs[p.value])
+            self.loads.load(p.value, p.out, self.backend.copy)
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
         if exc is None and self._check and self._sanitizer is not None:

@@ -24,6 +24,7 @@ from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
+from .diskio import Streams
 from .plans import K_INPUT, K_RELOAD_INPUT, VertexPlan
 from .store import ArenaSlot, State, WorkerStore, source_key
 
@@ -43,9 +44,14 @@ class Loads:
         store: WorkerStore,
         alloc: Callable[[int, bool], torch.Tensor],
         stage: bool,
+        stream: bool = False,
     ):
+        """`stream`: read sourced inputs from their files at each load (actors/diskio.py) instead
+        of keeping them in host memory."""
         self.gpu, self.tg, self.plans, self.store = gpu, tg, plans, store
         loaded = {p.value for p in plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)}
+        sourced = sorted(x for x in loaded if tg[x].source is not None)
+        self.streams = Streams([tg[x] for x in sourced], store.reader, alloc) if stream else None
         # the caller hands in these; sourced inputs and states are the worker's own
         self.caller = sorted(x for x in loaded if tg[x].from_caller)
         self.given: dict[str, int] = {}  # caller input -> the version of the copy held
@@ -54,6 +60,8 @@ class Loads:
         self._acquired: list[str] = []
         try:
             for x in sorted(loaded - set(self.caller)):
+                if self.streams is not None and x in self.streams:
+                    continue
                 if tg[x].source is not None:
                     self.inputs[x] = store.acquire(tg[x])
                     self._acquired.append(x)
@@ -106,6 +114,14 @@ class Loads:
         self.store.loads_skipped += len(skip)
         slot.holds = {}  # this run writes the arena: only its own end says what it holds
         return frozenset(skip)
+
+    def load(self, value: str, out: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Fills `out` (an input's arena range) with input `value`: from its file when streamed,
+        else with `copy` from its host bytes."""
+        if self.streams is not None and value in self.streams:
+            self.streams.load(value, out)
+        else:
+            copy(out, self.inputs[value])
 
     def _token(self, x: str) -> tuple:
         """What value `x` is in this run: its source, the version of its state or of its copy."""

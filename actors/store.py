@@ -30,6 +30,8 @@ from disco_ray.graph.dtypes import torch_dtype
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.taskgraph import Vertex
 
+from .diskio import FileReader
+
 Alloc = Callable[[int, bool], torch.Tensor]  # (nbytes, host) -> uint8 buffer (a backend's alloc)
 Token = tuple  # what an arena range holds: ("source", key) or ("state", id, version)
 
@@ -72,6 +74,7 @@ class WorkerStore:
         self.states: dict[str, State] = {}
         self._resident: dict[tuple, _Resident] = {}
         self.bytes_read = 0  # from sources, since the store was made
+        self.reader = FileReader()  # streamed sources' reads (actors/diskio.py)
         self.loads_skipped = 0  # input loads a run did not need (the arena held the value)
 
     def arena(self, nbytes: int) -> ArenaSlot:
@@ -147,4 +150,5 @@ class WorkerStore:
             "state_bytes": sum(s.buf.numel() for s in self.states.values()),
             "bytes_read_from_sources": self.bytes_read,
             "loads_skipped": self.loads_skipped,
+            "streamed": self.reader.statistics(),
         }

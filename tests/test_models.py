@@ -251,7 +251,7 @@ def test_cli_generate_prints_tokens_json_and_logits(checkpoints, tmp_path):
         "--block",
         "4",
     ]
-    r = run_cli(*common, "--max-new-tokens", "6", "--gpus", "2", "--ignore-eos")
+    r = run_cli(*common, "--max-new-tokens", "6", "--gpus", "2", "--ignore-eos", "--weights", "disk")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ",".join(map(str, want_tokens))
     out = tmp_path / "logits.npz"

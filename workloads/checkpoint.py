@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
-from disco_ray.graph.sources import Source
+from disco_ray.graph.sources import FILE_DTYPES, Source
 
-SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -182,7 +181,7 @@ class Checkpoint:
                 with safe_open(str(fp), framework="pt") as f:
                     for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                         sl = f.get_slice(key)
-                        dt = SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+                        dt = FILE_DTYPES.get(sl.get_dtype(), sl.get_dtype())
                         self.tensors[key] = (str(fp), tuple(sl.get_shape()), dt)
             except (OSError, SafetensorError) as e:
                 raise UsageError(f"{fp}: not a readable safetensors file ({e})") from None

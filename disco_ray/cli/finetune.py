@@ -55,6 +55,13 @@ def add_finetune(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="of a new adapter's initial A")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, metavar="S", help="give up a step after S seconds")
+    p.add_argument(
+        "--weights",
+        choices=["host", "disk"],
+        default="host",
+        help="keep each worker's weight shards in host memory after one read (host), or read them "
+        "from the checkpoint at each load (disk: no host copy)",
+    )
     add_engine_args(p)
     add_cluster_args(p)
 
@@ -91,6 +98,7 @@ def cmd_finetune(args) -> int:
     spec = LoraSpec(args.lora_rank, args.lora_alpha, tuple(x for x in args.lora_targets.split(",") if x))
     optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)
     kw = engine_kwargs(args)
+    kw["weights"] = args.weights
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     with LoraTrainer(

@@ -59,6 +59,13 @@ def add_generate(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens and statistics")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--timeout", type=float, metavar="S", help="give up a run after S seconds")
+    p.add_argument(
+        "--weights",
+        choices=["host", "disk"],
+        default="host",
+        help="keep each worker's weight shards in host memory after one read (host), or read them "
+        "from the checkpoint at each load (disk: no host copy)",
+    )
     add_engine_args(p)
     add_cluster_args(p)
 
@@ -93,6 +100,7 @@ def cmd_generate(args) -> int:
     tok = _tokenizer(args.model) if args.prompt is not None else None
     ids = tok.encode(args.prompt).ids if tok is not None else args.prompt_ids
     kw = engine_kwargs(args)
+    kw["weights"] = args.weights
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     with LlamaModel(

@@ -60,6 +60,8 @@ class Program:
             Programs (a model's prefill and decode steps); default: a private one, closed with it.
         placement: a `disco_ray.driver.placement.PlacementConfig` (pack/spread, GPU share per worker).
         address: connect to this Ray cluster ("auto", "HOST:PORT") instead of starting a local one.
+        sources: inputs read from files (`source`): "host" keeps each in the worker's host memory
+            after the first read; "disk" reads it from its file at each load (actors/diskio.py).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Program:
         pool: object | None = None,
         placement: object | None = None,
         address: str | None = None,
+        sources: str = "host",
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
@@ -90,7 +93,7 @@ class Program:
         self.tg, self.mg = tg, mg
         self.engine_name, self.backend, self.streams = engine, backend, streams
         self._kw = {
-            "config": WorkerConfig(backend, streams, ahead, flush_s),
+            "config": WorkerConfig(backend, streams, ahead, flush_s, sources=sources),
             "op_modules": tuple(op_modules),
             "num_cpus": num_cpus,
             "pool": pool,

@@ -19,10 +19,17 @@ dimensions it does not name are whole. The block read must have the input's shap
 
 from __future__ import annotations
 
+import functools
+import json
 import operator
+import os
+import struct
 from dataclasses import dataclass
 
 from .errors import FormatError, RunError
+
+# safetensors' dtype names -> ours
+FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,3 +117,32 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
     if tuple(t.shape) != tuple(shape):
         raise RunError(f"{what}: has shape {list(t.shape)}, the input {list(shape)}")
     return t.to(torch_dtype(dtype)).contiguous()
+
+
+def header(path: str, where: str = "") -> dict:
+    """The JSON header of safetensors file `path` (tensor -> dtype, shape, data_offsets), with
+    "__data_start__", the file offset its data offsets count from; read once per file version."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise RunError(
+            f"{where + ': ' if where else ''}source file {path}: cannot read ({e.strerror})"
+        ) from None
+    return _header(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _header(path: str, mtime_ns: int, size: int) -> dict:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise RunError(f"{path}: not a safetensors file (no header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise RunError(f"{path}: not a safetensors file (header of {n} bytes in a file of {size})")
+        try:
+            doc = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RunError(f"{path}: not a safetensors file ({e})") from None
+    doc["__data_start__"] = 8 + n
+    return doc

@@ -42,7 +42,7 @@ class LoraTrainer:
         optim: AdamW (torch.optim.AdamW's update; weight decay 0 unless given) or SGD.
         seed: of a new adapter's A matrices (B starts at zero, as PEFT does).
         grad_sum: how a weight gradient's partials are summed ("add": one n-ary add; "chain").
-        capacity, gpus, dtype, block, engine, backend, streams, ahead, pool, check: as for
+        capacity, gpus, dtype, block, engine, backend, streams, ahead, weights, pool, check: as for
             `disco_ray.models.LlamaModel`.
     """
 
@@ -61,6 +61,7 @@ class LoraTrainer:
         grad_sum: str = "add",
         engine: str = "ray",
         backend: str = "cpu",
+        weights: str = "host",
         streams: int = 5,
         ahead: int | None = None,
         pool: object | None = None,
@@ -95,7 +96,9 @@ class LoraTrainer:
             self.pool = RayPool(**cluster)  # type: ignore[arg-type]
         else:
             self.pool = LocalPool()
-        self._prog_kw = dict(engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool)
+        self._prog_kw = dict(
+            engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool, sources=weights
+        )
         self._programs: dict[tuple[int, int], tuple[TrainGraph, Program]] = {}
         self._written = False  # the adapter's initial states are on the workers
         self.steps_done = 0

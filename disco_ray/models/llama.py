@@ -77,6 +77,8 @@ class LlamaModel:
         tile: prefill row tile (tokens, a multiple of `block`; default 4 blocks): larger tiles make
             larger matrix products, smaller ones smaller activations.
         engine, backend, streams, ahead, num_cpus, address, placement: as for `Program`.
+        weights: "host" (each worker reads its shards once and keeps them in host memory) or
+            "disk" (each load reads them from the checkpoint files: host memory holds none).
         check: run the sanitizer in every run (slow; for tests).
         pool: a `RayPool` / `LocalPool` to run on and keep (default: one of its own, closed
             with the model).
@@ -93,6 +95,7 @@ class LlamaModel:
         tile: int | None = None,
         engine: str = "ray",
         backend: str = "cpu",
+        weights: str = "host",
         streams: int = 5,
         ahead: int | None = None,
         num_cpus: int | None = None,
@@ -129,7 +132,9 @@ class LlamaModel:
             self.pool = RayPool(num_cpus=num_cpus, placement=placement, address=address)
         else:
             self.pool = LocalPool()
-        self._prog_kw = dict(engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool)
+        self._prog_kw = dict(
+            engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool, sources=weights
+        )
         self._programs: dict[tuple, tuple[ModelGraph, Program]] = {}
         self.planning_s = 0.0
         self.load_s = 0.0  # loading graphs into the workers (the first also reads the weights)

@@ -1,0 +1,193 @@
+"""Reading a graph input from its file at the moment the plan loads it, at the disk's speed.
+
+A worker that streams its sourced inputs (`WorkerConfig.sources == "disk"`) keeps no copy of them
+in host memory: each load vertex reads its block of the safetensors file into a bounce buffer and
+copies it into the arena (on CUDA: the bounce buffer is pinned, the copy is host-to-device). The
+reads go in large aligned blocks through O_DIRECT where the file system allows it (so the page
+cache neither hides the cost nor fills host memory with the model), buffered where it does not
+(tmpfs, some network file systems). Bounce buffers are made when the graph is loaded, two per
+worker by default, each the size of the largest block: loads on several lanes take turns on them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from disco_ray.graph import sources
+from disco_ray.graph.dtypes import torch_dtype
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.taskgraph import Vertex
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffer addresses on common file systems
+
+
+def aligned(nbytes: int, alloc: Callable[[int, bool], torch.Tensor]) -> torch.Tensor:
+    """A uint8 host buffer of `nbytes` whose address is a multiple of ALIGN (from `alloc`)."""
+    raw = alloc(nbytes + ALIGN, True)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off : off + nbytes]
+
+
+class FileReader:
+    """Reads byte ranges of files, O_DIRECT where it works; counts bytes and seconds."""
+
+    def __init__(self, direct: bool = True):
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self._fds: dict[str, tuple[int, bool]] = {}
+        self._lock = threading.Lock()
+        self.bytes = 0  # the bytes asked for
+        self.io_bytes = 0  # the bytes read (whole aligned blocks)
+        self.seconds = 0.0
+        self.direct_reads = 0
+        self.buffered_reads = 0
+
+    def _fd(self, path: str, direct: bool) -> int:
+        got = self._fds.get(path)
+        if got is not None and got[1] == direct:
+            return got[0]
+        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        fd = os.open(path, flags)
+        if got is not None:
+            os.close(got[0])
+        self._fds[path] = (fd, direct)
+        return fd
+
+    def read(self, path: str, offset: int, nbytes: int, buf: torch.Tensor) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) of `path`, as a view into `buf` (aligned, at least
+        `span(offset, nbytes)` bytes)."""
+        start = offset - offset % ALIGN
+        end = -(-(offset + nbytes) // ALIGN) * ALIGN
+        view = memoryview(buf.numpy()).cast("B")[: end - start]  # type: ignore[arg-type]
+        t = time.perf_counter()
+        with self._lock:
+            direct = self.direct and self._fds.get(path, (0, True))[1]
+            try:
+                got = self._read_all(self._fd(path, direct), view, start, offset + nbytes - start)
+            except OSError as e:
+                if not direct or e.errno not in (22, 95):  # EINVAL, EOPNOTSUPP: no O_DIRECT here
+                    raise
+                got = self._read_all(self._fd(path, False), view, start, offset + nbytes - start)
+                direct = False
+            if direct:
+                self.direct_reads += 1
+            else:
+                self.buffered_reads += 1
+            self.bytes += nbytes
+            self.io_bytes += got
+            self.seconds += time.perf_counter() - t
+        return buf[offset - start : offset - start + nbytes]
+
+    @staticmethod
+    def _read_all(fd: int, view: memoryview, start: int, need: int) -> int:
+        got = 0
+        while got < need:
+            n = os.preadv(fd, [view[got:]], start + got)
+            if n <= 0:
+                raise RunError(f"short read: {got} of {need} bytes")
+            got += n
+        return got
+
+    def statistics(self) -> dict:
+        return {
+            "bytes_read": self.bytes,
+            "io_bytes": self.io_bytes,
+            "read_s": round(self.seconds, 6),
+            "read_gb_per_s": round(self.io_bytes / self.seconds / 1e9, 3) if self.seconds else None,
+            "direct_reads": self.direct_reads,
+            "buffered_reads": self.buffered_reads,
+        }
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class FileBlock:
+    """Where a sourced input's block lies in its file: whole rows [offset, offset + nbytes) of
+    `rows` x `cols` elements of `file_dtype`, of which columns [c0, c1) are the block."""
+
+    path: str
+    offset: int
+    nbytes: int
+    rows: tuple[int, ...]  # the rows' shape (leading dims sliced)
+    file_dtype: str
+    cols: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, v: Vertex) -> FileBlock:
+        assert v.source is not None
+        src = v.source
+        where = f"input {v.id!r}"
+        h = sources.header(src.path, where)
+        meta = h.get(src.tensor)
+        if not isinstance(meta, dict):
+            raise RunError(f"{where}: source {src.describe()}: the file has no tensor {src.tensor!r}")
+        dtype = sources.FILE_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise RunError(f"{where}: source {src.describe()}: unsupported file dtype {meta['dtype']}")
+        full = tuple(meta["shape"])
+        begin = h["__data_start__"] + meta["data_offsets"][0]
+        item = torch_dtype(dtype).itemsize
+        sl = list(src.slices) + [None] * (len(full) - len(src.slices))
+        if any(s is not None for s in sl[2:]) or len(full) == 0:
+            raise RunError(f"{where}: source {src.describe()}: only the first two dims may be sliced")
+        r0, r1 = sl[0] if sl and sl[0] is not None else (0, full[0])
+        row = item
+        for d in full[1:]:
+            row *= d
+        cols = sl[1] if len(sl) > 1 else None
+        shape = (r1 - r0, *full[1:])
+        if cols is not None and (cols[1] > full[1]):
+            raise RunError(f"{where}: source {src.describe()}: columns {cols[0]}:{cols[1]} exceed {full[1]}")
+        return cls(src.path, begin + r0 * row, (r1 - r0) * row, shape, dtype, cols)
+
+    def copy_into(self, raw: torch.Tensor, out: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> None:
+        """The block from its file bytes `raw` into `out` (uint8 view of `shape` x `dtype`)."""
+        t = raw.view(torch_dtype(self.file_dtype)).view(self.rows)
+        if self.cols is not None:
+            t = t[:, self.cols[0] : self.cols[1]]
+        out.view(torch_dtype(dtype)).view(shape).copy_(t)
+
+
+class Streams:
+    """The streamed sourced inputs of one graph on one worker: their file blocks, the bounce
+    buffers and the reader."""
+
+    def __init__(
+        self,
+        inputs: list[Vertex],
+        reader: FileReader,
+        alloc: Callable[[int, bool], torch.Tensor],
+        buffers: int = 2,
+    ):
+        self.blocks = {v.id: FileBlock.of(v) for v in inputs}
+        self.vertex = {v.id: v for v in inputs}
+        self.reader = reader
+        span = max((b.nbytes + 2 * ALIGN for b in self.blocks.values()), default=0)
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        for _ in range(buffers if self.blocks else 0):
+            self._free.put(aligned(span, alloc))
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.blocks
+
+    def load(self, value: str, out: torch.Tensor) -> None:
+        """Reads input `value`'s block from its file into `out` (its uint8 arena range)."""
+        b, v = self.blocks[value], self.vertex[value]
+        buf = self._free.get()
+        try:
+            raw = self.reader.read(b.path, b.offset, b.nbytes, buf)
+            b.copy_into(raw, out, v.dtype, v.shape)
+            if out.is_cuda:  # the bounce buffer is free again only once the copy has read it
+                torch.cuda.current_stream(out.device).synchronize()
+        finally:
+            self._free.put(buf)
