@@ -456,6 +456,10 @@ class Executor:
         self._reporter.close()
         self.backend.close()
         self.loads.release()
+        # drop every view of the arena, so that the store's release really frees it
+        self.views = self.arena = self.arena_slot = None  # type: ignore[assignment]
+        self.plans = {}
+        self.store.release_arena(self.mg.capacity[self.gpu])
 
 
 def make_backend(name: str, device: int | None = None) -> Backend:

@@ -11,7 +11,8 @@ A worker may hold several graphs at once (a model's prefill and its decode steps
   once, not at every decode step.
 - **resident inputs**: the value of each `Source` (a block of a safetensors file), read once when
   the first graph naming it is loaded, kept in host memory (pinned where the backend pins) for
-  every graph and run that names it, and dropped when no loaded graph names it any more.
+  every graph and run that names it, for as long as the worker lives (`drop_unused` frees those
+  no loaded graph names). With sources streamed from disk (`actors.diskio`) there are none.
 - **states**: named values a run saves (`TaskGraph.carry`) and later runs read (`state` inputs),
   for example a KV cache. Each has a version that counts its saves.
 
@@ -42,6 +43,7 @@ class ArenaSlot:
 
     buf: torch.Tensor
     holds: dict[tuple[int, int], Token] = field(default_factory=dict)  # (offset, nbytes) -> token
+    users: int = 0  # graphs loaded on it
 
 
 @dataclass(slots=True)
@@ -78,11 +80,30 @@ class WorkerStore:
         self.loads_skipped = 0  # input loads a run did not need (the arena held the value)
 
     def arena(self, nbytes: int) -> ArenaSlot:
-        """The arena of `nbytes` bytes, made on first use and shared by every graph of that capacity."""
+        """The arena of `nbytes` bytes, made on first use and shared by every graph of that capacity;
+        each graph that takes it gives it back with `release_arena`."""
         slot = self.arenas.get(nbytes)
         if slot is None:
             slot = self.arenas[nbytes] = ArenaSlot(self._alloc(nbytes, False))
+        slot.users += 1
         return slot
+
+    def release_arena(self, nbytes: int) -> bool:
+        """A graph on the arena of `nbytes` is unloaded; the last one frees it (on CUDA the memory
+        goes back to the device: elastic capacity). True if it was freed."""
+        slot = self.arenas.get(nbytes)
+        if slot is None:
+            return False
+        slot.users -= 1
+        if slot.users > 0:
+            return False
+        del self.arenas[nbytes]
+        if slot.buf.is_cuda:
+            import torch
+
+            del slot
+            torch.cuda.empty_cache()  # torch's caching allocator would keep the block otherwise
+        return True
 
     def acquire(self, v: Vertex) -> torch.Tensor:
         """The uint8 host bytes of sourced input `v`, read from its source on first use."""
@@ -101,13 +122,19 @@ class WorkerStore:
         return r.buf
 
     def release(self, v: Vertex) -> None:
-        """A graph that acquired `v` is unloaded: the value is dropped when nobody else uses it."""
-        key = source_key(v)
-        r = self._resident.get(key)
+        """A graph that acquired `v` is unloaded. The value stays for the worker's later graphs
+        (a model's plans for another capacity, say) until `drop_unused` or the store goes."""
+        r = self._resident.get(source_key(v))
         if r is not None:
             r.users -= 1
-            if r.users <= 0:
-                del self._resident[key]
+
+    def drop_unused(self) -> int:
+        """Drops the resident inputs no loaded graph uses; returns the bytes freed."""
+        unused = [k for k, r in self._resident.items() if r.users <= 0]
+        freed = sum(self._resident[k].buf.numel() for k in unused)
+        for k in unused:
+            del self._resident[k]
+        return freed
 
     def state(self, id: str, nbytes: int, dtype: str) -> State:
         """State `id`, made (zero) on first use; RunError if it exists with another size."""

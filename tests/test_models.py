@@ -167,9 +167,20 @@ def test_the_ray_engine_generates_the_same_tokens(checkpoints, pool):  # noqa: F
     path, hf = checkpoints["gqa_tied_sharded"]
     want_logits, want_tokens = expected(hf, PROMPT, 5)
     cap = capacity(path, 2, "tight", 5)
+    import ray
+
+    from disco_ray.driver.elastic import budget_actor
+
     with LlamaModel(path, gpus=2, capacity=cap, block=BLOCK, engine="ray", pool=pool) as m:
         assert rel_err(m.prefill(PROMPT), want_logits) <= 1e-4
+        # another job asks this one, through a named actor, to run in less memory
+        actor = budget_actor("test")
+        ray.get(ray.get_actor("disco-budget-test").request.remote([c // 2 for c in cap]))
+        m.watch(actor)
         assert m.generate(PROMPT, 5, stop_at_eos=False) == want_tokens
+        assert [r["capacity"] for r in m.resizes] == [[c // 2 for c in cap]]
+        assert m.resizes[0]["since_request_s"] > 0
+        ray.kill(actor)
 
 
 # ---- refused checkpoints and arguments -------------------------------------------------------
@@ -325,3 +336,56 @@ def test_cli_generate_takes_a_text_prompt_with_the_checkpoints_tokenizer(checkpo
     assert doc["text"].split() == [words[i] for i in want]
     r = run_cli("generate", path, "--prompt", "w1 w2", "--max-new-tokens", "1", "--capacity", "1MiB")
     assert r.returncode == 2 and "tokenizer.json, which is missing" in r.stderr
+
+
+# ---- elastic capacity --------------------------------------------------------------------------
+class ScriptedBudget:
+    """A budget that asks for capacity `plan[k]` at its k-th poll (None: no change)."""
+
+    def __init__(self, plan):
+        from disco_ray.driver.elastic import Budget
+
+        self.plan, self.budget, self.polls = list(plan), Budget(), 0
+
+    def poll(self):
+        if self.polls < len(self.plan) and self.plan[self.polls] is not None:
+            self.budget.request(self.plan[self.polls])
+        self.polls += 1
+        return self.budget
+
+
+def test_capacity_shrinks_and_grows_between_decode_steps_with_the_same_tokens(checkpoints):
+    path, hf = checkpoints["gqa_tied_sharded"]
+    _, want = expected(hf, PROMPT, 9)
+    b = capacity_bounds(path, gpus=2, prompt=len(PROMPT), new_tokens=9, block=BLOCK)
+    roomy, small = b["roomy"][0], max(b["min"][0] + 2048, b["roomy"][0] // 4)
+    with LlamaModel(path, gpus=2, capacity=roomy, block=BLOCK, engine="local", check=True) as m:
+        tiny = b["min"][0] // 2  # below what one vertex needs: the plan runs at that minimum
+        m.watch(ScriptedBudget([None, small, None, None, roomy, None, tiny]))
+        gen = m.run_generate(PROMPT, 9, stop_at_eos=False)
+        assert gen.tokens == want
+        assert [r["capacity"][0] for r in m.resizes] == [small, roomy, tiny] and m.clamped >= 1
+        assert all(len(s.arenas) == 1 for s in m.pool.stores.values())  # the others were freed
+        m.watch(None)
+        m.resize(small)
+        assert m.generate(PROMPT, 9, stop_at_eos=False) == want
+        made = [(p["graph"], tuple(p["capacity"])) for p in m.plans]
+        assert len(made) == len(set(made))  # plans are kept per capacity: none was made twice
+
+
+def test_cli_generate_follows_a_budget_file(checkpoints, tmp_path):
+    path, hf = checkpoints["mha"]
+    _, want = expected(hf, PROMPT, 4)
+    (tmp_path / "budget").write_text("128KiB")
+    r = run_cli(
+        "generate", path, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4",
+        "--budget-file", tmp_path / "budget", "--engine", "local", "--block", "4", "--ignore-eos", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["tokens"] == want and doc["resizes"] == []
+    (tmp_path / "budget").write_text("lots")
+    r = run_cli(
+        "generate", path, "--prompt-ids", "1,2", "--max-new-tokens", "1", "--budget-file", tmp_path / "budget"
+    )
+    assert r.returncode == 2 and "--budget-file" in r.stderr and "bad size 'lots'" in r.stderr

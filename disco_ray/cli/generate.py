@@ -60,6 +60,12 @@ def add_generate(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--timeout", type=float, metavar="S", help="give up a run after S seconds")
     p.add_argument(
+        "--budget-file",
+        metavar="FILE",
+        help="a file holding the arena bytes per GPU (e.g. 4GiB), re-read between decode steps: "
+        "the run frees or grows its arenas to follow it (elastic capacity)",
+    )
+    p.add_argument(
         "--weights",
         choices=["host", "disk"],
         default="host",
@@ -89,6 +95,13 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    budget = None
+    if args.budget_file:
+        from disco_ray.driver.elastic import BudgetFile
+
+        budget = BudgetFile(args.budget_file)
+        if args.capacity is None:
+            args.capacity = budget.budget.capacity
     if args.capacity is None:
         raise UsageError("--capacity is required: the arena bytes of each GPU, e.g. 64MiB")
     if args.logits:
@@ -112,6 +125,7 @@ def cmd_generate(args) -> int:
         tile=args.tile,
         **kw,
     ) as model:
+        model.watch(budget)
         gen = model.run_generate(
             ids,
             args.max_new_tokens,
@@ -135,6 +149,8 @@ def cmd_generate(args) -> int:
             "engine": args.engine,
             "backend": args.backend,
             "dtype": stats["dtype"],
+            "resizes": stats["resizes"],
+            "clamped_plans": stats["clamped_plans"],
         }
         if tok is not None:
             doc["text"] = tok.decode(gen.tokens)

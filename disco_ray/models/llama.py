@@ -28,8 +28,9 @@ from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
-from planner import build_memgraph
+from planner import build_memgraph, min_capacity
 from workloads.checkpoint import Checkpoint
 from workloads.llama_model import ModelGraph, decode_graph, prefill_graph
 
@@ -135,47 +136,107 @@ class LlamaModel:
         self._prog_kw = dict(
             engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool, sources=weights
         )
-        self._programs: dict[tuple, tuple[ModelGraph, Program]] = {}
+        self._programs: dict[tuple, tuple[ModelGraph, Program]] = {}  # at the current capacity
+        self._plans: dict[tuple, tuple[ModelGraph, MemGraph]] = {}  # (key, capacity) -> plan
+        self.clamped = 0  # plans made at a vertex's minimum because the capacity was below it
+        self.resizes: list[dict] = []
+        self._budget = None
+        self._budget_seq = 0
         self.planning_s = 0.0
         self.load_s = 0.0  # loading graphs into the workers (the first also reads the weights)
         self.plans: list[dict] = []  # one entry per plan made: what, vertices, seconds, bytes moved
 
     # ---- plans -------------------------------------------------------------------------------
+    def _caps(self) -> list[int]:
+        c = self.capacity
+        return [int(c)] * self.gpus if isinstance(c, int) else [int(x) for x in c]
+
     def _program(self, key: tuple) -> tuple[ModelGraph, Program]:
-        """The graph and Program of `key`, built and planned on first use."""
+        """The graph and Program of `key` at the current capacity: planned on first use (plans
+        are kept per capacity, so going back to a capacity plans nothing)."""
         got = self._programs.get(key)
         if got is not None:
             return got
-        t = time.perf_counter()
-        if key[0] == "prefill":
-            _, blocks, logits, cache = key
-            mgraph = prefill_graph(
-                self.ck, self.gpus, blocks, self.block, self.dtype, logits, cache, self.tile
+        caps = self._caps()
+        planned = self._plans.get((key, tuple(caps)))
+        if planned is None:
+            t = time.perf_counter()
+            if key[0] == "prefill":
+                _, blocks, logits, cache = key
+                mgraph = prefill_graph(
+                    self.ck, self.gpus, blocks, self.block, self.dtype, logits, cache, self.tile
+                )
+            else:
+                mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
+            tg = mgraph.taskgraph
+            need = min_capacity(tg)
+            if self.resizes and any(c < n for c, n in zip(caps, need)):
+                # an elastic budget below what one vertex needs: run at that minimum, not fail
+                # (a capacity given at the start that small is an error, the planner's)
+                self.clamped += 1
+                caps = [max(c, n) for c, n in zip(caps, need)]
+            # the builder's order: layer by layer, each tile's vertices together
+            mg = build_memgraph(tg, caps, order=list(tg.vertices))
+            dt = time.perf_counter() - t
+            self.planning_s += dt
+            self.plans.append(
+                {
+                    "graph": "/".join(str(k) for k in key),
+                    "capacity": caps,
+                    "vertices": len(tg),
+                    "memgraph_vertices": len(mg),
+                    "planning_s": round(dt, 4),
+                    "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
+                    "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
+                }
             )
-        else:
-            mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
-        tg = mgraph.taskgraph
-        # the builder's order: layer by layer, each tile's vertices together (planner/order.py's
-        # default, depth-first from the outputs, streams the weights far more often)
-        mg = build_memgraph(tg, self.capacity, order=list(tg.vertices))
-        dt = time.perf_counter() - t
-        self.planning_s += dt
-        self.plans.append(
-            {
-                "graph": "/".join(str(k) for k in key),
-                "vertices": len(tg),
-                "memgraph_vertices": len(mg),
-                "planning_s": round(dt, 4),
-                "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
-                "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
-            }
-        )
-        prog = Program(tg, mg, **self._prog_kw)
+            planned = self._plans[(key, tuple(self._caps()))] = (mgraph, mg)
+        mgraph, mg = planned
+        prog = Program(mgraph.taskgraph, mg, **self._prog_kw)
         t = time.perf_counter()
         prog.engine  # noqa: B018  (loads the graph into the workers now, not in the first run)
         self.load_s += time.perf_counter() - t
         got = self._programs[key] = (mgraph, prog)
         return got
+
+    def resize(self, capacity: int | str | Sequence[int]) -> dict:
+        """Runs within `capacity` bytes of arena per GPU from now on (elastic capacity): unloads
+        every graph, which frees the arenas (on CUDA the memory goes back to the device), and
+        plans or reuses plans for the new capacity as the next runs need them. The KV cache and
+        the resident weights stay on the workers. Returns the seconds it took to free the memory."""
+        t = time.perf_counter()
+        new = parse_capacity(capacity) if isinstance(capacity, str) else capacity
+        for _, prog in self._programs.values():
+            prog.close()
+        self._programs.clear()
+        self.capacity = new
+        freed = time.perf_counter() - t
+        self.resizes.append({"capacity": self._caps(), "free_s": round(freed, 6)})
+        return self.resizes[-1]
+
+    def watch(self, budget) -> None:
+        """Between decode steps, look for a new capacity in `budget`: anything with `poll()`
+        returning a `Budget` (a `BudgetFile`), or a `BudgetActor` handle (disco_ray.driver.elastic);
+        None stops watching."""
+        self._budget = budget
+        self._budget_seq = 0
+
+    def _poll_budget(self) -> None:
+        b = self._budget
+        if b is None:
+            return
+        if hasattr(b, "poll"):
+            got = b.poll().since(self._budget_seq)
+        else:
+            import ray
+
+            got = ray.get(b.since.remote(self._budget_seq))
+        if got is None:
+            return
+        capacity, asked_at, self._budget_seq = got
+        if capacity != self.capacity:
+            r = self.resize(capacity)
+            r["since_request_s"] = round(time.time() - asked_at, 6)
 
     def _run(
         self,
@@ -253,6 +314,7 @@ class LlamaModel:
                 gen.stopped = "eos"
                 break
             p = n + step - 1  # the position of the token fed in
+            self._poll_budget()  # between steps: a new capacity takes effect here
             logits, _, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p, gen, timeout)
             gen.decode_s.append(dt)
             gen.tokens.append(int(logits[0].argmax()))
@@ -275,6 +337,8 @@ class LlamaModel:
             "plans": list(self.plans),
             "planning_s": round(self.planning_s, 4),
             "load_s": round(self.load_s, 4),
+            "resizes": list(self.resizes),
+            "clamped_plans": self.clamped,
         }
 
     def close(self) -> None:
@@ -305,7 +369,7 @@ def capacity_bounds(
     """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
     prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
     for every tensor of the largest graph at once ("roomy": nothing offloaded)."""
-    from planner import min_capacity, roomy_capacity
+    from planner import roomy_capacity
 
     ck = Checkpoint(path)
     blocks = math.ceil(prompt / block)
