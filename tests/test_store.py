@@ -315,3 +315,21 @@ def test_streamed_weights_give_the_same_outputs_and_are_read_at_each_load(weight
     once = 4 * 16 * 8 * 4  # every weight once
     # roomy: the second run's loads are skipped (the arena holds them); tight: they are read again
     assert read >= once and (read < 2 * once) == (mode == "roomy")
+
+
+def test_a_program_resized_frees_its_arena_and_computes_the_same(weights):
+    path, w = weights
+    tg = chain(path, 2)
+    shared = LocalPool()
+    with compile(tg, None, engine="local", order=list(tg.vertices), pool=shared) as prog:
+        ins = chain_inputs(tg, 0)
+        roomy = list(prog.mg.capacity)
+        torch.testing.assert_close(prog.run(ins)[tg.outputs[0]], expected(w, ins, 2))
+        r = prog.resize(tight_capacity(tg))
+        assert r["capacity"] == [tight_capacity(tg)] * 2
+        assert all(not s.arenas for s in shared.stores.values())  # freed before the next run
+        torch.testing.assert_close(prog.run(ins, check=True)[tg.outputs[0]], expected(w, ins, 2))
+        assert all(list(s.arenas) == [tight_capacity(tg)] for s in shared.stores.values())
+        again = prog.resize(roomy)
+        assert prog.mg.capacity == roomy and again["plan_s"] < r["plan_s"] + 1  # the kept plan
+        torch.testing.assert_close(prog.run(ins)[tg.outputs[0]], expected(w, ins, 2))

@@ -102,6 +102,9 @@ class Program:
         }
         self._engine = None
         self._held: set[str] = set()  # caller inputs the engine's workers keep from earlier runs
+        self._plans: dict[tuple[int, ...], MemGraph] = {}  # capacity -> plan (resize)
+        self._order: Sequence[str] | None = None  # what compile planned with
+        self._alignment = 256
         self.last_summary: dict | None = None
         self.last_records: list[list] | None = None
 
@@ -178,6 +181,30 @@ class Program:
             out["engine"] = self._engine.statistics()
         return out
 
+    def resize(self, capacity: int | str | Sequence[int]) -> dict:
+        """Runs within `capacity` arena bytes per GPU from the next run on (elastic capacity):
+        the engine is closed, which frees the arenas (the memory goes back to the device), and
+        the graph is planned again for the new capacity (plans are kept per capacity; the order
+        and alignment are those it was compiled with). Returns the seconds to free and to plan."""
+        from disco_ray.graph.sizes import parse_capacity
+        from planner import build_memgraph
+        from planner.capacity import capacities
+
+        t0 = time.perf_counter()
+        self.close()
+        t1 = time.perf_counter()
+        caps = tuple(
+            capacities(parse_capacity(capacity) if isinstance(capacity, str) else capacity, self.tg.gpus)
+        )
+        self._plans.setdefault(tuple(self.mg.capacity), self.mg)
+        mg = self._plans.get(caps)
+        if mg is None:
+            mg = self._plans[caps] = build_memgraph(
+                self.tg, list(caps), order=self._order, alignment=self._alignment
+            )
+        self.mg = mg
+        return {"capacity": list(caps), "free_s": t1 - t0, "plan_s": time.perf_counter() - t1}
+
     def close(self) -> None:
         """Kills the engine's actors (and the Ray it started); the Program stays usable."""
         self._held = set()
@@ -212,7 +239,9 @@ def compile(
 
         capacity = parse_capacity(capacity)
     mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
-    return Program(tg, mg, **kw)
+    prog = Program(tg, mg, **kw)
+    prog._order, prog._alignment = order, alignment
+    return prog
 
 
 def run_memgraph(tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], **kw) -> dict[str, torch.Tensor]:
