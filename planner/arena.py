@@ -6,15 +6,24 @@ range. Allocating over a ghost returns its readers, from which the planner adds 
 dependency edges of TURNIP section 4 ("v1 safely overwrites v2"). An allocation keeps the ghosts it
 covered, so retracting it restores the arena exactly.
 
-Free-range choice (TURNIP section 6): among places that fit, the one whose newest ghost is oldest
-(the range whose last use lies furthest in the past), ties to the tighter fit. A host store
-(capacity None) grows at its top when no free range fits, and records its peak.
+Free-range choice (TURNIP section 6), `fit`: "oldest" takes, among free blocks that fit, the one
+whose newest ghost is oldest (its last use lies furthest in the past: the weakest memory edges),
+ties to the tighter fit; "best" takes the tightest fit (least fragmentation), ties to the oldest.
+The planner's default is chosen by simulated makespan (benchmarks/bench_quality.py). Within the
+chosen block the end whose ghosts are older is used. A host store (capacity None) grows at its top
+when no free range fits, and records its peak.
+
+Victims (`best_window`, TURNIP section 6 "simMallocOffld"): the window of blocks whose owners'
+smallest key is largest. A key orders victims: an output reserved and not computed yet is undone
+first (it moves nothing; the later its position, the better), then a kept value nobody reads
+again (it moves to the host and stays there), then live values by their next use, furthest first
+(Belady's MIN for one slot size). Free space beats everything; a pinned owner may not move.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Mapping
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Iterator, Mapping
 from typing import Protocol, cast
 
 import numpy as np
@@ -24,24 +33,27 @@ from .capacity import aligned
 Ghost = tuple[int, int, int, tuple[int, ...]]  # lo, hi, time, readers
 NEVER = -1
 _INF = float("inf")
-_FAR = 1e300  # the distance of an owner nobody reads again: farthest, yet evicting it moves bytes
-
-
+RESERVED = 1e15  # key base of a reserved, unproduced output: undoing it moves nothing
+DONE = 1e14  # key of a kept value nobody reads again (its owner's dist is inf)
 MAX_GHOSTS = 16  # per free block; beyond it the oldest neighbours merge (more, older, memory edges)
+FITS = ("oldest", "best", "fewest")
 
 
 def _bounded(ghosts: list[Ghost]) -> list[Ghost]:
-    """Merges adjacent ghosts, oldest pair first, until at most MAX_GHOSTS remain.
+    """Merges neighbouring ghosts pairwise until at most MAX_GHOSTS remain.
 
     A merged ghost spans both ranges and keeps both reader sets: a later writer of either part
     then waits for all of them. That only adds edges from vertices the simulation has already
     run, so the MemGraph stays correct and acyclic; it bounds the cost of every allocation.
     """
     while len(ghosts) > MAX_GHOSTS:
-        k = min(range(len(ghosts) - 1), key=lambda i: max(ghosts[i][2], ghosts[i + 1][2]))
-        a, b = ghosts[k], ghosts[k + 1]
-        merged = (a[0], b[1], max(a[2], b[2]), tuple(dict.fromkeys(a[3] + b[3])))
-        ghosts[k : k + 2] = [merged]
+        merged = []
+        for i in range(0, len(ghosts) - 1, 2):
+            a, b = ghosts[i], ghosts[i + 1]
+            merged.append((a[0], b[1], a[2] if a[2] > b[2] else b[2], tuple(dict.fromkeys(a[3] + b[3]))))
+        if len(ghosts) % 2:
+            merged.append(ghosts[-1])
+        ghosts = merged
     return ghosts
 
 
@@ -69,7 +81,9 @@ class Victim(Protocol):
 
 
 class Block:
-    __slots__ = ("ghosts", "newest", "off", "owner", "size")
+    """A byte range of an arena, free (owner None) or allocated; blocks form a list in offset order."""
+
+    __slots__ = ("cls", "ghosts", "key", "newest", "next", "off", "owner", "prev", "size")
 
     def __init__(self, off: int, size: int, owner: object = None, ghosts: list[Ghost] | None = None):
         self.off = off
@@ -77,7 +91,11 @@ class Block:
         self.owner = owner  # None: free
         self.ghosts = ghosts if ghosts is not None else []  # free: what lay here; allocated: what it covered
         # a free block's last use of any byte (unused while allocated)
-        self.newest = NEVER if owner is not None else max((g[2] for g in self.ghosts), default=NEVER)
+        self.newest = NEVER if owner is not None else max([g[2] for g in self.ghosts], default=NEVER)
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.key: tuple[int, ...] = (0, 0, 0)  # its key in the free index while free
+        self.cls = 0
 
     @property
     def end(self) -> int:
@@ -96,20 +114,37 @@ def _clip(ghosts: list[Ghost], lo: int, hi: int) -> list[Ghost]:
     ]
 
 
-def _newest(ghosts: list[Ghost], lo: int, hi: int) -> int:
-    return max([g[2] for g in ghosts if g[0] < hi and g[1] > lo], default=NEVER)
+def _top_is_older(ghosts: list[Ghost], lo: int, hi: int, size: int) -> bool:
+    """Whether the last use of [hi - size, hi) is older than that of [lo, lo + size)."""
+    a = b = NEVER
+    bottom, top = lo + size, hi - size
+    for g in ghosts:
+        if g[0] < bottom and g[2] > a:
+            a = g[2]
+        if g[1] > top and g[2] > b:
+            b = g[2]
+    return b < a
 
 
 class Arena:
-    def __init__(self, capacity: int | None, alignment: int = 256):
+    def __init__(self, capacity: int | None, alignment: int = 256, fit: str = "oldest"):
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
         self.align = alignment
+        self.fit = fit
+        self.oldest = fit != "best"  # "fewest" scans like "oldest", by its own key
         # None: unbounded (a host store); a tail smaller than the alignment is never used
         self.capacity = None if capacity is None else capacity // alignment * alignment
-        self.blocks: list[Block] = [Block(0, self.capacity)] if self.capacity else []
-        self.free: set[Block] = set(self.blocks)
-        # kept in step with blocks: offsets for bisect, owners for the vectorised window search
-        self.offs: list[int] = [b.off for b in self.blocks]
-        self.owner_at: list[object] = [None for _ in self.blocks]
+        self.head: Block | None = None
+        self.tail: Block | None = None
+        # free blocks by offset, and an index of them: per size class (bit length), a sorted list
+        # of keys, (newest, size, off) for "oldest" or (size, newest, off) for "best"
+        self.free: dict[int, Block] = {}
+        self.classes: dict[int, list[tuple[int, ...]]] = {}
+        self.nonempty: list[int] = []  # size classes with a free block, ascending
+        if self.capacity:
+            self.head = self.tail = Block(0, self.capacity)
+            self._free_add(self.head)
         self.releases = 0  # bumps on every release: a failed best_free stays failed until it moves
         self.used = 0
         self.peak = 0
@@ -119,145 +154,235 @@ class Arena:
 
     @property
     def top(self) -> int:
-        return self.blocks[-1].end if self.blocks else 0
+        return self.tail.off + self.tail.size if self.tail is not None else 0
 
-    def _find(self, off: int) -> int:
-        """Index of the block holding byte `off`."""
-        return bisect_right(self.offs, off) - 1
+    def blocks(self) -> Iterator[Block]:
+        """The blocks in offset order."""
+        b = self.head
+        while b is not None:
+            yield b
+            b = b.next
+
+    def block_at(self, off: int) -> Block:
+        """The block holding byte `off` (a walk: for the rare paths)."""
+        for b in self.blocks():
+            if b.off <= off < b.off + b.size:
+                return b
+        raise AssertionError(f"no block holds byte {off}")
+
+    # ---- the free index -------------------------------------------------------------------------
+    def _free_add(self, b: Block) -> None:
+        key: tuple[int, ...]
+        if self.fit == "oldest":
+            key = (b.newest, b.size, b.off)
+        elif self.fit == "best":
+            key = (b.size, b.newest, b.off)
+        else:
+            key = (sum([len(g[3]) for g in b.ghosts]), b.newest, b.size, b.off)
+        b.key = key
+        b.cls = c = b.size.bit_length()
+        lst = self.classes.get(c)
+        if lst is None:
+            lst = self.classes[c] = []
+            insort(self.nonempty, c)
+        insort(lst, key)
+        self.free[b.off] = b
+
+    def _free_remove(self, b: Block) -> None:
+        lst = self.classes[b.cls]
+        del lst[bisect_left(lst, b.key)]
+        if not lst:
+            del self.classes[b.cls]
+            del self.nonempty[bisect_left(self.nonempty, b.cls)]
+        del self.free[b.off]
 
     # ---- allocation ---------------------------------------------------------------------------
-    def best_free(self, size: int) -> int | None:
-        """Offset of the best free place for `size` bytes, or None (a host store: None never)."""
+    def best_free(self, size: int) -> tuple[Block | None, int] | None:
+        """(free block, offset in it) of the best place for `size` bytes, or None.
+
+        A host store never answers None: (None, top) means "grow at the top".
+        """
+        classes, nonempty = self.classes, self.nonempty
+        c = size.bit_length()  # classes above c hold only blocks larger than size
+        lst = classes.get(c)
         best = None
-        for b in self.free:
-            if b.size >= size:
-                score = (b.newest, b.size, b.off)
-                if best is None or score < best[0]:
-                    best = (score, b)
+        if self.oldest:
+            if lst:
+                at = 1 if self.fit == "oldest" else 2
+                for key in lst:
+                    if key[at] >= size:
+                        best = key
+                        break
+            for above in nonempty[bisect_right(nonempty, c) :]:
+                key = classes[above][0]
+                if best is None or key < best:
+                    best = key
+        else:
+            if lst:
+                j = bisect_left(lst, (size,))
+                if j < len(lst):
+                    best = lst[j]
+            if best is None:
+                i = bisect_right(nonempty, c)
+                if i < len(nonempty):
+                    best = classes[nonempty[i]][0]
         if best is not None:
-            b = best[1]
-            if b.size > size and _newest(b.ghosts, b.end - size, b.end) < _newest(
-                b.ghosts, b.off, b.off + size
-            ):
-                return b.end - size
-            return b.off
+            b = self.free[best[-1]]
+            if b.size > size and b.ghosts and _top_is_older(b.ghosts, b.off, b.off + b.size, size):
+                return b, b.off + b.size - size
+            return b, b.off
         if self.capacity is None:
-            last = self.blocks[-1] if self.blocks else None
-            return last.off if last is not None and last.owner is None else self.top
+            last = self.tail
+            return (last, last.off) if last is not None and last.owner is None else (None, self.top)
         return None
 
-    def take(self, off: int, size: int, owner: object) -> list[Ghost]:
-        """Allocates [off, off+size) (which must be free) to `owner`; returns the ghosts it covers."""
-        if self.capacity is None and off + size > self.top:
-            if self.blocks and self.blocks[-1].owner is None:
-                self.blocks[-1].size = off + size - self.blocks[-1].off
-            else:
-                self.blocks.append(Block(self.top, off + size - self.top))
-                self.offs.append(self.blocks[-1].off)
-                self.owner_at.append(None)
-                self.free.add(self.blocks[-1])
-        i = self._find(off)
-        b = self.blocks[i]
-        if b.owner is not None or b.end < off + size:
-            raise AssertionError(f"take({off}, {size}) over {b}")
-        free = self.free
-        free.discard(b)
+    def take(self, b: Block | None, off: int, size: int, owner: object) -> tuple[Block, list[Ghost]]:
+        """Allocates [off, off+size) of free block `b` to `owner`: (its block, the ghosts it covers).
+
+        `b` None (a host store): a new block at the top.
+        """
         end = off + size
+        if b is None or b.off + b.size < end:  # a host store grows at its top
+            assert self.capacity is None, (b, off, size)
+            if b is None:
+                b = Block(self.top, end - self.top)
+                self._link_after(self.tail, b)
+            else:
+                self._free_remove(b)
+                b.size = end - b.off
+            self._free_add(b)
+        if b.owner is not None or b.off > off:
+            raise AssertionError(f"take({off}, {size}) over {b}")
+        self._free_remove(b)
         ghosts = b.ghosts
-        covered = _clip(ghosts, off, end) if ghosts else []
-        mid = Block(off, size, owner, covered)
-        new = [mid]
-        if b.off < off:
-            left = Block(b.off, off - b.off, None, _clip(ghosts, b.off, off) if ghosts else None)
-            new.insert(0, left)
-            free.add(left)
-        if end < b.end:
-            right = Block(end, b.end - end, None, _clip(ghosts, end, b.end) if ghosts else None)
-            new.append(right)
-            free.add(right)
-        self.blocks[i : i + 1] = new
-        self.offs[i : i + 1] = [x.off for x in new]
-        self.owner_at[i : i + 1] = [x.owner for x in new]
+        bend = b.off + b.size
+        if b.off == off and bend == end:  # an exact fit: the block itself is taken
+            b.owner = owner
+            mid = b
+            covered = ghosts
+        else:
+            covered = _clip(ghosts, off, end) if ghosts else []
+            mid = Block(off, size, owner, covered)
+            if b.off < off:  # b keeps the part below; mid and any part above come after it
+                if ghosts:
+                    b.ghosts = _clip(ghosts, b.off, off)
+                    b.newest = max([g[2] for g in b.ghosts], default=NEVER)
+                b.size = off - b.off
+                self._link_after(b, mid)
+                self._free_add(b)
+            else:  # b becomes the part above; mid takes its place
+                self._link_before(b, mid)
+            if end < bend:
+                if b.off < off:
+                    right = Block(end, bend - end, None, _clip(ghosts, end, bend) if ghosts else None)
+                    self._link_after(mid, right)
+                else:
+                    right = b
+                    right.off = end
+                    right.size = bend - end
+                    if ghosts:
+                        right.ghosts = _clip(ghosts, end, bend)
+                        right.newest = max([g[2] for g in right.ghosts], default=NEVER)
+                self._free_add(right)
         self.used += size
         if self.used > self.peak:
             self.peak = self.used
-        return covered
+        return mid, covered
 
-    def release(self, off: int, readers: tuple[int, ...] | None, time: int) -> None:
-        """Frees the block at `off`. readers None: a retraction, restoring the ghosts it covered."""
-        i = self._find(off)
-        b = self.blocks[i]
-        assert b.off == off and b.owner is not None, (off, b)
+    def _link_after(self, a: Block | None, b: Block) -> None:
+        b.prev = a
+        b.next = a.next if a is not None else self.head
+        if b.next is not None:
+            b.next.prev = b
+        else:
+            self.tail = b
+        if a is not None:
+            a.next = b
+        else:
+            self.head = b
+
+    def _link_before(self, a: Block, b: Block) -> None:
+        self._link_after(a.prev, b)
+
+    def _unlink(self, b: Block) -> None:
+        if b.prev is not None:
+            b.prev.next = b.next
+        else:
+            self.head = b.next
+        if b.next is not None:
+            b.next.prev = b.prev
+        else:
+            self.tail = b.prev
+
+    def release(self, b: Block, readers: tuple[int, ...] | None, time: int) -> None:
+        """Frees block `b`. readers None: a retraction, restoring the ghosts it covered."""
+        assert b.owner is not None, b
         self.used -= b.size
         self.releases += 1
         b.owner = None
-        self.owner_at[i] = None
         if readers is not None:
-            b.ghosts = [(b.off, b.end, time, readers)]
+            b.ghosts = [(b.off, b.off + b.size, time, readers)]
             b.newest = time
         else:
-            b.newest = max((g[2] for g in b.ghosts), default=NEVER)
-        self.free.add(b)
+            b.newest = max([g[2] for g in b.ghosts], default=NEVER)
         # coalesce with free neighbours
-        if i + 1 < len(self.blocks) and self.blocks[i + 1].owner is None:
-            nxt = self.blocks.pop(i + 1)
-            self.offs.pop(i + 1)
-            self.owner_at.pop(i + 1)
-            self.free.discard(nxt)
+        nxt = b.next
+        if nxt is not None and nxt.owner is None:
+            self._free_remove(nxt)
+            self._unlink(nxt)
             b.size += nxt.size
-            b.ghosts = _bounded(b.ghosts + nxt.ghosts)
-            b.newest = max(b.newest, nxt.newest)
-        if i > 0 and self.blocks[i - 1].owner is None:
-            prev = self.blocks[i - 1]
-            self.free.discard(b)
+            g = b.ghosts + nxt.ghosts
+            b.ghosts = _bounded(g) if len(g) > MAX_GHOSTS else g
+            if nxt.newest > b.newest:
+                b.newest = nxt.newest
+        prev = b.prev
+        if prev is not None and prev.owner is None:
+            self._free_remove(prev)
+            self._unlink(b)
             prev.size += b.size
-            prev.ghosts = _bounded(prev.ghosts + b.ghosts)
-            prev.newest = max(prev.newest, b.newest)
-            self.blocks.pop(i)
-            self.offs.pop(i)
-            self.owner_at.pop(i)
+            g = prev.ghosts + b.ghosts
+            prev.ghosts = _bounded(g) if len(g) > MAX_GHOSTS else g
+            if b.newest > prev.newest:
+                prev.newest = b.newest
+            b = prev
+        self._free_add(b)
 
     # ---- eviction -----------------------------------------------------------------------------
     def best_window(
         self, size: int, pinned: Mapping[int, Victim], at: int | None = None
     ) -> tuple[int, list[Block]] | None:
-        """The window of `size` bytes whose evicted owners' minimum distance is largest.
+        """The window of `size` bytes whose owners' smallest key is largest (see the module header).
 
-        An owner's `dist` is its distance to its next use; owners whose id() is in `pinned` may not
-        move (`pinned` maps id() to owner). Ties go to
-        fewer evicted bytes, then the lower offset. `at` forces the window's offset. Returns
-        (offset, owner blocks to evict) or None when every window holds an owner that may not move.
+        An owner's key is its `dist`: RESERVED + position for an output not computed yet, the
+        position of its next use for a live value, inf for a kept value nobody reads again;
+        owners whose id() is in `pinned` may not move. Ties go to fewer bytes moved (undoing a
+        reservation moves none), then the lower offset. `at` forces the window's offset. Returns
+        (offset, owner blocks to evict or undo) or None when every window holds a pinned owner.
         Windows start at block starts; numpy does every window at once (a sparse-table range minimum).
         """
-        blocks = self.blocks
         capacity = self.capacity
         assert capacity is not None  # a GPU arena: host stores grow instead
+        blocks = list(self.blocks())
         if at is not None:
-            i = self._find(at)
-            j = i
             victims = []
-            while j < len(blocks) and blocks[j].off < at + size:
-                if blocks[j].owner is not None:
-                    if id(blocks[j].owner) in pinned:
+            for b in blocks:
+                if b.off + b.size > at and b.off < at + size and b.owner is not None:
+                    if id(b.owner) in pinned:
                         return None
-                    victims.append(blocks[j])
-                j += 1
+                    victims.append(b)
             return (at, victims) if at + size <= capacity else None
-        offs = np.array(self.offs, dtype=np.int64)
-        # per block: its owner's distance (inf: free; _FAR: an owner never used again; -1: may not move)
-        owner_at = cast("list[Victim | None]", self.owner_at)  # every owner here is one
+        offs = np.array([b.off for b in blocks], dtype=np.int64)
+        owner_at = cast("list[Victim | None]", [b.owner for b in blocks])  # every owner here is one
+        free = np.array([o is None for o in owner_at], dtype=bool)
         keys = np.array([_INF if o is None else o.dist for o in owner_at], dtype=np.float64)
-        owned = keys < _INF
-        keys[keys == _INF] = _FAR
-        keys[~owned] = _INF
+        moves = np.array([b.size for b in blocks], dtype=np.int64)
+        moves *= ~free & (keys < RESERVED)  # a produced value moves; a reservation is undone
+        keys[~free & (keys == _INF)] = DONE
+        where = {id(o): i for i, o in enumerate(owner_at) if o is not None}
         for o in pinned.values():
-            i = bisect_right(self.offs, o.off) - 1
-            if self.owner_at[i] is o:
+            i = where.get(id(o))
+            if i is not None:
                 keys[i] = -1.0
-        moves = np.empty_like(offs)
-        moves[:-1] = offs[1:] - offs[:-1]
-        moves[-1] = self.top - offs[-1]
-        moves *= owned
         starts = np.flatnonzero(offs + size <= capacity)
         if not len(starts):
             return None
@@ -270,11 +395,11 @@ class Arena:
         kmin = _range_min(keys, starts, ends)
         moved = np.concatenate(([0], np.cumsum(moves)))
         moved = moved[ends] - moved[starts]
-        # the farthest minimum distance, then the fewest bytes moved, then the lowest offset
+        # the largest smallest key, then the fewest bytes moved, then the lowest offset
         far = np.flatnonzero(kmin == kmin.max())
         best = far[np.argmin(moved[far])]
         i, j = int(starts[best]), int(ends[best])
-        return self.offs[i], [b for b in blocks[i:j] if b.owner is not None]
+        return int(offs[i]), [b for b in blocks[i:j] if b.owner is not None]
 
     def owners(self) -> list[object]:
-        return [b.owner for b in self.blocks if b.owner is not None]
+        return [b.owner for b in self.blocks() if b.owner is not None]

@@ -1,23 +1,184 @@
 """The serial order V that BUILDMEMGRAPH simulates (TURNIP section 6).
 
-Default heuristic, "finish what you started": a depth-first post-order from the outputs (in the
-order they are listed, then any other sinks), visiting a vertex's operands in operand order. Each
-operand, a weight say, is scheduled just before its first consumer, and one subtree is finished
-before the next starts, which keeps the live set small. Rejected: breadth-first/Kahn order
-(loads every level's inputs long before use, so live sets balloon and the planner offloads more).
+The order is the planner's most important input: memory edges point forward in it, so it bounds
+what the runtime can overlap, and it decides which values are live together. The default is a
+*schedule order*: the start order of a list schedule of the TaskGraph itself on unbounded memory
+(the work-conserving loop of DISCO section 1, one op at a time per lane of each GPU: compute,
+host-to-GPU loads, peer transfers; the lowest TaskGraph list position first among ready vertices),
+with durations from a generic cost model (`Rates`). Loads then come in the order and at the pace
+the link delivers them, and each kernel right after its operands arrive, so a weight serves all
+its consumers back to back (weight reuse) before the next one lands. Loads are paced by memory: a
+graph input starts only while the inputs loaded and not yet consumed on its GPU take at most
+`INPUT_SHARE` of the arena (when a capacity is given), which keeps prefetch from crowding out
+activations when memory is tight.
+
+Measured against the rejected alternatives (benchmarks/bench_quality.py): depth-first from the
+outputs (the former default: finishes one output's subtree, so a sequence-tiled LLaMA runs every
+layer per tile and reloads each layer's weights once per tile), the TaskGraph's own list order
+(good when the builder lays it out level by level, but at a tight capacity it loads a level's
+weights before the activations of the level before are done with), and memory pacing of every
+value instead of inputs only (stalls kernels whose outputs do not fit yet).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from disco_ray.graph import ops
 from disco_ray.graph.errors import GraphError
-from disco_ray.graph.taskgraph import TaskGraph
+from disco_ray.graph.taskgraph import Kind, TaskGraph
+
+from .dense import Dense
+
+INPUT_SHARE = 0.5  # of an arena, for inputs loaded ahead of their consumers (see the header)
+_COMPUTE, _LOAD, _PEER = 0, 1, 2
 
 
-def default_order(tg: TaskGraph) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """The cost model of the schedule order: only ratios matter (an H100-like GPU by default)."""
+
+    flops: float = 750e12  # kernel FLOP/s
+    memory: float = 3e12  # bytes/s a kernel reads and writes
+    load: float = 50e9  # host-to-GPU bytes/s
+    peer: float = 400e9  # GPU-to-GPU bytes/s
+    launch: float = 10e-6  # fixed cost of every vertex
+
+    def durations(self, d: Dense) -> list[float]:
+        """Seconds each vertex of `d` takes on its lane."""
+        verts = list(d.tg)
+        nb = d.nbytes
+        out = []
+        seen: dict[tuple, float] = {}  # kernels of one signature cost the same: graphs repeat them
+        for k, v in enumerate(verts):
+            if v.kind is Kind.INPUT:
+                out.append(self.launch + nb[k] / self.load)
+            elif v.kind is Kind.TRANSFER:
+                out.append(self.launch + nb[k] / self.peer)
+            else:
+                ins = d.inputs[k]
+                sig = tuple([(verts[i].shape, verts[i].dtype) for i in ins])
+                key = (v.op, sig, tuple(v.attrs.items()) if v.attrs else ())
+                cache = True
+                try:
+                    t = seen.get(key)
+                except TypeError:  # an unhashable attribute (a list): not cached
+                    t, cache = None, False
+                if t is None:
+                    spec = ops.OPS[v.op]  # type: ignore[index]
+                    work = 0.0
+                    if spec.flops is not None:
+                        work = float(spec.flops([x[0] for x in sig], v.shape, spec.full_attrs(v.attrs)))
+                    moved = nb[k] + sum(nb[i] for i in ins)
+                    t = self.launch + max(work / self.flops, moved / self.memory)
+                    if cache:
+                        seen[key] = t
+                out.append(t)
+        return out
+
+
+def schedule_order(tg: TaskGraph, capacity: Sequence[int] | None = None, rates: Rates = Rates()) -> list[str]:
+    """The start order of a list schedule of `tg` (see the module header): a topological order.
+
+    Args:
+        tg: the TaskGraph.
+        capacity: arena bytes per GPU; inputs are paced to `INPUT_SHARE` of it (None: not paced).
+        rates: the cost model.
+    """
+    d = Dense(tg)
+    return [d.ids[k] for k in schedule(d, capacity, rates)]
+
+
+def schedule(d: Dense, capacity: Sequence[int] | None = None, rates: Rates = Rates()) -> list[int]:
+    """`schedule_order` on a flattened graph: vertex-list positions in start order."""
+    n = len(d)
+    G = d.gpus
+    gpu = d.gpu
+    lane = [_LOAD if k is Kind.INPUT else _PEER if k is Kind.TRANSFER else _COMPUTE for k in d.kind]
+    dur = rates.durations(d)
+    size = d.nbytes
+    operands = d.operands
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for k, ops_ in enumerate(operands):
+        for i in ops_:
+            succs[i].append(k)
+    waiting = [len(ops_) for ops_ in operands]
+    unread = [len(s) for s in succs]  # consumers not finished yet, per vertex
+    is_input = [ln == _LOAD for ln in lane]
+    budget = [float("inf")] * G if capacity is None else [INPUT_SHARE * c for c in capacity]
+    ahead = [0] * G  # bytes of inputs started and not yet consumed by every reader
+    ready: list[list[list[int]]] = [[[], [], []] for _ in range(G)]  # per GPU and lane: heap
+    busy = [[False] * 3 for _ in range(G)]
+    for k in range(n):
+        if not waiting[k]:
+            ready[gpu[k]][lane[k]].append(k)  # ascending k: already heaps
+    events: list[tuple[float, int]] = []
+    order: list[int] = []
+    push, pop = heapq.heappush, heapq.heappop
+    now = 0.0
+
+    def dispatch(g: int, now: float) -> None:
+        rg, bg = ready[g], busy[g]
+        for ln in (_COMPUTE, _LOAD, _PEER):
+            h = rg[ln]
+            if h and not bg[ln]:
+                k = h[0]
+                if ln == _LOAD:
+                    if ahead[g] and ahead[g] + size[k] > budget[g]:
+                        continue  # paced: wait until consumers free some of the prefetched inputs
+                    ahead[g] += size[k]
+                pop(h)
+                bg[ln] = True
+                order.append(k)
+                push(events, (now + dur[k], k))
+
+    for g in range(G):
+        dispatch(g, 0.0)
+    while events or len(order) < n:
+        if not events:  # only paced loads are ready: start the first of them anyway
+            g = min((g for g in range(G) if ready[g][_LOAD]), key=lambda g: ready[g][_LOAD][0])
+            budget[g] = float("inf")
+            dispatch(g, now)
+            budget[g] = INPUT_SHARE * capacity[g] if capacity is not None else float("inf")
+            continue
+        now, k = pop(events)
+        g = gpu[k]
+        busy[g][lane[k]] = False
+        touched = None
+        for i in operands[k]:
+            unread[i] -= 1
+            if not unread[i] and is_input[i]:
+                ahead[gpu[i]] -= size[i]
+                if gpu[i] != g:
+                    touched = {gpu[i]} if touched is None else touched | {gpu[i]}
+        for w in succs[k]:
+            waiting[w] -= 1
+            if not waiting[w]:
+                push(ready[gpu[w]][lane[w]], w)
+                if gpu[w] != g:
+                    touched = {gpu[w]} if touched is None else touched | {gpu[w]}
+        dispatch(g, now)
+        if touched:
+            for h in touched:
+                dispatch(h, now)
+    return order
+
+
+def default_order(tg: TaskGraph, capacity: Sequence[int] | None = None) -> list[str]:
+    """The planner's default serial order: `schedule_order` (see the module header)."""
+    return schedule_order(tg, capacity)
+
+
+def depth_first_order(tg: TaskGraph) -> list[str]:
+    """The former default: a depth-first post-order from the outputs (then other sinks), operands in order.
+
+    Each operand, a weight say, comes just before its first consumer and one output's subtree is
+    finished before the next starts. Kept for comparison (benchmarks/bench_quality.py).
+    """
     consumed = {i for v in tg for i in v.inputs}
-    kept = tg.kept  # outputs, then carried values
+    kept = tg.kept
     keep = set(kept)
     roots = kept + [v.id for v in tg if v.id not in consumed and v.id not in keep]
     done: set[str] = set()
@@ -34,7 +195,6 @@ def default_order(tg: TaskGraph) -> list[str]:
                 i += 1
             if i < len(ins):
                 stack[-1] = (vid, i + 1)
-                # a vertex is pushed once per path at most; acyclicity makes the walk finite
                 stack.append((ins[i], 0))
             else:
                 stack.pop()

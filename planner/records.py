@@ -2,39 +2,63 @@
 
 from __future__ import annotations
 
-from disco_ray.graph.memgraph import Loc, MKind
+from disco_ray.graph.memgraph import Loc, MKind, Read
+
+DATA, MEM = "data", "mem"  # edge kinds
+STEP = 34  # a record's sort key: (step << STEP) | (1 << OWN) for V[step] itself, else (step << STEP) | seq
+OWN = 33
 
 
 class Rec:
-    """A MemGraph vertex under construction (ids are provisional until the final sort)."""
+    """A MemGraph vertex under construction (ids are provisional until the final sort by `key`).
 
-    __slots__ = ("alloc_deps", "deps", "gpu", "ins", "key", "kind", "out", "value")
+    `value` is the TaskGraph vertex's list position; `ins` holds, per operand, the resident Inst it
+    read, or a (value, src record, location) tuple for a reload. Until the vertex is produced its
+    deps are exactly the memory deps of its allocation (data deps come when it executes), so
+    undoing the allocation clears them.
+    """
 
-    def __init__(self, kind: MKind, value: str, gpu: int, key: tuple):
+    __slots__ = ("deps", "gpu", "ins", "key", "kind", "out", "value")
+
+    def __init__(self, kind: MKind, value: int, gpu: int, key: int):
         self.kind = kind
         self.value = value
         self.gpu = gpu
         self.key = key
-        self.ins: list[tuple[str, int | None, Loc]] = []
+        self.ins: list[Inst | tuple[int, int | None, Loc]] = []
         self.out: Loc | None = None
-        self.deps: dict[int, str] = {}  # provisional id -> "data" | "mem"
-        # memory deps from the current allocation (undone on retraction); made when first needed
-        self.alloc_deps: set[int] | None = None
+        self.deps: dict[int, str] = {}  # provisional id -> DATA | MEM
 
 
 class Inst:
-    """A value resident in a GPU arena: written by `src`, read so far by `readers`.
+    """A value resident in a GPU arena: written by record `src`, read so far by `readers`.
 
-    `dist` is its distance as a victim: the position in V of its next use, or, for an output
-    allocated ahead and not yet produced, its own position (INF: an output nobody reads again).
+    `dist` is its key as a victim (planner.arena): the position in V of its next use, inf for a
+    kept value nobody reads again, RESERVED + its position for an output allocated ahead and not
+    produced yet.
     """
 
-    __slots__ = ("dist", "gpu", "loc", "off", "pos", "produced", "readers", "size", "src", "value")
+    __slots__ = (
+        "block",
+        "dist",
+        "gpu",
+        "loc",
+        "off",
+        "pos",
+        "produced",
+        "read",
+        "readers",
+        "size",
+        "src",
+        "value",
+    )
 
-    def __init__(self, value: str, gpu: int, src: int, loc: Loc, size: int, pos: int, dist: float):
+    def __init__(self, value: int, gpu: int, src: int, loc: Loc, size: int, pos: int, dist: float):
         self.value, self.gpu, self.src, self.loc, self.size = value, gpu, src, loc, size
         self.off = loc.offset
         self.pos = pos
         self.dist = dist
         self.produced = False
         self.readers: list[int] = []
+        self.read: Read | None = None  # its MemGraph Read, made once when the plan is written
+        self.block: object = None  # its arena block (planner.arena.Block)
