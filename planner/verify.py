@@ -6,17 +6,17 @@ exactly that value at exactly that place and happens before the reader, no other
 overlapping range can run between a source and any of its readers, and every output is still in
 place at the end (TURNIP section 6: "v1 safely overwrites v2").
 
-Reachability is an ancestor bitset per vertex (a Python int built in topological order, then
-packed into a numpy bit matrix); overlapping (read, writer) pairs are found per arena by sorting
-writers by offset and windowing each read with `searchsorted`, so the pair tests run vectorised.
-Rejected: all-pairs overlap tests (quadratic in Python) and per-pair graph searches.
+Every condition becomes a batch of "is u an ancestor of w?" questions: each read's source before
+its reader, and, per arena, the few writer orderings that rule out every race (planner.overlap),
+answered together by planner.reach in memory linear in the graph (the former n x n/8-byte bit
+matrix needed ~18 GB for a 65B prefill plan). Rejected: all-pairs overlap tests (quadratic in
+Python) and per-pair graph searches.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -24,7 +24,8 @@ from disco_ray.graph.errors import VerifyError
 from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, device_name
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
-_PAIR_CHUNK = 4_000_000  # candidate (read, writer) pairs tested per numpy batch: bounds memory
+from .overlap import ArenaRaces
+from .reach import Reach
 
 
 class _Full(Exception):
@@ -94,9 +95,8 @@ def _verify(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
         return  # the remaining checks need a topological order
     _check_kinds_and_capacity(mg, sink)
     _check_provenance(tg, mg, sink)
-    anc = _ancestors(preds, order, n)
-    _check_reads(tg, mg, pos, anc, sink)
-    _check_races(tg, mg, pos, anc, sink)
+    reach = Reach([list(set(ps)) for ps in preds], order)
+    _check_order(tg, mg, pos, reach, sink)
 
 
 def _topo(preds: list[list[int]], verts: list[MemVertex], sink: _Sink) -> list[int] | None:
@@ -247,92 +247,56 @@ def _check_provenance(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
             sink.add(f"MemGraph output {name!r} (vertex {vid}) is not a TaskGraph output or carried value")
 
 
-def _ancestors(preds: list[list[int]], order: list[int], n: int) -> np.ndarray:
-    """Bit matrix A (n x ceil(n/8) bytes, little bit order): bit u of row w set iff u is an ancestor of w.
-
-    Rows are built as Python ints (fast big-integer OR) in topological order and copied into the
-    matrix at once; an int is dropped after its last successor, so only the frontier stays boxed.
-    """
-    width = (n + 7) // 8
-    rows = np.zeros((n, width), dtype=np.uint8)
-    left = [0] * n  # successors not yet built, per vertex
-    for ps in preds:
-        for u in set(ps):
-            left[u] += 1
-    anc: list[int | None] = [None] * n
-    for w in order:
-        a = 0
-        for u in set(preds[w]):
-            a |= anc[u] | (1 << u)  # type: ignore[operator]
-            left[u] -= 1
-            if left[u] == 0:
-                anc[u] = None
-        if a:
-            rows[w] = np.frombuffer(a.to_bytes(width, "little"), dtype=np.uint8)
-        if left[w]:
-            anc[w] = a
-    return rows
-
-
-def _is_anc(anc: np.ndarray, u: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Vectorised: is position u an ancestor of position w?"""
-    return ((anc[w, u >> 3] >> (u & 7)) & 1).astype(bool)
-
-
-def _check_reads(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
+def _read_pairs(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], sink: _Sink) -> np.ndarray:
+    """Checks every read's source; returns (src, reader, read index) rows whose order is still to check."""
     verts = mg.vertices
-
-    def head(v: MemVertex, n: int) -> str:
-        r = v.ins[n]
-        return f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
-
     pairs: list[tuple[int, int, int]] = []  # (src position, reader position, read index)
     for i, v in enumerate(verts):
         for n, r in enumerate(v.ins):
             if r.src is None:
                 if not (v.kind is MKind.RELOAD and r.loc.device == INPUT):
                     sink.add(
-                        f"{head(v, n)}: no src (allowed only for a reload of a graph input from 'input')"
+                        f"{_head(v, n)}: no src (allowed only for a reload of a graph input from 'input')"
                     )
                 elif r.value not in tg or tg[r.value].kind is not Kind.INPUT:
                     sink.add(
-                        f"{head(v, n)}: reads the caller's copy of {r.value!r}, which is not a graph input"
+                        f"{_head(v, n)}: reads the caller's copy of {r.value!r}, which is not a graph input"
                     )
                 continue
             if r.loc.device == INPUT:
-                sink.add(f"{head(v, n)}: reads the caller's input copy but names src {r.src}")
+                sink.add(f"{_head(v, n)}: reads the caller's input copy but names src {r.src}")
                 continue
             j = pos.get(r.src)
             if j is None:
-                sink.add(f"{head(v, n)}: src {r.src} is not a vertex")
+                sink.add(f"{_head(v, n)}: src {r.src} is not a vertex")
                 continue
             s = verts[j]
             if s.value != r.value or s.out != r.loc or (r.loc.device == HOST and s.gpu != v.gpu):
-                sink.add(f"{head(v, n)}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
+                sink.add(f"{_head(v, n)}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
             pairs.append((j, i, n))
-    if not pairs:
-        return
-    p = np.array(pairs, dtype=np.int64)
-    for k in np.flatnonzero(~_is_anc(anc, p[:, 0], p[:, 1])):
-        s, v = verts[p[k, 0]], verts[p[k, 1]]
-        sink.add(f"{head(v, int(p[k, 2]))}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})")
+    return np.array(pairs, dtype=np.int64).reshape(-1, 3)
 
 
-def _check_races(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarray, sink: _Sink) -> None:
-    """Every writer overlapping a read (or a final output) must be ordered around it by the edges."""
+def _head(v: MemVertex, n: int) -> str:
+    r = v.ins[n]
+    return f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
+
+
+def _arena_races(mg: MemGraph, pos: dict[int, int], rank: np.ndarray, sink: _Sink) -> list[ArenaRaces]:
+    """Per arena, the ancestor questions that rule out every race (planner.overlap)."""
     verts = mg.vertices
     writers: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
     for i, v in enumerate(verts):
         if v.out.nbytes > 0 and v.out.device != INPUT:
             writers[_key(v.out, v.gpu)].append((v.out.offset, v.out.end, i))
-    # queries: (offset, end, src position, reader position or -1 for an output, read index)
-    queries: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = defaultdict(list)
+    # reads: (offset, end, src position, reader position or -1 for an output, read index)
+    reads: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = defaultdict(list)
     for i, v in enumerate(verts):
         for n, r in enumerate(v.ins):
             j = pos.get(r.src) if r.src is not None else None
             if j is None or r.loc.nbytes == 0 or r.loc.device == INPUT:
                 continue
-            queries[_key(r.loc, v.gpu)].append((r.loc.offset, r.loc.end, j, i, n))
+            reads[_key(r.loc, v.gpu)].append((r.loc.offset, r.loc.end, j, i, n))
     for name, vid in mg.outputs.items():
         j = pos.get(vid)
         if j is None:
@@ -343,9 +307,30 @@ def _check_races(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarr
             sink.add(f"output {name!r}: {describe(o)} holds {o.value!r}")
             continue
         if o.out.nbytes:
-            queries[_key(o.out, o.gpu)].append((o.out.offset, o.out.end, j, -1, -1))
-    for key in sorted(queries):
-        for s, w, reader, n in _racing_pairs(writers.get(key, []), queries[key], anc):
+            reads[_key(o.out, o.gpu)].append((o.out.offset, o.out.end, j, -1, -1))
+    return [ArenaRaces(writers.get(key, []), reads[key], rank) for key in sorted(reads)]
+
+
+def _check_order(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], reach: Reach, sink: _Sink) -> None:
+    """Every read's source before its reader, no writer racing a read: all asked of `reach` at once."""
+    verts = mg.vertices
+    reads = _read_pairs(tg, mg, pos, sink)
+    races = _arena_races(mg, pos, reach.rank, sink)
+    us = [reads[:, 0], *(a.u for a in races)]
+    ws = [reads[:, 1], *(a.w for a in races)]
+    n = max(len(verts), 1)
+    uniq, inv = np.unique(np.concatenate(us) * n + np.concatenate(ws), return_inverse=True)
+    ok = reach.ancestors(uniq // n, uniq % n)[inv] if len(uniq) else np.ones(0, dtype=bool)
+    for k in np.flatnonzero(~ok[: len(reads)]).tolist():
+        s, v = verts[reads[k, 0]], verts[reads[k, 1]]
+        sink.add(
+            f"{_head(v, int(reads[k, 2]))}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})"
+        )
+    at = len(reads)
+    for arena in races:
+        part = ok[at : at + len(arena.u)]
+        at += len(arena.u)
+        for s, w, reader, n in arena.violations(part):
             sv, wv = verts[s], verts[w]
             if reader < 0:
                 sink.add(
@@ -366,42 +351,3 @@ def _check_races(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], anc: np.ndarr
                     f"{where(rd.loc, rv.gpu)} written by {sv.id} and read by {describe(rv)}, and can run "
                     f"between them (not an ancestor of {sv.id}, not a descendant of {rv.id})"
                 )
-
-
-def _racing_pairs(
-    writers: list[tuple[int, int, int]], queries: list[tuple[int, int, int, int, int]], anc: np.ndarray
-) -> Iterator[tuple[int, int, int, int]]:
-    """Yields (src, writer, reader or -1, read index) for each overlapping writer left unordered."""
-    if not writers or not queries:
-        return
-    wa = np.array(writers, dtype=np.int64)
-    wa = wa[np.argsort(wa[:, 0], kind="stable")]
-    ws, we, wid = wa[:, 0], wa[:, 1], wa[:, 2]
-    maxlen = int((we - ws).max())
-    qa = np.array(queries, dtype=np.int64)
-    # a writer overlapping [a, b) starts in (a - maxlen, b): a window of the start-sorted writers
-    lo = np.searchsorted(ws, qa[:, 0] - maxlen, side="right")
-    hi = np.searchsorted(ws, qa[:, 1], side="left")
-    counts = np.maximum(hi - lo, 0)
-    q0 = 0
-    nq = len(qa)
-    while q0 < nq:
-        # take queries until the batch holds about _PAIR_CHUNK candidate pairs
-        csum = np.cumsum(counts[q0:])
-        q1 = q0 + max(1, int(np.searchsorted(csum, _PAIR_CHUNK, side="right")))
-        c = counts[q0:q1]
-        total = int(c.sum())
-        if total:
-            qi = np.repeat(np.arange(q0, q1), c)
-            starts = np.repeat(lo[q0:q1] - np.concatenate(([0], np.cumsum(c)[:-1])), c)
-            wi = starts + np.arange(total)
-            keep = we[wi] > qa[qi, 0]
-            qi, wi = qi[keep], wid[wi[keep]]
-            src, rdr = qa[qi, 2], qa[qi, 3]
-            bad = (wi != src) & ~_is_anc(anc, wi, src)
-            has_r = rdr >= 0
-            rr = np.where(has_r, rdr, 0)
-            bad &= ~(has_r & _is_anc(anc, rr, wi))
-            for k in np.flatnonzero(bad):
-                yield int(src[k]), int(wi[k]), int(rdr[k]), int(qa[qi[k], 4])
-        q0 = q1
