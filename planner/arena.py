@@ -91,7 +91,7 @@ class Block:
         self.owner = owner  # None: free
         self.ghosts = ghosts if ghosts is not None else []  # free: what lay here; allocated: what it covered
         # a free block's last use of any byte (unused while allocated)
-        self.newest = NEVER if owner is not None else max([g[2] for g in self.ghosts], default=NEVER)
+        self.newest = max([g[2] for g in ghosts]) if ghosts and owner is None else NEVER
         self.prev: Block | None = None
         self.next: Block | None = None
         self.key: tuple[int, ...] = (0, 0, 0)  # its key in the free index while free

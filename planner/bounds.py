@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
-from .capacity import aligned, capacities
-from .order import check_order, default_order
+from .capacity import capacities
+from .dense import Dense, check_order
 
 INF = float("inf")
 
@@ -32,43 +32,73 @@ INF = float("inf")
 def min_reload_bytes(
     tg: TaskGraph,
     capacity: int | Sequence[int] | Mapping[int, int],
-    order: Sequence[str] | None = None,
+    order: Sequence[str],
     alignment: int = 256,
 ) -> list[int]:
-    """Per GPU, the least reload bytes of any plan of `tg` in `order` (default: `default_order`).
+    """Per GPU, the least reload bytes of any plan of `tg` in `order` (e.g. `planner.default_order`).
 
     Values take their aligned size, arenas their capacity rounded down to the alignment (as the
     planner's). Exact (Belady's MIN) when all values are one size; a lower bound otherwise.
     """
-    caps = [c // alignment * alignment for c in capacities(capacity, tg.gpus)]
-    seq = default_order(tg, caps) if order is None else check_order(tg, order)
-    n = len(seq)
-    V = tg.vertices
-    size = {v.id: aligned(v.nbytes, alignment) for v in tg}
-    uses: dict[str, list[int]] = {x: [] for x in seq}
-    for t, vid in enumerate(seq):
-        for i in dict.fromkeys(V[vid].inputs):
-            uses[i].append(t)
-    kept = set(tg.kept)
-    nxt = dict.fromkeys(seq, 0)
-    resident: list[dict[str, int]] = [{} for _ in caps]  # value -> bytes of it in the arena
-    used = [0] * tg.gpus
-    heaps: list[list[tuple[float, str]]] = [[] for _ in caps]  # (-next request, value), lazy
-    reloaded = [0] * tg.gpus
+    d = Dense(tg)
+    seq = [d.index[x] for x in check_order(tg, order)]
+    return reload_bound(d, seq, capacities(capacity, tg.gpus), alignment)
 
-    def when(x: str) -> float:
-        k = nxt[x]
-        if k < len(uses[x]):
-            return uses[x][k]
+
+def peak_live(d: Dense, seq: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """Per GPU, the most bytes live at once in order `seq` when nothing is evicted (kept values stay)."""
+    left = [0] * len(d)  # readers still to come, per value
+    for ops in d.operands:
+        for x in ops:
+            left[x] += 1
+    kept = set(d.kept)
+    live = [0] * d.gpus
+    peak = [0] * d.gpus
+    gpu = d.gpu
+    for k in seq:
+        g = gpu[k]
+        live[g] += sizes[k]
+        if live[g] > peak[g]:
+            peak[g] = live[g]
+        for x in d.operands[k]:
+            left[x] -= 1
+            if not left[x] and x not in kept:
+                live[gpu[x]] -= sizes[x]
+        if not left[k] and k not in kept:
+            live[g] -= sizes[k]
+    return peak
+
+
+def reload_bound(d: Dense, seq: Sequence[int], caps: Sequence[int], alignment: int = 256) -> list[int]:
+    """`min_reload_bytes` on a flattened graph, `seq` its vertex-list positions in serial order."""
+    caps = [c // alignment * alignment for c in caps]
+    sizes = d.sizes(alignment)
+    if all(p <= c for p, c in zip(peak_live(d, seq, sizes), caps)):
+        return [0] * d.gpus  # everything fits at once: nothing is ever evicted
+    n = len(seq)
+    uses: list[list[int]] = [[] for _ in range(n)]
+    for t, k in enumerate(seq):
+        for i in d.operands[k]:
+            uses[i].append(t)
+    kept = set(d.kept)
+    gpu, kind = d.gpu, d.kind
+    nxt = [0] * n
+    resident: list[dict[int, int]] = [{} for _ in caps]  # value -> bytes of it in the arena
+    used = [0] * d.gpus
+    heaps: list[list[tuple[float, int]]] = [[] for _ in caps]  # (-next request, value), lazy
+    reloaded = [0] * d.gpus
+
+    def when(x: int) -> float:
+        i = nxt[x]
+        if i < len(uses[x]):
+            return uses[x][i]
         if x in kept:
-            return n if V[x].kind is Kind.INPUT else INF
+            return n if kind[x] is Kind.INPUT else INF
         return -1.0  # dead
 
-    def request(g: int, xs: list[str], t: int) -> None:
+    def request(g: int, xs: Sequence[int], out: int) -> None:
         res = resident[g]
-        need = sum(size[x] - res.get(x, 0) for x in xs)
-        over = used[g] + need - caps[g]
-        pinned = set(xs)
+        over = used[g] + sum(sizes[x] - res.get(x, 0) for x in xs) - caps[g]
         held = []
         h = heaps[g]
         while over > 0:
@@ -76,7 +106,7 @@ def min_reload_bytes(
             have = res.get(x, 0)
             if not have or -key != when(x):
                 continue  # stale entry
-            if x in pinned:
+            if x in xs:
                 held.append((key, x))
                 continue
             take = min(have, over)
@@ -90,34 +120,32 @@ def min_reload_bytes(
         for e in held:
             heapq.heappush(h, e)
         for x in xs:
-            have = res.get(x, 0)
-            if have < size[x]:
-                if x != seq[t]:
-                    reloaded[g] += size[x] - have
-                used[g] += size[x] - have
-                res[x] = size[x]
+            missing = sizes[x] - res.get(x, 0)
+            if missing:
+                if x != out:
+                    reloaded[g] += missing
+                used[g] += missing
+                res[x] = sizes[x]
 
-    def settle(g: int, x: str) -> None:
+    def settle(g: int, x: int) -> None:
         w = when(x)
         if w < 0:
             used[g] -= resident[g].pop(x, 0)
         elif resident[g].get(x):
             heapq.heappush(heaps[g], (-w, x))
 
-    for t, vid in enumerate(seq):
-        v = V[vid]
-        ops = list(dict.fromkeys(v.inputs))
-        if v.kind is Kind.TRANSFER:
-            request(V[ops[0]].gpu, ops, t)
-            request(v.gpu, [vid], t)
+    for k in seq:
+        ops = d.operands[k]
+        if kind[k] is Kind.TRANSFER:
+            request(gpu[ops[0]], ops, k)
+            request(gpu[k], (k,), k)
         else:
-            request(v.gpu, [*ops, vid], t)
+            request(gpu[k], (*ops, k), k)
         for x in ops:
             nxt[x] += 1
-            settle(V[x].gpu, x)
-        settle(v.gpu, vid)
+            settle(gpu[x], x)
+        settle(gpu[k], k)
     for x in kept:  # a kept input evicted along the way comes back at the end
-        if V[x].kind is Kind.INPUT:
-            g = V[x].gpu
-            reloaded[g] += size[x] - resident[g].get(x, 0)
+        if kind[x] is Kind.INPUT:
+            reloaded[gpu[x]] += sizes[x] - resident[gpu[x]].get(x, 0)
     return reloaded

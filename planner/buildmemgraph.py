@@ -36,8 +36,8 @@ from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import RESERVED, Arena, Block
 from .capacity import aligned, capacities
-from .dense import Dense
-from .order import check_order, schedule
+from .dense import Dense, check_order
+from .order import default
 from .prune import WINDOW, Reducer
 from .records import DATA, MEM, OWN, STEP, Inst, Rec
 
@@ -66,9 +66,9 @@ class Planner:
         self.hosts = [Arena(None, alignment) for _ in self.caps]
         self._check_fits()
         if order is None:
-            self.seq = schedule(d, self.caps)
+            self.seq, self.order_name = default(d, self.caps, alignment)
         else:
-            self.seq = [d.index[x] for x in check_order(tg, order)]
+            self.seq, self.order_name = [d.index[x] for x in check_order(tg, order)], "given"
         seq = self.seq
         self.pos = pos = [0] * n
         for t, k in enumerate(seq):
@@ -102,6 +102,7 @@ class Planner:
         self.step = 0
         self.aux = 0
         self.built = 0  # memory edges in the records (before the implied ones are dropped)
+        self.locs: dict[tuple[int, int, int], Loc] = {}
         self.counts = {
             "retractions": 0,
             "compactions": 0,
@@ -218,9 +219,14 @@ class Planner:
         t = self.pos[k]
         r = self.rec_of[k]
         if r < 0:
-            r = self.rec_of[k] = self._new(_MKIND[d.kind[k]], k, g, (t << STEP) | (1 << OWN))
+            recs = self.recs
+            r = self.rec_of[k] = len(recs)
+            recs.append(Rec(_MKIND[d.kind[k]], k, g, (t << STEP) | (1 << OWN)))
         size = self.sizes[k]
-        loc = Loc(g, off, d.nbytes[k])
+        nb = d.nbytes[k]
+        loc = self.locs.get((g, off, nb))
+        if loc is None:
+            loc = self.locs[(g, off, nb)] = Loc(g, off, nb)  # ranges recur: one Loc each
         inst = Inst(k, g, r, loc, size, t, RESERVED + t)
         arena = self.arenas[g]
         inst.block, ghosts = arena.take(blk if blk is not None else arena.block_at(off), off, size, inst)
@@ -330,6 +336,12 @@ class Planner:
         deps = rec.deps
         r = self.rec_of[k]
         res = cast("list[Inst]", resident)  # every operand is resident now
+        rec.ins = [res[x] for x in d.inputs[k]]
+        own = res[k]
+        own.produced = True
+        uses, nxt, kept = self.uses, self.next, self.kept
+        uk = uses[k]
+        own.dist = uk[0] if uk else INF
         for x in operands:
             inst = res[x]
             src = inst.src
@@ -338,19 +350,12 @@ class Planner:
                 self.built -= 1
             deps[src] = DATA
             inst.readers.append(r)
-        rec.ins = [res[x] for x in d.inputs[k]]
-        own = res[k]
-        own.produced = True
-        uses, nxt, kept = self.uses, self.next, self.kept
-        uk = uses[k]
-        own.dist = uk[0] if uk else INF
-        for x in operands:
             j = nxt[x] = nxt[x] + 1
             ux = uses[x]
             if j < len(ux):
-                res[x].dist = ux[j]
+                inst.dist = ux[j]
             elif x in kept:
-                res[x].dist = INF
+                inst.dist = INF
             else:
                 self._free(x)
         if not uk and k not in kept:
@@ -424,7 +429,7 @@ class Planner:
             assert out is not None  # live
             verts.append(MemVertex(new, rec.kind, ids[rec.value], rec.gpu, tuple(reads), out))
             try:  # section 7: every edge points forward in V
-                reducer.add(new, [(new_id[u], kind) for u, kind in rec.deps.items()], edges)
+                reducer.add(new, rec.deps.items(), edges, new_id)
             except ValueError as e:
                 raise PlanError(f"internal: {e}") from None
         implied = reducer.dropped
@@ -493,6 +498,6 @@ def build_memgraph(
     finally:
         if collecting:
             gc.enable()
-    mg.stats["order"] = "given" if order is not None else "default (schedule)"
+    mg.stats["order"] = p.order_name if order is not None else f"default ({p.order_name})"
     mg.stats["fit"] = fit
     return mg

@@ -6,6 +6,9 @@ instead of dicts of Vertex objects by id; a 370k-vertex graph is flattened in ab
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from disco_ray.graph.errors import GraphError
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .capacity import ALIGN, aligned
@@ -57,3 +60,22 @@ class Dense:
             else:
                 out.append((k, gpu[k], sizes[k] + sum(sizes[i] for i in ops)))
         return out
+
+
+def check_order(tg: TaskGraph, order: Sequence[str]) -> list[str]:
+    """Validates a user-given order: a permutation of the vertices that respects every edge."""
+    order = list(order)
+    seen: set[str] = set()
+    for vid in order:
+        if vid not in tg:
+            raise GraphError(f"order: unknown vertex {vid!r}")
+        if vid in seen:
+            raise GraphError(f"order: vertex {vid!r} listed twice")
+        for i in tg[vid].inputs:
+            if i not in seen:
+                raise GraphError(f"order: vertex {vid!r} comes before its input {i!r}")
+        seen.add(vid)
+    if len(order) != len(tg):
+        missing = next(v.id for v in tg if v.id not in seen)
+        raise GraphError(f"order: vertex {missing!r} is missing ({len(order)} of {len(tg)} listed)")
+    return order

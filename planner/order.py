@@ -23,14 +23,26 @@ value instead of inputs only (stalls kernels whose outputs do not fit yet).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from disco_ray.graph import ops
-from disco_ray.graph.errors import GraphError
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
-from .dense import Dense
+from .bounds import peak_live, reload_bound
+from .capacity import capacities
+from .dense import Dense, check_order
+
+__all__ = [
+    "Rates",
+    "check_order",
+    "default",
+    "default_order",
+    "depth_first_order",
+    "schedule",
+    "schedule_order",
+]
 
 INPUT_SHARE = 0.5  # of an arena, for inputs loaded ahead of their consumers (see the header)
 _COMPUTE, _LOAD, _PEER = 0, 1, 2
@@ -166,9 +178,48 @@ def schedule(d: Dense, capacity: Sequence[int] | None = None, rates: Rates = Rat
     return order
 
 
-def default_order(tg: TaskGraph, capacity: Sequence[int] | None = None) -> list[str]:
-    """The planner's default serial order: `schedule_order` (see the module header)."""
-    return schedule_order(tg, capacity)
+def default_order(
+    tg: TaskGraph, capacity: int | Sequence[int] | Mapping[int, int] | None = None
+) -> list[str]:
+    """The planner's default serial order for these capacities (see `default`)."""
+    d = Dense(tg)
+    return [d.ids[k] for k in default(d, None if capacity is None else capacities(capacity, tg.gpus))[0]]
+
+
+def default(d: Dense, caps: Sequence[int] | None, alignment: int = 256) -> tuple[list[int], str]:
+    """The schedule order, or the TaskGraph's list order where that needs fewer reloads: (order, name).
+
+    At capacities so tight that the schedule order's live values do not fit at once, Belady's
+    bound (planner.bounds) decides between the two; a tensor-parallel chain at the least
+    capacity, for one, must finish each level before its next weights arrive.
+    """
+    seq = schedule(d, caps)
+    if caps is None:
+        return seq, "schedule"
+    room = [c // alignment * alignment for c in caps]
+    if all(p <= c for p, c in zip(peak_live(d, seq, d.sizes(alignment)), room)):
+        return seq, "schedule"
+    listed = list(range(len(d)))
+    if sum(reload_bound(d, listed, caps, alignment)) < sum(reload_bound(d, seq, caps, alignment)):
+        return listed, "list (fewer reloads than the schedule)"
+    return seq, "schedule"
+
+
+def random_order(tg: TaskGraph, seed: int) -> list[str]:
+    """A topological order drawing a uniformly random ready vertex at each step (for tests and benchmarks)."""
+    rng = random.Random(seed)
+    indeg = {v.id: len(set(v.inputs)) for v in tg}
+    consumers = tg.consumers()
+    ready = [k for k, d in indeg.items() if d == 0]
+    order = []
+    while ready:
+        k = ready.pop(rng.randrange(len(ready)))
+        order.append(k)
+        for c in consumers[k]:
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                ready.append(c)
+    return order
 
 
 def depth_first_order(tg: TaskGraph) -> list[str]:
@@ -201,23 +252,4 @@ def depth_first_order(tg: TaskGraph) -> list[str]:
                 if vid not in done:
                     done.add(vid)
                     order.append(vid)
-    return order
-
-
-def check_order(tg: TaskGraph, order: Sequence[str]) -> list[str]:
-    """Validates a user-given order: a permutation of the vertices that respects every edge."""
-    order = list(order)
-    seen: set[str] = set()
-    for vid in order:
-        if vid not in tg:
-            raise GraphError(f"order: unknown vertex {vid!r}")
-        if vid in seen:
-            raise GraphError(f"order: vertex {vid!r} listed twice")
-        for i in tg[vid].inputs:
-            if i not in seen:
-                raise GraphError(f"order: vertex {vid!r} comes before its input {i!r}")
-        seen.add(vid)
-    if len(order) != len(tg):
-        missing = next(v.id for v in tg if v.id not in seen)
-        raise GraphError(f"order: vertex {missing!r} is missing ({len(order)} of {len(tg)} listed)")
     return order

@@ -19,7 +19,7 @@ edges were implied yet kept).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .records import MEM
 
@@ -27,40 +27,92 @@ WINDOW = 2048  # ids; a longer edge is never dropped
 
 
 class Reducer:
-    """Feeds vertices in id order; keeps each edge but the implied memory edges (see the header)."""
+    """Feeds vertices in id order; keeps each edge but the implied memory edges (see the header).
+
+    Ancestor sets are made lazily, only for vertices within the window of a memory edge's target:
+    a plan whose memory edges all span W ids or more (roomy arenas reuse ranges late) costs one
+    pass over its edges.
+    """
 
     def __init__(self, window: int = WINDOW):
-        self.window = max(0, window)
-        self.mask = (1 << self.window) - 1
-        self.anc = [0] * max(1, self.window)  # ring: anc[u % window] = ancestors of u, bit d = u - d
+        self.window = W = max(0, window)
+        self.mask = (1 << W) - 1
+        # rings by id: the predecessors (near ones) of the last W vertices, and ancestor sets made so far
+        self.near: list[list[int] | None] = [None] * max(1, W)
+        self.anc: list[int | None] = [None] * max(1, W)
         self.dropped = 0
 
-    def add(self, w: int, preds: list[tuple[int, str]], out: list[tuple[int, int, str]]) -> None:
-        """Appends to `out` the edges (u, w, kind) kept of w's distinct predecessors (all u < w)."""
-        W, anc = self.window, self.anc
-        s = 0
-        near = []
-        for e in preds:
-            d = w - e[0]
-            if d >= W:
-                out.append((e[0], w, e[1]))  # too long to tell: kept
-            elif d > 0:
-                near.append(e)
-                a = anc[e[0] % W]
-                if a:
-                    s |= a << d
-            else:
-                raise ValueError(f"edge {e[0]} -> {w} does not point forward")
-        own = 0
-        for u, kind in near:
+    def _ancestors(self, v: int, lo: int) -> int:
+        """v's ancestors above id `lo` (bit d: v - d), made from its predecessors' on demand.
+
+        Ids above `lo` (the window of the vertex being added) are those the rings still hold.
+        """
+        W, near, anc = self.window, self.near, self.anc
+        if anc[v % W] is None:
+            at = {v: 0}  # a post-order walk: vertex -> the next of its predecessors to look at
+            stack = [v]
+            while stack:
+                x = stack[-1]
+                ps = near[x % W]
+                assert ps is not None  # x lies within the window of the vertex being added
+                i = at[x]
+                while i < len(ps):
+                    p = ps[i]
+                    i += 1
+                    if p > lo and anc[p % W] is None:  # (a DAG: p is not on the stack)
+                        at[x] = i
+                        at[p] = 0
+                        stack.append(p)
+                        break
+                else:
+                    stack.pop()
+                    s = 0
+                    for p in ps:
+                        if p > lo:  # older ones' bits fall outside this and every later window
+                            s |= (anc[p % W] | 1) << (x - p)  # type: ignore[operator]
+                    anc[x % W] = s & self.mask
+        return anc[v % W]  # type: ignore[return-value]
+
+    def add(
+        self,
+        w: int,
+        preds: Iterable[tuple[int, str]],
+        out: list[tuple[int, int, str]],
+        ids: Sequence[int] | None = None,
+    ) -> None:
+        """Appends to `out` the edges (u, w, kind) kept of w's distinct predecessors (all u < w).
+
+        `ids`, when given, renames each predecessor u to ids[u] first.
+        """
+        W = self.window
+        near: list[int] = []
+        test: list[tuple[int, str]] = []
+        for u, kind in preds:
+            if ids is not None:
+                u = ids[u]
             d = w - u
-            if kind == MEM and (s >> d) & 1:
+            if d <= 0:
+                raise ValueError(f"edge {u} -> {w} does not point forward")
+            if d < W:
+                near.append(u)
+                if kind == MEM:
+                    test.append((u, kind))
+                    continue
+            out.append((u, w, kind))
+        if not W:
+            return
+        self.near[w % W] = near
+        self.anc[w % W] = None
+        if not test:
+            return
+        s = 0
+        for p in near:
+            s |= self._ancestors(p, w - W) << (w - p)
+        for u, kind in test:
+            if (s >> (w - u)) & 1:
                 self.dropped += 1
             else:
-                own |= 1 << d
                 out.append((u, w, kind))
-        if W:
-            anc[w % W] = (s | own) & self.mask
 
 
 def reduce_edges(

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from disco_ray.graph.errors import VerifyError
 from disco_ray.graph.memgraph import MemGraph, MKind
 from planner import build_memgraph, min_capacity, tight_capacity
+from planner.order import random_order
 from planner.symbolic import check_random_orders
 from planner.verify import verify
 from workloads.random_dag import random_dag
@@ -25,19 +26,7 @@ SIZES = [(16, 32, 64, 128), (8, 256), (4, 16, 128), (32,)]
 
 def random_topo_order(tg, seed: int) -> list[str]:
     """A uniformly drawn ready vertex at each step: a valid but unfriendly serial order."""
-    rng = random.Random(seed)
-    indeg = {v.id: len(set(v.inputs)) for v in tg}
-    cons = tg.consumers()
-    ready = [k for k, d in indeg.items() if d == 0]
-    order = []
-    while ready:
-        k = ready.pop(rng.randrange(len(ready)))
-        order.append(k)
-        for c in cons[k]:
-            indeg[c] -= 1
-            if indeg[c] == 0:
-                ready.append(c)
-    return order
+    return random_order(tg, seed)
 
 
 def plan_and_check(

@@ -53,8 +53,9 @@ def add_bench(sub) -> None:
     p.add_argument(
         "--order",
         choices=["builder", "planner"],
-        default="builder",
-        help="serial order to plan in: the workload builder's (level by level; default) or the planner's own",
+        default="planner",
+        help="serial order to plan in: the planner's own (a list schedule of the graph; default) or the "
+        "workload builder's (level by level)",
     )
     add_engine_args(p)  # --engine, --backend, --streams, --ahead
     p.add_argument(
