@@ -268,10 +268,20 @@ class Arena:
                     b.ghosts = _clip(ghosts, b.off, off)
                     b.newest = max([g[2] for g in b.ghosts], default=NEVER)
                 b.size = off - b.off
-                self._link_after(b, mid)
+                mid.prev, mid.next = b, b.next  # mid goes after b
+                if b.next is not None:
+                    b.next.prev = mid
+                else:
+                    self.tail = mid
+                b.next = mid
                 self._free_add(b)
-            else:  # b becomes the part above; mid takes its place
-                self._link_before(b, mid)
+            else:  # b becomes the part above; mid takes its place, before it
+                mid.prev, mid.next = b.prev, b
+                if b.prev is not None:
+                    b.prev.next = mid
+                else:
+                    self.head = mid
+                b.prev = mid
             if end < bend:
                 if b.off < off:
                     right = Block(end, bend - end, None, _clip(ghosts, end, bend) if ghosts else None)
@@ -301,19 +311,6 @@ class Arena:
         else:
             self.head = b
 
-    def _link_before(self, a: Block, b: Block) -> None:
-        self._link_after(a.prev, b)
-
-    def _unlink(self, b: Block) -> None:
-        if b.prev is not None:
-            b.prev.next = b.next
-        else:
-            self.head = b.next
-        if b.next is not None:
-            b.next.prev = b.prev
-        else:
-            self.tail = b.prev
-
     def release(self, b: Block, readers: tuple[int, ...] | None, time: int) -> None:
         """Frees block `b`. readers None: a retraction, restoring the ghosts it covered."""
         assert b.owner is not None, b
@@ -329,7 +326,11 @@ class Arena:
         nxt = b.next
         if nxt is not None and nxt.owner is None:
             self._free_remove(nxt)
-            self._unlink(nxt)
+            b.next = nxt.next  # unlink nxt
+            if nxt.next is not None:
+                nxt.next.prev = b
+            else:
+                self.tail = b
             b.size += nxt.size
             g = b.ghosts + nxt.ghosts
             b.ghosts = _bounded(g) if len(g) > MAX_GHOSTS else g
@@ -338,7 +339,11 @@ class Arena:
         prev = b.prev
         if prev is not None and prev.owner is None:
             self._free_remove(prev)
-            self._unlink(b)
+            prev.next = b.next  # unlink b
+            if b.next is not None:
+                b.next.prev = prev
+            else:
+                self.tail = prev
             prev.size += b.size
             g = prev.ghosts + b.ghosts
             prev.ghosts = _bounded(g) if len(g) > MAX_GHOSTS else g

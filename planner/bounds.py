@@ -21,6 +21,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .capacity import capacities
@@ -46,27 +48,29 @@ def min_reload_bytes(
 
 
 def peak_live(d: Dense, seq: Sequence[int], sizes: Sequence[int]) -> list[int]:
-    """Per GPU, the most bytes live at once in order `seq` when nothing is evicted (kept values stay)."""
-    left = [0] * len(d)  # readers still to come, per value
-    for ops in d.operands:
-        for x in ops:
-            left[x] += 1
-    kept = set(d.kept)
-    live = [0] * d.gpus
-    peak = [0] * d.gpus
-    gpu = d.gpu
-    for k in seq:
-        g = gpu[k]
-        live[g] += sizes[k]
-        if live[g] > peak[g]:
-            peak[g] = live[g]
-        for x in d.operands[k]:
-            left[x] -= 1
-            if not left[x] and x not in kept:
-                live[gpu[x]] -= sizes[x]
-        if not left[k] and k not in kept:
-            live[g] -= sizes[k]
-    return peak
+    """Per GPU, the most bytes live at once in order `seq` when nothing is evicted (kept values stay).
+
+    A value is live from its own step through its last reader's (to the end if kept).
+    """
+    n = len(seq)
+    pos = np.empty(n, dtype=np.int64)
+    pos[np.asarray(seq, dtype=np.int64)] = np.arange(n, dtype=np.int64)
+    off, flat = d.csr()
+    last = pos.copy()
+    reader = np.repeat(np.arange(n, dtype=np.int64), np.diff(off))
+    np.maximum.at(last, flat, pos[reader])
+    if d.kept:
+        last[np.asarray(d.kept, dtype=np.int64)] = n
+    size = np.asarray(sizes, dtype=np.int64)
+    gpu = np.asarray(d.gpu, dtype=np.int64)
+    peaks = []
+    for g in range(d.gpus):
+        mine = gpu == g
+        delta = np.zeros(n + 2, dtype=np.int64)
+        np.add.at(delta, pos[mine], size[mine])
+        np.add.at(delta, last[mine] + 1, -size[mine])
+        peaks.append(int(np.cumsum(delta).max(initial=0)))
+    return peaks
 
 
 def reload_bound(d: Dense, seq: Sequence[int], caps: Sequence[int], alignment: int = 256) -> list[int]:

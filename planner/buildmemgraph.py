@@ -30,12 +30,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import cast
 
+import numpy as np
+
 from disco_ray.graph.errors import CapacityError, PlanError
 from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import RESERVED, Arena, Block
-from .capacity import aligned, capacities
+from .capacity import capacities
 from .dense import Dense, check_order
 from .order import default
 from .prune import WINDOW, Reducer
@@ -61,7 +63,7 @@ class Planner:
         self.tg = tg
         self.caps = capacities(capacity, tg.gpus)
         n = len(d)
-        self.sizes = [aligned(nb, alignment) for nb in d.nbytes]
+        self.sizes = d.sizes(alignment)
         self.arenas = [Arena(c, alignment, fit) for c in self.caps]
         self.hosts = [Arena(None, alignment) for _ in self.caps]
         self._check_fits()
@@ -114,14 +116,17 @@ class Planner:
     # ---- checks -------------------------------------------------------------------------------
     def _check_fits(self) -> None:
         d = self.d
-        for k, g, need in d.needs(self.sizes):
-            cap = self.arenas[g].capacity
-            assert cap is not None  # GPU arenas are bounded
-            if need > cap:
-                what = "its output" if d.kind[k] is Kind.INPUT else "its inputs plus output"
-                raise CapacityError(
-                    f"vertex {d.ids[k]!r}: {what} need {need} bytes on gpu {g}, whose capacity is {cap} bytes"
-                )
+        ks, gs, need = d.needs(self.sizes)
+        room = np.array([cast(int, a.capacity) for a in self.arenas], dtype=np.int64)
+        bad = np.flatnonzero(need > room[gs])
+        if len(bad):
+            i = int(bad[np.argmin(ks[bad])])  # the first vertex in list order
+            k, g = int(ks[i]), int(gs[i])
+            what = "its output" if d.kind[k] is Kind.INPUT else "its inputs plus output"
+            raise CapacityError(
+                f"vertex {d.ids[k]!r}: {what} need {int(need[i])} bytes on gpu {g}, whose capacity is "
+                f"{int(room[g])} bytes"
+            )
 
     # ---- records and edges --------------------------------------------------------------------
     def _new(self, kind: MKind, value: int, gpu: int, key: int) -> int:

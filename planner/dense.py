@@ -7,17 +7,20 @@ instead of dicts of Vertex objects by id; a 370k-vertex graph is flattened in ab
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
 
 from disco_ray.graph.errors import GraphError
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
-from .capacity import ALIGN, aligned
+from .capacity import ALIGN
 
 
 class Dense:
     """Per vertex-list position k: id, kind, GPU, bytes, operands; `index` maps id -> k."""
 
-    __slots__ = ("gpu", "gpus", "ids", "index", "inputs", "kept", "kind", "nbytes", "operands", "tg")
+    __slots__ = ("_csr", "gpu", "gpus", "ids", "index", "inputs", "kept", "kind", "nbytes", "operands", "tg")
 
     def __init__(self, tg: TaskGraph):
         self.tg = tg
@@ -41,25 +44,45 @@ class Dense:
         self.inputs = [tuple(map(get, v.inputs)) if v.inputs else () for v in verts]
         self.operands = [ins if len(ins) < 2 else tuple(dict.fromkeys(ins)) for ins in self.inputs]
         self.kept = [index[x] for x in tg.kept]  # outputs, then carried values
+        self._csr: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def sizes(self, alignment: int = ALIGN) -> list[int]:
-        """Arena bytes of each value (aligned)."""
-        return [aligned(nb, alignment) for nb in self.nbytes]
+        """Arena bytes of each value (`capacity.aligned`: rounded up to the alignment, never zero)."""
+        nb = np.asarray(self.nbytes, dtype=np.int64)
+        return np.maximum(alignment, -(-nb // alignment) * alignment).tolist()
 
-    def needs(self, sizes: list[int]) -> list[tuple[int, int, int]]:
-        """(k, gpu, bytes needed there at once) per vertex, as `capacity.vertex_needs` counts them."""
-        out = []
-        gpu, kind = self.gpu, self.kind
-        for k, ops in enumerate(self.operands):
-            if kind[k] is Kind.TRANSFER:
-                out.append((k, gpu[ops[0]], sizes[ops[0]]))
-                out.append((k, gpu[k], sizes[k]))
-            else:
-                out.append((k, gpu[k], sizes[k] + sum(sizes[i] for i in ops)))
-        return out
+    def csr(self) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct operands of all vertices as arrays: (offsets, operands), vertex k's in [off[k], off[k+1])."""
+        if self._csr is None:
+            lens = np.fromiter(map(len, self.operands), dtype=np.int64, count=len(self.operands))
+            off = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=off[1:])
+            flat = np.fromiter(chain.from_iterable(self.operands), dtype=np.int64, count=int(off[-1]))
+            self._csr = (off, flat)
+        return self._csr
+
+    def needs(self, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(k, gpu, bytes needed there at once) arrays, one row per vertex (two per transfer: its
+        source and its destination), as `capacity.vertex_needs` counts them."""
+        off, flat = self.csr()
+        size = np.asarray(sizes, dtype=np.int64)
+        gpu = np.asarray(self.gpu, dtype=np.int64)
+        summed = np.concatenate(([0], np.cumsum(size[flat])))
+        need = size + summed[off[1:]] - summed[off[:-1]]  # own bytes plus its operands'
+        transfer = np.array([k is Kind.TRANSFER for k in self.kind], dtype=bool)
+        first = (
+            flat[np.minimum(off[:-1], max(len(flat) - 1, 0))] if len(flat) else np.zeros(0, dtype=np.int64)
+        )
+        ks = np.arange(len(size), dtype=np.int64)
+        t = transfer
+        return (
+            np.concatenate((ks[~t], ks[t], ks[t])),
+            np.concatenate((gpu[~t], gpu[first[t]], gpu[t])),  # a transfer needs its source there
+            np.concatenate((need[~t], size[first[t]], size[t])),  # and its output here
+        )
 
 
 def check_order(tg: TaskGraph, order: Sequence[str]) -> list[str]:
