@@ -98,7 +98,7 @@ def section_belady(args) -> None:
     print(f"one tensor size: {cases} cases (1-4 GPUs, 4-10+ slots; default, depth-first, random orders):")
     print(f"  reloads equal to MIN in {equal} of {cases}; worst planner/MIN {worst:.3f}")
     print("mixed sizes (random_dag sizes 16..128, capacity fraction): reload bytes vs the lower bound")
-    print(f"{'graph':>24} {'frac':>5} {'planner GB':>11} {'bound GB':>10} {'gap':>7}")
+    print(f"{'graph':>24} {'frac':>5} {'planner MiB':>12} {'bound MiB':>10} {'gap':>7}")
     rows = [(f"random_dag(800, 3, {s})", random_dag(800, 3, s)) for s in range(3)]
     rows.append(("llama_prefill 65b/2/4K", workload("llama_prefill").taskgraph))
     for name, tg in rows:
@@ -107,7 +107,7 @@ def section_belady(args) -> None:
             got = build_memgraph(tg, cap).stats["bytes_reloaded"]
             bound = sum(min_reload_bytes(tg, cap, default_order(tg, cap)))
             gap = f"{(got - bound) / bound * 100:6.1f}%" if bound else "   n/a"
-            print(f"{name:>24} {f:5.2f} {gb(got):>11} {gb(bound):>10} {gap:>7}")
+            print(f"{name:>24} {f:5.2f} {got / 2**20:12.2f} {bound / 2**20:10.2f} {gap:>7}")
 
 
 # ---- order ----------------------------------------------------------------------------------------
@@ -166,15 +166,19 @@ def section_goal(args) -> None:
     print("\n== capacities with no offloads: dynamic / in-memory simulated makespan (goal <= 1.05) ==")
     for name, _, tg, mem in measured(("llama_prefill", "matmul_chain", "matmul_chain_tp4")):
         rows = []
-        for f in np.arange(0.6, 0.0, -0.025):
+        for f in np.round(np.arange(0.6, 0.0, -0.025), 3):
             mg = build_memgraph(tg, caps(tg, float(f)))
             if mg.stats["bytes_offloaded"] or mg.stats["bytes_reloaded"]:
                 break
             rows.append((float(f), makespan(mg, tg) / mem))
+            if caps(tg, float(f)) == min_capacity(tg):
+                break  # the least capacity any plan works with: smaller fractions are the same
         worst = max(r for _, r in rows)
+        within = min((f for f, _ in rows if all(r <= 1.05 for g, r in rows if g >= f)), default=None)
         print(
             f"{name}: in-memory {mem * 1e3:.2f} ms; no offload down to {rows[-1][0]:.3f} of the tensor bytes; "
-            f"ratio there {rows[-1][1]:.3f}, worst over {len(rows)} no-offload capacities {worst:.3f}"
+            f"ratio there {rows[-1][1]:.3f}, worst {worst:.3f}; within 5% at every capacity from "
+            + (f"{within:.3f} up" if within is not None else "none")
         )
         print("  " + ", ".join(f"{f:.3f}: {r:.3f}" for f, r in rows))
 
@@ -297,13 +301,13 @@ def old_reloads(st: dict) -> int:
 # ---- scale ----------------------------------------------------------------------------------------
 _SCALE = r"""
 import gc, json, resource, sys, time
-if len(sys.argv) > 4:  # the planner of another checkout
+if len(sys.argv) > 5:  # the planner of another checkout
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in str(getattr(f, "__module__", ""))]
-    sys.path.insert(0, sys.argv[4])
+    sys.path.insert(0, sys.argv[5])
 import workloads
 from planner import build_memgraph
 from planner.verify import verify
-what, cap, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+what, cap, repeat, order = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 w = workloads.build("llama_prefill", preset="65b", layers=80, gpus=8, seq=16384, materialize=False)
 tg = w.taskgraph
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -311,7 +315,7 @@ out = {"vertices": len(tg), "rss_before_gib": before / 2**20}
 best = None
 for _ in range(repeat):
     t, c = time.perf_counter(), time.process_time()
-    mg = build_memgraph(tg, cap)
+    mg = build_memgraph(tg, cap, order=w.order() if order == "builder" else None)
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     if best is None or wall < best[0]:
         best = (wall, cpu)
@@ -324,6 +328,8 @@ st = mg.statistics()
 out.update({k: st.get(k, 0) for k in ("vertices", "edges", "data_edges", "mem_edges", "mem_edges_built",
                                       "implied_mem_edges", "bytes_reloaded", "bytes_offloaded")})
 out["memgraph_vertices"] = st["vertices"]
+gpu = [v.gpu for v in mg.vertices]
+out["cross_gpu_mem_edges"] = sum(1 for u, v, k in mg.edges if k == "mem" and gpu[u] != gpu[v])
 if what == "verify":
     t, c = time.perf_counter(), time.process_time()
     msgs = verify(tg, mg)
@@ -349,30 +355,30 @@ def section_scale(args) -> None:
     print(
         f"\n== 65B prefill (80 layers, 8 GPUs, seq 16384, tile 512), capacity {args.scale_gib} GiB per GPU =="
     )
-    p = _scale_run("plan", str(cap), str(args.repeat))
-    if p is None:
-        return
-    print(
-        f"TaskGraph {p['vertices']} vertices -> MemGraph {p['memgraph_vertices']} vertices, {p['edges']} edges "
-        f"({p['data_edges']} data, {p['mem_edges']} mem; {p['mem_edges_built']} built, {p['implied_mem_edges']} dropped)"
-    )
-    print(f"reloaded {gb(p['bytes_reloaded'])} GB, offloaded {gb(p['bytes_offloaded'])} GB")
-    print(
-        f"plan: {p['plan_wall_s']:.2f} s wall (best of {args.repeat}), {p['plan_cpu_s']:.2f} s CPU; peak RSS "
-        f"{p['plan_rss_gib']:.2f} GiB (TaskGraph alone {p['rss_before_gib']:.2f} GiB)"
-    )
-    v = _scale_run("verify", str(cap), "1")
+
+    def show(who: str, r: dict) -> None:
+        print(
+            f"{who}: plan {r['plan_wall_s']:.2f} s wall (best of {r['repeat']}), {r['plan_cpu_s']:.2f} s CPU, peak RSS "
+            f"{r['plan_rss_gib']:.2f} GiB (TaskGraph alone {r['rss_before_gib']:.2f}); MemGraph {r['memgraph_vertices']} "
+            f"vertices, {r['edges']} edges ({r['data_edges']} data, {r['mem_edges']} mem of which "
+            f"{r['cross_gpu_mem_edges']} cross-GPU; {r['mem_edges_built']} built, {r['implied_mem_edges']} dropped); "
+            f"reloaded {gb(r['bytes_reloaded'])} GB"
+        )
+
+    for order in ("default", "builder"):
+        r = _scale_run("plan", str(cap), str(args.repeat), order)
+        if r is not None:
+            show(f"this planner, {order} order", {**r, "repeat": args.repeat})
+    v = _scale_run("verify", str(cap), "1", "default")
     if v is not None:
         print(
-            f"verify: {v['verify_wall_s']:.2f} s wall, {v['verify_cpu_s']:.2f} s CPU, {v['violations']} violations; "
-            f"peak RSS of the process (TaskGraph + plan + verify) {v['verify_rss_gib']:.2f} GiB"
+            f"verify (default-order plan): {v['verify_wall_s']:.2f} s wall, {v['verify_cpu_s']:.2f} s CPU, "
+            f"{v['violations']} violations; peak RSS of the process (TaskGraph + plan + verify) {v['verify_rss_gib']:.2f} GiB"
         )
-    b = _scale_run("plan", str(cap), "1", args.baseline) if args.baseline else None
-    if b is not None:
-        print(
-            f"the planner in {args.baseline}: {b['plan_wall_s']:.2f} s wall, {b['plan_cpu_s']:.2f} s CPU, peak RSS "
-            f"{b['plan_rss_gib']:.2f} GiB; {b['edges']} edges ({b['mem_edges']} mem), reloaded {gb(b['bytes_reloaded'])} GB"
-        )
+    for order in ("default", "builder") if args.baseline else ():
+        b = _scale_run("plan", str(cap), "1", order, args.baseline)
+        if b is not None:
+            show(f"the planner in {args.baseline}, {order} order", {**b, "repeat": 1})
 
 
 SECTIONS = {

@@ -311,6 +311,19 @@ class Arena:
         else:
             self.head = b
 
+    def _absorb(self, a: Block, b: Block) -> None:
+        """Free block a takes over free block b, its neighbour above (unlinked; ghosts merged)."""
+        a.next = b.next
+        if b.next is not None:
+            b.next.prev = a
+        else:
+            self.tail = a
+        a.size += b.size
+        g = a.ghosts + b.ghosts
+        a.ghosts = _bounded(g) if len(g) > MAX_GHOSTS else g
+        if b.newest > a.newest:
+            a.newest = b.newest
+
     def release(self, b: Block, readers: tuple[int, ...] | None, time: int) -> None:
         """Frees block `b`. readers None: a retraction, restoring the ghosts it covered."""
         assert b.owner is not None, b
@@ -326,29 +339,11 @@ class Arena:
         nxt = b.next
         if nxt is not None and nxt.owner is None:
             self._free_remove(nxt)
-            b.next = nxt.next  # unlink nxt
-            if nxt.next is not None:
-                nxt.next.prev = b
-            else:
-                self.tail = b
-            b.size += nxt.size
-            g = b.ghosts + nxt.ghosts
-            b.ghosts = _bounded(g) if len(g) > MAX_GHOSTS else g
-            if nxt.newest > b.newest:
-                b.newest = nxt.newest
+            self._absorb(b, nxt)
         prev = b.prev
         if prev is not None and prev.owner is None:
             self._free_remove(prev)
-            prev.next = b.next  # unlink b
-            if b.next is not None:
-                b.next.prev = prev
-            else:
-                self.tail = prev
-            prev.size += b.size
-            g = prev.ghosts + b.ghosts
-            prev.ghosts = _bounded(g) if len(g) > MAX_GHOSTS else g
-            if b.newest > prev.newest:
-                prev.newest = b.newest
+            self._absorb(prev, b)
             b = prev
         self._free_add(b)
 
