@@ -8,10 +8,15 @@ covered, so retracting it restores the arena exactly.
 
 Free-range choice (TURNIP section 6), `fit`: "oldest" takes, among free blocks that fit, the one
 whose newest ghost is oldest (its last use lies furthest in the past: the weakest memory edges),
-ties to the tighter fit; "best" takes the tightest fit (least fragmentation), ties to the oldest.
-The planner's default is chosen by simulated makespan (benchmarks/bench_quality.py). Within the
-chosen block the end whose ghosts are older is used. A host store (capacity None) grows at its top
-when no free range fits, and records its peak.
+ties to the tighter fit; "best" takes the tightest fit (least fragmentation), ties to the oldest;
+"fewest" the one whose ghosts name the fewest readers (fewest new memory edges), ties to the
+oldest. The planner's default, "oldest", is chosen by simulated makespan (benchmarks/
+bench_quality.py: fastest without memory pressure, "best" sometimes ahead under it). Within the
+chosen block the end whose ghosts are older is used. Free blocks are indexed per size class (bit
+length) in lists sorted by the choice's key, so a choice looks at one class's blocks and the first
+of each larger class, not at every free block (the former scan cost 20 us per allocation on a
+fragmented 65B plan). A host store (capacity None) grows at its top when no free range fits, and
+records its peak.
 
 Victims (`best_window`, TURNIP section 6 "simMallocOffld"): the window of blocks whose owners'
 smallest key is largest. A key orders victims: an output reserved and not computed yet is undone

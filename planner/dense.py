@@ -2,6 +2,7 @@
 
 The planner's hot loops (the schedule order, BUILDMEMGRAPH, the bound) index plain lists by int
 instead of dicts of Vertex objects by id; a 370k-vertex graph is flattened in about a second.
+`check_order` validates a serial order given by id.
 """
 
 from __future__ import annotations
