@@ -209,8 +209,10 @@ class Arena:
         """
         classes, nonempty = self.classes, self.nonempty
         c = size.bit_length()  # classes above c hold only blocks larger than size
-        lst = classes.get(c)
         best = None
+        if self.capacity is not None and (not nonempty or c > nonempty[-1]):
+            return None  # every free block is smaller (the usual failure of a blocked horizon)
+        lst = classes.get(c)
         if self.oldest:
             if lst:
                 at = 1 if self.fit == "oldest" else 2
