@@ -47,6 +47,32 @@ class GpuWorker:
     def ping(self) -> bool:
         return True
 
+    def install_ops(self, pickled: Mapping[str, bytes]) -> list[str]:
+        """Registers the ops of one's own that a graph uses: name -> (spec, kernel, temporaries)
+        of `disco_ray.graph.kernels.own_ops`, each pickled by value where the driver defined it
+        (a script, a notebook), by reference to its module otherwise.
+
+        Raises:
+            RunError: naming the op whose definition cannot be rebuilt in this process (its module
+                is one the driver imported and this worker cannot).
+        """
+        from ray import cloudpickle
+
+        from disco_ray.graph.kernels import install_ops
+
+        found = {}
+        for name, blob in pickled.items():
+            try:
+                found[name] = cloudpickle.loads(blob)
+            except Exception as e:
+                raise RunError(
+                    f"op {name!r}: this worker cannot load its definition ({type(e).__name__}: {e}); "
+                    "define it in a module the workers can import (installed, or on PYTHONPATH before "
+                    'Ray starts) and name that module in op_modules=[...] (README, "Your own op")'
+                ) from None
+        install_ops(found)
+        return sorted(found)
+
     def gpu_ids(self) -> tuple[str, list[str]]:
         """(node id, the GPU ids Ray assigned to this actor)."""
         return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]

@@ -183,6 +183,7 @@ class RayEngine:
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, config.backend, op_modules)
             self.generation = self.pool.generation
+            ship_own_ops(tg, self.workers)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
             ray.get(
                 [
@@ -380,6 +381,20 @@ class RayEngine:
             )
         except Exception:
             self.pool.discard()
+
+
+def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:
+    """Registers, in every worker, the ops of one's own that `tg` uses (defined in the driver after
+    the built-in op set), so that no worker lacks one; see `disco_ray.graph.kernels.own_ops`."""
+    import ray
+    from ray import cloudpickle
+
+    from disco_ray.graph.kernels import own_ops
+
+    own = own_ops(v.op for v in tg if v.op is not None)
+    if own:
+        blobs = {name: cloudpickle.dumps(d) for name, d in own.items()}
+        ray.get([w.install_ops.remote(blobs) for w in workers])
 
 
 def share_devices(workers: Sequence) -> list[bool]:
