@@ -15,24 +15,31 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from disco_ray.graph.errors import RunError
-from disco_ray.graph.memgraph import Loc, MemGraph
-from disco_ray.graph.taskgraph import TaskGraph
 
-from .executor import Executor, WorkerConfig, make_backend
-from .store import WorkerStore
-from .transport import RayTransport
+# torch and the executor are imported where used: a process that only holds a handle of this
+# actor (the coordinator, a peer) imports this module to rebuild it, and must not pay torch's
+# import (seconds) for that
+if TYPE_CHECKING:
+    import torch
+
+    from disco_ray.graph.memgraph import Loc, MemGraph
+    from disco_ray.graph.taskgraph import TaskGraph
+
+    from .executor import Executor, WorkerConfig
+    from .store import WorkerStore
 
 
 class GpuWorker:
     """One per GPU; `load` a graph (allocating its arena), run it any number of times, load the next."""
 
     def __init__(self, op_modules: Sequence[str] = (), torch_threads: int | None = 1):
+        import torch
+
         for m in op_modules:
             importlib.import_module(m)
         if torch_threads:
@@ -81,6 +88,8 @@ class GpuWorker:
         """Makes this process see `visible` (the GPUs of every worker on its node) and use device
         `index` of it, so CUDA IPC can map a peer GPU's arena (`actors.transport_cuda`). Only
         before CUDA starts here: False (nothing changed) once it has."""
+        import torch
+
         if torch.cuda.is_initialized():
             return False
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -99,6 +108,12 @@ class GpuWorker:
     ) -> dict:
         """Adds graph `key` (replacing one of that key): the plan of `mg` for GPU `gpu`, its views
         of the shared arena, its host store, and the sourced inputs it names, read now."""
+        import torch
+
+        from .executor import Executor, make_backend
+        from .store import WorkerStore
+        from .transport import RayTransport
+
         self.unload(key)
         self.coord = coordinator
         if config.backend == "cuda" and self.device is not None:

@@ -30,7 +30,7 @@ from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKin
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import Arena
-from .capacity import capacities, vertex_needs
+from .capacity import capacities, log_rounding, rounded, vertex_needs
 from .order import check_order, default_order
 from .records import Inst, Rec
 
@@ -44,7 +44,8 @@ class Planner:
     ):
         self.tg = tg
         self.V = tg.vertices  # id -> Vertex (the dict itself: the hot loops index it often)
-        self.caps = capacities(capacity, tg.gpus)
+        self.asked = capacities(capacity, tg.gpus)
+        self.caps = rounded(self.asked, alignment)
         self.order = default_order(tg) if order is None else check_order(tg, order)
         self.lookahead = lookahead
         self.arenas = [Arena(c, alignment) for c in self.caps]
@@ -87,8 +88,14 @@ class Planner:
             assert cap is not None  # GPU arenas are bounded
             if need > cap:
                 what = "its output" if v.kind is Kind.INPUT else "its inputs plus output"
+                asked = self.asked[g]
+                note = (
+                    ""
+                    if asked == cap
+                    else f" ({asked} rounded down to the {self.arenas[g].align}-byte alignment)"
+                )
                 raise CapacityError(
-                    f"vertex {v.id!r}: {what} need {need} bytes on gpu {g}, whose capacity is {cap} bytes"
+                    f"vertex {v.id!r}: {what} need {need} bytes on gpu {g}, whose capacity is {cap} bytes{note}"
                 )
 
     # ---- records and edges --------------------------------------------------------------------
@@ -404,6 +411,7 @@ def build_memgraph(
         p = Planner(tg, capacity, order, alignment, lookahead)
         p.run()
         mg = p.memgraph(started)
+        log_rounding(p.asked, p.caps, alignment)
     finally:
         if collecting:
             gc.enable()

@@ -57,7 +57,7 @@ def run_job(args: argparse.Namespace) -> int:
     from disco_ray.graph.reference import check_inputs, evaluate, random_inputs
     from disco_ray.graph.trace import format_summary
 
-    from .run import load_npz, save_npz
+    from .npz import load_npz, save_npz
 
     if args.out and not str(args.out).endswith(".npz"):
         raise UsageError(f"--out {args.out}: the outputs are written as .npz")

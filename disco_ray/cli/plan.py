@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 from disco_ray.graph import formats
@@ -11,7 +12,9 @@ from disco_ray.graph.memgraph import MemGraph, MKind
 from disco_ray.graph.sizes import format_size
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .app import PROG, capacities, gpu_size_arg, output_path, positive_int, power_of_two, read_order, size_arg
+from .app import PROG, add_capacity_args, capacity_of, output_path, positive_int, power_of_two, read_order
+
+log = logging.getLogger("disco_ray")
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -89,20 +92,7 @@ def add_plan(sub) -> None:
         description="Plan TASKGRAPH for GPUs of the given capacity and write the MemGraph.",
     )
     p.add_argument("taskgraph", metavar="TASKGRAPH", help="TaskGraph file (.json or .msgpack)")
-    p.add_argument(
-        "--capacity",
-        type=size_arg,
-        required=True,
-        metavar="SIZE",
-        help="arena bytes of every GPU, e.g. 64MiB, 1.5GiB, 2GB",
-    )
-    p.add_argument(
-        "--capacity-gpu",
-        type=gpu_size_arg,
-        action="append",
-        metavar="G=SIZE",
-        help="override the capacity of GPU G (repeatable)",
-    )
+    add_capacity_args(p, required=True)
     p.add_argument(
         "--order",
         metavar="FILE",
@@ -127,7 +117,7 @@ def add_plan(sub) -> None:
 
 def cmd_plan(args) -> int:
     tg = formats.load_taskgraph(args.taskgraph)
-    caps = capacities(tg, args.capacity, args.capacity_gpu)
+    caps = capacity_of(args, tg.gpus)
     order = read_order(args.order) if args.order else None
     from planner import build_memgraph
 
@@ -140,8 +130,8 @@ def cmd_plan(args) -> int:
     except OSError as e:  # name the file asked for, not the temporary one beside it
         raise UsageError(f"{args.output}: cannot write ({e.strerror})") from None
     for line in summary_lines(memgraph_stats(mg), "memgraph"):
-        print(line, file=sys.stderr)
-    print(f"wrote {args.output}", file=sys.stderr)
+        log.info(line)
+    log.info("wrote %s", args.output)
     return 0
 
 

@@ -13,6 +13,7 @@ worker and the vertex; the Program then tears its engine down (a later run start
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from disco_ray.graph.taskgraph import TaskGraph
 from disco_ray.graph.trace import summarize, write_trace
 
 ENGINES = ("ray", "local")
+log = logging.getLogger("disco_ray")
+_WARNED: set[str] = set()  # low-precision dtypes already warned about on the cpu backend
 RUN_KEYS = ("trace", "details", *RunOptions.__dataclass_fields__)  # what Program.run takes
 
 
@@ -115,6 +118,8 @@ class Program:
                 f"op {missing[0]!r} has no kernel: define one with @disco_ray.graph.kernels.impl"
                 f'({missing[0]!r}) before running (README, "Your own op")'
             )
+        if backend == "cpu":
+            _warn_low_precision(tg)
         if pool is not None and type(pool).__name__ != {"ray": "RayPool", "local": "LocalPool"}[engine]:
             raise UsageError(f"a {type(pool).__name__} cannot serve the {engine} engine")
         self.tg, self.mg = tg, mg
@@ -257,6 +262,19 @@ class Program:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warn_low_precision(tg: TaskGraph) -> None:
+    """Once per dtype and process: float16/bfloat16 kernels on the cpu backend are slow."""
+    slow = sorted({v.dtype for v in tg if v.op is not None and v.dtype in ("float16", "bfloat16")} - _WARNED)
+    if slow:
+        _WARNED.update(slow)
+        log.warning(
+            "%s kernels on the cpu backend are slow: most CPUs have no fast %s arithmetic, so they "
+            "can take many times as long as float32 (time them on a GPU; use float32 to try plans on a CPU)",
+            " and ".join(slow),
+            "/".join(slow),
+        )
 
 
 def compile(
