@@ -231,28 +231,18 @@ register(
         doc="a copy of x with its dims reordered: result dim i is x's dim dims[i]",
     )
 )
-register(
-    OpSpec(
-        "sum",
-        1,
-        1,
-        _infer_reduce("sum"),
-        attrs={"axes": REQUIRED, "keepdim": False},
-        flops=lambda s, o, a: float(numel(s[0])),
-        doc="sum over the dims in axes (kept as size 1 when keepdim)",
+for _name in ("sum", "mean"):
+    register(
+        OpSpec(
+            _name,
+            1,
+            1,
+            _infer_reduce(_name),
+            attrs={"axes": REQUIRED, "keepdim": False},
+            flops=lambda s, o, a: float(numel(s[0])),
+            doc=f"{_name} over the dims in axes (kept as size 1 when keepdim)",
+        )
     )
-)
-register(
-    OpSpec(
-        "mean",
-        1,
-        1,
-        _infer_reduce("mean"),
-        attrs={"axes": REQUIRED, "keepdim": False},
-        flops=lambda s, o, a: float(numel(s[0])),
-        doc="mean over the dims in axes (kept as size 1 when keepdim)",
-    )
-)
 register(
     OpSpec(
         "sdpa",
