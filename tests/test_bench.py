@@ -223,3 +223,16 @@ def test_check_outputs_tolerance_by_dtype():
     assert not bench.check_outputs({"y": want["y"].float() * 1.01}, {"y": want["y"].float()})["ok"]
     assert not bench.check_outputs({}, want)["ok"]
     assert bench.check_outputs({"y": torch.ones(3)}, want)["max_rel_err"] == float("inf")
+
+
+def test_kernels_timed_alone_sum_per_gpu_and_count_only_kernels():
+    from disco_ray.bench.bound import kernel_seconds_alone, lower_bound
+
+    w = workloads.build("tp_matmul", gpus=2, m=64, k=64, n=64)
+    secs = kernel_seconds_alone(w.taskgraph, "cpu", repeat=1)
+    assert len(secs) == 2 and all(s > 0 for s in secs)  # each GPU has a partial product
+    g = workloads.build("matmul_chain", n=1, gpus=1).taskgraph
+    g.input("unused", (4, 4))
+    assert kernel_seconds_alone(g, "cpu", repeat=1)[0] > 0
+    b = lower_bound([0.5, 2.0], [1.0, 0.25], "given")
+    assert b["seconds"] == 2.0 and [p["bound_s"] for p in b["per_gpu"]] == [1.0, 2.0]

@@ -207,7 +207,7 @@ class RayEngine:
         from ray.exceptions import RayActorError, RayTaskError
 
         self.tg, self.mg = tg, mg
-        if pool is None and address is None and placement in (None, PlacementConfig()):
+        if pool is None and address is None and placement is None:
             pool = shared_pool(num_cpus)  # Ray and the actors stay for the next Program
         self.own_pool = pool is None
         self.pool = RayPool(num_cpus=num_cpus, placement=placement, address=address) if pool is None else pool

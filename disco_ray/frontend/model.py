@@ -13,6 +13,7 @@ another shape is refused (capture again for it).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,7 @@ class TorchModel:
         example = _flat((args, kwargs))
         self.lowered: Lowered = Lowering(self.blocks, gpus, split, self.weights).run(example)
         self.taskgraph: TaskGraph = self.lowered.graph.tg
+        self._program_kw = dict(program_kw)
         self.program: Program = compile(self.taskgraph, capacity, **program_kw)
         self.output_names = [name for name, _ in self.lowered.outputs]
         self._spec = self.blocks[-1].program.call_spec.out_spec
@@ -117,6 +119,13 @@ class TorchModel:
 
         outs = self.run(*args, **kwargs).outputs
         return pytree.tree_unflatten([outs[n] for n in self.output_names], self._spec)
+
+    def with_capacity(self, capacity: int | str | Sequence[int] | None) -> TorchModel:
+        """The same captured and split graph planned for another capacity (no new export); the
+        engine options are this model's. Close it as any other."""
+        other = copy.copy(self)
+        other.program = compile(self.taskgraph, capacity, **self._program_kw)
+        return other
 
     def capacity_bounds(self) -> tuple[list[int], list[int]]:
         """Per GPU, (the least capacity any plan works with, room for every tensor at once)."""
