@@ -45,6 +45,15 @@ def _flops_matmul(shapes, out, attrs):
     return 2.0 * numel(out) * shapes[0][-1]
 
 
+def _infer_same_shape(name: str, floats: bool = False):
+    def infer(shapes, dtypes, attrs):
+        if len(set(shapes)) != 1:
+            raise ValueError(f"{name} operands have different shapes {[list(s) for s in shapes]}")
+        return shapes[0], _same_dtype(name, dtypes, floats=floats)
+
+    return infer
+
+
 def _infer_broadcast(name: str):
     def infer(shapes, dtypes, attrs):
         return ops_nn.broadcast(name, shapes), _same_dtype(name, dtypes, floats=False)
