@@ -14,6 +14,7 @@ import torch
 
 from disco_ray.graph.dtypes import torch_dtype
 from disco_ray.graph.errors import RunError
+from disco_ray.graph.kernels import IMPLS
 from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
 from disco_ray.graph.ops import OPS
 from disco_ray.graph.taskgraph import TaskGraph
@@ -86,6 +87,13 @@ class Views:
             op = self.tg[v.value].op
             if op is None:
                 raise RunError(f"gpu:{self.gpu} {describe(self.mg, v.id)}: its TaskGraph vertex has no op")
+            if op not in OPS or op not in IMPLS:
+                raise RunError(
+                    f"gpu:{self.gpu} {describe(self.mg, v.id)}: op {op!r} is not registered in this "
+                    "worker's process: register it (disco_ray.graph.ops.register and "
+                    "disco_ray.graph.kernels.impl) in a module the workers can import and name that "
+                    'module in op_modules=[...] (README, "Your own op")'
+                )
             return VertexPlan(
                 K_KERNEL,
                 v.value,

@@ -15,24 +15,31 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from disco_ray.graph.errors import RunError
-from disco_ray.graph.memgraph import Loc, MemGraph
-from disco_ray.graph.taskgraph import TaskGraph
 
-from .executor import Executor, WorkerConfig, make_backend
-from .store import WorkerStore
-from .transport import RayTransport
+# torch and the executor are imported where used: a process that only holds a handle of this
+# actor (the coordinator, a peer) imports this module to rebuild it, and must not pay torch's
+# import (seconds) for that
+if TYPE_CHECKING:
+    import torch
+
+    from disco_ray.graph.memgraph import Loc, MemGraph
+    from disco_ray.graph.taskgraph import TaskGraph
+
+    from .executor import Executor, WorkerConfig
+    from .store import WorkerStore
 
 
 class GpuWorker:
     """One per GPU; `load` a graph (allocating its arena), run it any number of times, load the next."""
 
     def __init__(self, op_modules: Sequence[str] = (), torch_threads: int | None = 1):
+        import torch
+
         for m in op_modules:
             importlib.import_module(m)
         if torch_threads:
@@ -47,6 +54,32 @@ class GpuWorker:
     def ping(self) -> bool:
         return True
 
+    def install_ops(self, pickled: Mapping[str, bytes]) -> list[str]:
+        """Registers the ops of one's own that a graph uses: name -> (spec, kernel, temporaries)
+        of `disco_ray.graph.kernels.own_ops`, each pickled by value where the driver defined it
+        (a script, a notebook), by reference to its module otherwise.
+
+        Raises:
+            RunError: naming the op whose definition cannot be rebuilt in this process (its module
+                is one the driver imported and this worker cannot).
+        """
+        from ray import cloudpickle
+
+        from disco_ray.graph.kernels import install_ops
+
+        found = {}
+        for name, blob in pickled.items():
+            try:
+                found[name] = cloudpickle.loads(blob)
+            except Exception as e:
+                raise RunError(
+                    f"op {name!r}: this worker cannot load its definition ({type(e).__name__}: {e}); "
+                    "define it in a module the workers can import (installed, or on PYTHONPATH before "
+                    'Ray starts) and name that module in op_modules=[...] (README, "Your own op")'
+                ) from None
+        install_ops(found)
+        return sorted(found)
+
     def gpu_ids(self) -> tuple[str, list[str]]:
         """(node id, the GPU ids Ray assigned to this actor)."""
         return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
@@ -55,6 +88,8 @@ class GpuWorker:
         """Makes this process see `visible` (the GPUs of every worker on its node) and use device
         `index` of it, so CUDA IPC can map a peer GPU's arena (`actors.transport_cuda`). Only
         before CUDA starts here: False (nothing changed) once it has."""
+        import torch
+
         if torch.cuda.is_initialized():
             return False
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -73,6 +108,12 @@ class GpuWorker:
     ) -> dict:
         """Adds graph `key` (replacing one of that key): the plan of `mg` for GPU `gpu`, its views
         of the shared arena, its host store, and the sourced inputs it names, read now."""
+        import torch
+
+        from .executor import Executor, make_backend
+        from .store import WorkerStore
+        from .transport import RayTransport
+
         self.unload(key)
         self.coord = coordinator
         if config.backend == "cuda" and self.device is not None:

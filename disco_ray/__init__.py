@@ -5,6 +5,8 @@ The public API, imported lazily (so `import disco_ray` pulls in neither torch no
     disco_ray.TaskGraph, disco_ray.MemGraph          the data model (disco_ray.graph)
     disco_ray.load_taskgraph, load_memgraph, save      TaskGraph/MemGraph files (.json, .msgpack)
     disco_ray.run, compile, run_memgraph, Program    plan and run (disco_ray.driver.program)
+    disco_ray.shutdown                               stop the shared Ray pool now (else at exit)
+    disco_ray.from_torch, TorchModel                 a torch nn.Module as a TaskGraph (disco_ray.frontend)
     disco_ray.DiscoError, GraphError, RunError, ...  the error hierarchy (disco_ray.graph.errors)
 
 The packages, in the direction imports flow: `disco_ray.graph` (data model) <- `planner`,
@@ -27,13 +29,18 @@ _API = {
     "compile": "disco_ray.driver.program",
     "run_memgraph": "disco_ray.driver.program",
     "Program": "disco_ray.driver.program",
+    "shutdown": "disco_ray.driver.engine_ray",
     "models": "disco_ray.models",
+    "from_torch": "disco_ray.frontend",
+    "TorchModel": "disco_ray.frontend",
+    "RunResult": "disco_ray.driver.program",
     **{
         e: "disco_ray.graph.errors"
         for e in (
             "DiscoError",
             "GraphError",
             "FormatError",
+            "FrontendError",
             "CapacityError",
             "PlanError",
             "VerifyError",

@@ -37,7 +37,7 @@ from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKin
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import RESERVED, Arena, Block
-from .capacity import capacities
+from .capacity import capacities, log_rounding, rounded
 from .dense import Dense, check_order
 from .order import default
 from .prune import WINDOW, Reducer
@@ -61,7 +61,8 @@ class Planner:
     ):
         d = self.d = dense if dense is not None else Dense(tg)
         self.tg = tg
-        self.caps = capacities(capacity, tg.gpus)
+        self.asked = capacities(capacity, tg.gpus)
+        self.caps = rounded(self.asked, alignment)
         n = len(d)
         self.sizes = d.sizes(alignment)
         self.arenas = [Arena(c, alignment, fit) for c in self.caps]
@@ -123,9 +124,15 @@ class Planner:
             i = int(bad[np.argmin(ks[bad])])  # the first vertex in list order
             k, g = int(ks[i]), int(gs[i])
             what = "its output" if d.kind[k] is Kind.INPUT else "its inputs plus output"
+            asked, cap = self.asked[g], int(room[g])
+            note = (
+                ""
+                if asked == cap
+                else f" ({asked} rounded down to the {self.arenas[g].align}-byte alignment)"
+            )
             raise CapacityError(
                 f"vertex {d.ids[k]!r}: {what} need {int(need[i])} bytes on gpu {g}, whose capacity is "
-                f"{int(room[g])} bytes"
+                f"{cap} bytes{note}"
             )
 
     # ---- records and edges --------------------------------------------------------------------
@@ -500,6 +507,7 @@ def build_memgraph(
         p = Planner(tg, capacity, order, alignment, lookahead, fit)
         p.run()
         mg = p.memgraph(started, window)
+        log_rounding(p.asked, p.caps, alignment)
     finally:
         if collecting:
             gc.enable()

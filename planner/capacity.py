@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 
 from disco_ray.graph.errors import GraphError
 from disco_ray.graph.taskgraph import Kind, TaskGraph, Vertex
 
 ALIGN = 256
+log = logging.getLogger("disco_ray.planner")
 
 
 def aligned(nbytes: int, alignment: int = ALIGN) -> int:
@@ -74,3 +76,22 @@ def capacities(capacity: int | Sequence[int] | Mapping[int, int], gpus: int) -> 
         if c <= 0:
             raise GraphError(f"capacity of gpu {g} must be positive, got {c}")
     return caps
+
+
+def rounded(caps: list[int], alignment: int = ALIGN) -> list[int]:
+    """`caps` rounded down to the alignment: every range is a multiple of it, so the rest of an
+    arena could hold nothing (`log_rounding` says so once the plan is made)."""
+    return [c // alignment * alignment for c in caps]
+
+
+def log_rounding(asked: list[int], caps: list[int], alignment: int = ALIGN) -> None:
+    """A message for each GPU whose capacity `rounded` changed."""
+    for g, (a, c) in enumerate(zip(asked, caps)):
+        if a != c:
+            log.info(
+                "capacity of gpu %d rounded down from %d to %d bytes (a multiple of the %d-byte alignment)",
+                g,
+                a,
+                c,
+                alignment,
+            )

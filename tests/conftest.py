@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # process to token auth (and cache it), and a later driver of the multi-node test cluster, which
 # runs without a token, would see its actors die at once.
 os.environ["RAY_AUTH_MODE"] = "disabled"
+# Never join a Ray someone else left running on this machine (`ray start`): each test starts its own.
+os.environ["DISCO_RAY_ADDRESS"] = "local"
 
 
 def two_gpu_graph() -> TaskGraph:

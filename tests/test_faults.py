@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import disco_ray
 from disco_ray.driver.program import Program, run_memgraph
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.reference import evaluate, random_inputs
@@ -22,15 +23,27 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.mark.slow
-def test_run_starts_and_shuts_down_its_own_ray():
-    """Runs first in this module, before the fixture starts a shared Ray."""
+def test_runs_share_one_warm_pool_until_shutdown():
+    """Runs first in this module, before the fixture starts a shared Ray: the first run starts Ray
+    and the actors, the next run (another graph, another plan) reuses them, shutdown() ends both."""
     if ray.is_initialized():
         pytest.skip("a Ray session is already running")
+    from disco_ray.driver import engine_ray
+
     tg = random_taskgraph(21, n=10, gpus=2)
     inputs = random_inputs(tg, 0)
     out = run_memgraph(tg, plan(tg, "tight"), inputs, engine="ray", num_cpus=2, timeout=120)
     assert_same(out, evaluate(tg, inputs))
-    assert not ray.is_initialized()
+    assert ray.is_initialized()
+    shared = engine_ray._SHARED
+    assert shared is not None
+    actors = [w._actor_id for w in shared.workers]
+    tg2 = random_taskgraph(22, n=10, gpus=2)
+    out = disco_ray.run(tg2, random_inputs(tg2, 1), engine="ray", timeout=120)
+    assert_same(out, evaluate(tg2, random_inputs(tg2, 1)))
+    assert [w._actor_id for w in shared.workers] == actors  # no new actor started
+    disco_ray.shutdown()
+    assert not ray.is_initialized() and engine_ray._SHARED is None
 
 
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture)

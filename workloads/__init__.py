@@ -138,30 +138,39 @@ def random_dag_workload(
     """A random DAG (`workloads.random_dag`) with random inputs; levels are longest-path depths.
 
     A random graph has no definition other than itself, so its reference is the graph's own
-    evaluation (`disco_ray.graph.reference.evaluate`), unlike the other workloads.
+    evaluation (`graph_workload`), unlike the other workloads.
     """
     try:
         from .random_dag import random_dag
     except ModuleNotFoundError as e:
         raise UsageError(f"workload 'random_dag' is not available: {e}") from None
-    from disco_ray.graph.reference import evaluate, random_inputs
+    from disco_ray.graph.reference import random_inputs
 
     kw = dict(transfer_prob=transfer_prob, max_inputs=max_inputs, far_prob=far_prob, input_prob=input_prob)
     tg = random_dag(n, gpus, seed, outputs=outputs, **kw)
+    inputs = random_inputs(tg, seed) if materialize else {}
+    return graph_workload("random_dag", tg, inputs, dict(n=n, gpus=gpus, seed=seed, outputs=outputs, **kw))
+
+
+def graph_workload(
+    name: str, tg: TaskGraph, inputs: dict[str, torch.Tensor], params: dict | None = None
+) -> Workload:
+    """A workload of a given TaskGraph (a random one, a user's file): its reference is the graph's
+    own evaluation (`disco_ray.graph.reference.evaluate`, the kernels run one by one in plain
+    torch), its levels the longest-path depths, every input a weight."""
+    from disco_ray.graph.reference import evaluate
+
     depth: dict[str, int] = {}
     for v in tg:
         depth[v.id] = 1 + max((depth[i] for i in v.inputs), default=-1)
     levels: list[list[str]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
     for v, d in depth.items():
         levels[d].append(v)
-    weights = [v.id for v in tg.inputs()]
 
     def reference(ins: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return evaluate(tg, ins)
 
-    inputs = random_inputs(tg, seed) if materialize else {}
-    params = dict(n=n, gpus=gpus, seed=seed, outputs=outputs, **kw)
-    return Workload("random_dag", tg, inputs, reference, levels, weights, params)
+    return Workload(name, tg, inputs, reference, levels, [v.id for v in tg.inputs()], dict(params or {}))
 
 
 def _base_type(t) -> type:

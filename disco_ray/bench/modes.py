@@ -107,13 +107,16 @@ def in_memory(tg: TaskGraph, alignment: int = 256, order=None) -> MemGraph:
 
 
 def plan(tg: TaskGraph, mode: str, capacity, levels=None, alignment: int = 256, order=None) -> MemGraph:
-    """Plans `tg` with the planner (serial `order`, default the planner's) and applies `mode` (one of MODES)."""
+    """Plans `tg` with the planner (serial `order`, default the planner's) for `capacity` (None:
+    room for everything) and applies `mode` (one of MODES)."""
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
     if mode == "in_memory":
         return in_memory(tg, alignment, order)
-    from planner import build_memgraph
+    from planner import build_memgraph, roomy_capacity
 
+    if capacity is None:  # everything fits
+        capacity = roomy_capacity(tg, alignment)
     mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
     if mode == "deterministic":
         return deterministic(mg)

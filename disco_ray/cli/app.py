@@ -5,9 +5,11 @@ and `cmd_NAME(args) -> int` (runs it, returns the exit status), in the module th
 for it; adding a command is one line in COMMANDS. A module listed there keeps heavy imports (ray, torch) inside `cmd_NAME`, so that
 `disco-ray plan` stays quick.
 
-Exit status: 0 success, 1 `verify` found violations, 2 bad usage or bad input. Input errors
-(every DiscoError, unreadable or unwritable files) print exactly one line,
-`disco-ray: error: ...`, and never leave a partial output file.
+Exit status: 0 success, 1 `verify` found violations (or `run --check-reference`, `bench` a
+mismatch), 2 bad usage or bad input. Input errors (every DiscoError, unreadable or unwritable
+files) print exactly one line, `disco-ray: error: ...`, and never leave a partial output file.
+What a command reports on the way goes through `logging` (logger "disco_ray", to stderr):
+INFO by default, `-q` warnings only, `-v` debug too; results go to stdout or files.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 from pathlib import Path
 
 from disco_ray.graph import formats
 from disco_ray.graph.errors import DiscoError, UsageError
-from disco_ray.graph.sizes import format_size, parse_size
-from disco_ray.graph.taskgraph import TaskGraph
+from disco_ray.graph.sizes import format_size, parse_capacity, parse_size
 
 PROG = "disco-ray"
 # subcommand -> module defining add_<name> and cmd_<name>, in --help order
@@ -33,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "run": "disco_ray.cli.run",
     "workload": "disco_ray.cli.workload",
     "bench": "disco_ray.cli.bench",
+    "plot": "disco_ray.cli.plot",
     "generate": "disco_ray.cli.generate",
     "finetune": "disco_ray.cli.finetune",
     "demo": "disco_ray.cli.demo",
@@ -51,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG, description="Plan and run ML workloads larger than GPU memory (TURNIP/DISCO)."
     )
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
+    loud.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():
         getattr(importlib.import_module(module), f"add_{name}")(sub)
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit status (the console script's entry point)."""
     try:
         args = build_parser().parse_args(argv)
+        setup_logging(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
         cmd = getattr(importlib.import_module(COMMANDS[args.command]), f"cmd_{args.command}")
         return int(cmd(args))
     except DiscoError as e:
@@ -74,6 +81,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def _error(msg: str) -> None:
     print(f"{PROG}: error: {'; '.join(msg.splitlines())}", file=sys.stderr)
+
+
+class _Stderr(logging.Handler):
+    """Plain lines on whatever sys.stderr is when a message comes (warnings prefixed)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        print(f"warning: {msg}" if record.levelno >= logging.WARNING else msg, file=sys.stderr)
+
+
+def setup_logging(level: int) -> None:
+    """Messages of the "disco_ray" loggers to stderr, from `level` up."""
+    log = logging.getLogger("disco_ray")
+    log.setLevel(level)
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        log.addHandler(_Stderr())
+        log.propagate = False
 
 
 # ---- argument types ----------------------------------------------------------------------------
@@ -120,16 +144,58 @@ def output_path(text: str) -> Path:
     return path
 
 
-def capacities(tg: TaskGraph, capacity: int, per_gpu: list[tuple[int, int]] | None) -> int | list[int]:
+def capacity_arg(text: str) -> int | list[int]:
+    """argparse type for `SIZE` (every GPU) or `SIZE,SIZE,...` (one per GPU)."""
+    try:
+        return parse_capacity(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_capacity_args(p: argparse.ArgumentParser, required: bool = False, default: str = "") -> None:
+    """`--capacity SIZE[,SIZE...]` and `--capacity-gpu G=SIZE`: one syntax on every command."""
+    p.add_argument(
+        "--capacity",
+        type=capacity_arg,
+        required=required,
+        metavar="SIZE[,SIZE...]",
+        help="arena bytes of every GPU (e.g. 64MiB, 1.5GiB, 2GB), or one per GPU (64MiB,32MiB)"
+        + (f" (default: {default})" if default else ""),
+    )
+    p.add_argument(
+        "--capacity-gpu",
+        type=gpu_size_arg,
+        action="append",
+        metavar="G=SIZE",
+        help="the capacity of GPU G (repeatable; overrides --capacity for that GPU)",
+    )
+
+
+def capacity_of(args: argparse.Namespace, gpus: int) -> int | list[int] | None:
+    """The planner's capacity from `add_capacity_args`' options: one size, a list per GPU, or None
+    (not given: the command's default)."""
+    cap = args.capacity
+    if isinstance(cap, list) and len(cap) != gpus:
+        raise UsageError(f"--capacity gives {len(cap)} sizes for {gpus} GPU(s)")
+    if not args.capacity_gpu:
+        return cap
+    if cap is None:
+        raise UsageError("--capacity-gpu overrides --capacity: give --capacity too")
+    return capacities(gpus, cap, args.capacity_gpu)
+
+
+def capacities(
+    gpus: int, capacity: int | list[int], per_gpu: list[tuple[int, int]] | None
+) -> int | list[int]:
     """The planner's capacity argument: one size for all GPUs, or a list once a GPU is overridden."""
     if not per_gpu:
         return capacity
-    caps = [capacity] * tg.gpus
+    caps = list(capacity) if isinstance(capacity, list) else [capacity] * gpus
     for g, size in per_gpu:
-        if g >= tg.gpus:
+        if g >= gpus:
             raise UsageError(
                 f"--capacity-gpu {g}={format_size(size)}: gpu {g} out of range "
-                f"0..{tg.gpus - 1} (the taskgraph has {tg.gpus} GPU(s))"
+                f"0..{gpus - 1} (the graph has {gpus} GPU(s))"
             )
         caps[g] = size
     return caps

@@ -1,25 +1,35 @@
-"""`disco-ray bench`: run one workload in several modes on one memory budget and compare them.
+"""`disco-ray bench`: run one workload, or a TaskGraph file of one's own, in several modes on one
+memory budget and compare them.
 
-    disco-ray bench WORKLOAD [key=value ...] --capacity SIZE
-        [--modes dynamic,deterministic,levelwise,in_memory,torch_naive,torch_prefetch]
-        [--backend cpu|cuda] [--engine ray|local] [--simulate PROFILE] [--repeat N] [--out DIR]
-        [--address auto|ADDR]
+    disco-ray bench TASKGRAPH|WORKLOAD [key=value ...] [--inputs IN.npz] [--capacity SIZE[,SIZE...]]
+        [--capacity-gpu G=SIZE] [--modes dynamic,deterministic,levelwise,in_memory,torch_naive,...]
+        [--backend cpu|cuda] [--engine ray|local] [--simulate PROFILE] [--repeat N] [--warmup N]
+        [--out DIR] [--address auto|ADDR]
 
-Every mode runs the same workload (same inputs) and, for the runtime modes, the same capacity.
-Each mode's outputs are checked against the workload's own torch reference (tolerance by dtype,
-`disco_ray.bench.report.TOLERANCE`); a mismatch fails the command (exit 1) naming the mode, after the
-table is printed. With --simulate PROFILE the runtime modes are simulated under that device
-profile instead (nothing runs, so nothing is checked; torch baselines are not simulated).
+Every mode runs the same graph (same inputs) and, for the runtime modes, the same capacity. Each
+mode's outputs are checked against the reference (the workload's own torch code, or for a file
+the graph evaluated by plain torch; tolerance by dtype, `disco_ray.bench.report.TOLERANCE`); a
+mismatch fails the command (exit 1) naming the mode, after the table is printed. By default
+every mode that applies runs: levelwise where the graph has levels (a file's are its longest-path
+depths), the torch baselines for the workloads that have one. With --simulate PROFILE the runtime
+modes are simulated under that device profile instead (nothing runs, so nothing is checked).
 
-Written to DIR: results.json (every figure, the device/backend/profile, per-mode summaries and,
-on Ray with several workers, per-node and per-link figures), timeline.png (compute / H2D / D2H
-lanes of each GPU over time, dynamic vs levelwise, as in DISCO Figures 2-3) and trace.json
-(Chrome trace of the dynamic run).
+The `/ bound` column is makespan / a lower bound (`disco_ray.bench.bound`: from the profile, or
+from kernels timed alone on the GPU; none on the cpu backend, where the column is left out and a
+note says why). With --warmup 0 the timed runs include the first, cold one, which is marked.
+
+Written to DIR, and listed when done: results.json (every figure, the device/backend/profile,
+per-mode summaries and, on Ray with several workers, per-node and per-link figures),
+timeline.png (a panel per runtime mode: each GPU's compute / H2D / D2H / peer lanes over time
+and its arena and host-store bytes, as in DISCO Figures 2-3), trace.json (the dynamic run's
+Chrome trace, or the first runtime mode's) and trace.MODE.json for the other modes. Such files
+left by an earlier bench in DIR that this one did not write are removed.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import platform
 import sys
@@ -29,26 +39,29 @@ from pathlib import Path
 from disco_ray.graph.errors import UsageError
 
 REPS = 9  # timed copies of the H2D probe
+BASELINE_WORKLOADS = ("matmul_chain", "llama_prefill")  # workloads.baselines knows these
+log = logging.getLogger("disco_ray")
 
 
 def add_bench(sub) -> None:
     from disco_ray.driver.placement import add_cluster_args
 
-    from .run import add_capacity_arg, add_engine_args
+    from .app import add_capacity_args
+    from .run import add_engine_args
+    from .target import add_target_args
 
     p = sub.add_parser(
         "bench",
-        help="compare execution modes and torch baselines on one workload",
-        description="Run WORKLOAD in each mode on the same memory budget; check outputs; print a table; "
-        "write results.json, timeline.png and trace.json to --out.",
+        help="compare execution modes and torch baselines on one workload or TaskGraph file",
+        description="Run TASKGRAPH (a file) or WORKLOAD in each mode on the same memory budget; check "
+        "outputs; print a table; write results.json, timeline.png and traces to --out.",
     )
-    p.add_argument("workload", metavar="WORKLOAD", help="workload name (disco-ray workload --list)")
-    p.add_argument("params", nargs="*", metavar="key=value", help="workload parameters, e.g. n=8 gpus=2")
-    add_capacity_arg(p)
+    add_target_args(p)  # TARGET [key=value ...] --inputs --seed
+    add_capacity_args(p, default="everything fits")
     p.add_argument(
         "--modes",
-        default="dynamic,deterministic,levelwise,in_memory,torch_naive,torch_prefetch",
-        help="comma-separated modes (also torch_in_memory)",
+        help="comma-separated modes: dynamic, deterministic, levelwise, in_memory, torch_naive, "
+        "torch_prefetch, torch_in_memory (default: all that apply but torch_in_memory)",
     )
     p.add_argument(
         "--order",
@@ -70,30 +83,39 @@ def add_bench(sub) -> None:
     add_cluster_args(p)  # --address, --placement, --gpus-per-worker, --cpus-per-worker
 
 
-def _workload(args, simulate: bool):
-    import workloads
-
-    from .workload import parse_params
-
-    kv = parse_params(args.params)
-    if simulate and "materialize" in workloads.params(args.workload):
-        kv.setdefault("materialize", "false")  # a simulation needs no tensors
-    return workloads.build_from_strings(args.workload, kv)
-
-
 def _order(args, w) -> list[str] | None:
     """The builder's serial order (`Workload.order`), or None for the planner's default."""
     return w.order() if args.order == "builder" else None
 
 
-def cmd_bench(args) -> int:
+def _modes(args, w, simulated: bool) -> list[str]:
+    """The modes asked for, or every one that applies; UsageError for one that cannot run."""
     from disco_ray.bench import report as bench
 
+    baseline = w.name in BASELINE_WORKLOADS and "file" not in w.params
+    if args.modes is None:
+        modes = [m for m in bench.RUNTIME_MODES if m != "levelwise" or w.levels]
+        if baseline and not simulated:
+            modes += ["torch_naive", "torch_prefetch"]
+        return modes
     try:
         modes = bench.parse_modes(args.modes)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if "levelwise" in modes and not w.levels:
+        raise UsageError(f"workload {w.name} has no levels: mode levelwise cannot run")
+    torch_modes = [m for m in modes if m in bench.TORCH_MODES]
+    if torch_modes and not simulated and not baseline:
+        raise UsageError(f"no torch baseline for workload {w.name} (modes {', '.join(torch_modes)})")
+    return modes
+
+
+def cmd_bench(args) -> int:
+    from disco_ray.bench import report as bench
+
+    from .app import capacity_of
     from .run import engine_kwargs
+    from .target import load_target
 
     engine_kwargs(args)  # checked before anything is built
     if args.repeat < 1 or args.warmup < 0:
@@ -106,32 +128,36 @@ def cmd_bench(args) -> int:
             cost = profiles.get(args.simulate)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    w = _workload(args, cost is not None)
-    if "levelwise" in modes and not w.levels:
-        raise UsageError(f"workload {w.name} has no levels: mode levelwise cannot run")
-    torch_modes = [m for m in modes if m in bench.TORCH_MODES]
-    if torch_modes and cost is None and w.name not in ("matmul_chain", "llama_prefill"):
-        raise UsageError(f"no torch baseline for workload {w.name} (modes {', '.join(torch_modes)})")
+    if args.modes is not None:
+        try:
+            bench.parse_modes(args.modes)  # a bad mode is refused before the workload is built
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    w = load_target(args, materialize=cost is None)
+    args.capacity = capacity_of(args, w.taskgraph.gpus)
+    modes = _modes(args, w, cost is not None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if cost is not None:
-        res = _simulated(args, w, modes, cost)
-    else:
-        res = _measured(args, w, modes)
+    res = _simulated(args, w, modes, cost) if cost is not None else _measured(args, w, modes)
+    has_bound = res["bound"]["seconds"] is not None
     rows = bench.finish_rows(res["rows"], res["bound"]["seconds"])
     unit, scale = res.get("unit", ("ms", 1e3))
     header = _header(args, w, res)
-    table = bench.format_table(rows, unit, scale)
     print(header)
-    print(table)
-    print(
-        f"lower bound {res['bound']['seconds'] * scale:.4g} {unit} ({res['bound']['source']}); "
-        "'vs levelwise' = levelwise makespan / makespan; '/ bound' = makespan / lower bound"
-    )
+    print(bench.format_table(rows, unit, scale, bound=has_bound))
+    if has_bound:
+        print(
+            f"lower bound {res['bound']['seconds'] * scale:.4g} {unit} ({res['bound']['source']}); "
+            "'vs levelwise' = levelwise makespan / makespan; '/ bound' = makespan / lower bound"
+        )
+    else:
+        print(f"'vs levelwise' = levelwise makespan / makespan; {res['bound']['source']}")
     if cost is not None:
         print(f"simulated under profile {args.simulate}: nothing ran, so no outputs were checked")
-    _write(out, args, w, res, rows, header)
-    print(f"wrote {out / 'results.json'}, {out / 'timeline.png'}, {out / 'trace.json'}", file=sys.stderr)
+    elif args.warmup == 0:
+        print("--warmup 0: the timed runs include each mode's first run, which is cold (marked)")
+    written = _write(out, args, w, res, rows, header)
+    log.info("wrote %s", ", ".join(str(p) for p in written))
     bad = [r for r in rows if r["check"] is not None and not r["check"]["ok"]]
     if bad:
         from .app import _error
@@ -147,20 +173,29 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _header(args, w, res) -> str:
+def _capacity_text(capacity) -> str:
     from disco_ray.graph.sizes import format_size
 
-    caps = args.capacity if isinstance(args.capacity, list) else [args.capacity]
-    cap = "everything fits" if args.capacity is None else ", ".join(format_size(c) for c in caps)
-    p = " ".join(f"{k}={v}" for k, v in w.params.items())
+    if capacity is None:
+        return "everything fits"
+    caps = capacity if isinstance(capacity, list) else [capacity]
+    return ", ".join(format_size(c) for c in caps)
+
+
+def _header(args, w, res) -> str:
+    p = " ".join(f"{k}={v}" for k, v in w.params.items() if k != "file")
     where = (
         f"simulated ({args.simulate})" if args.simulate else f"{args.backend} backend, {args.engine} engine"
     )
-    return f"{w.name} {p}\ncapacity {cap} per GPU; {where}; device: {res['device']}"
+    return (
+        f"{w.name} {p}".rstrip()
+        + f"\ncapacity {_capacity_text(args.capacity)} per GPU; {where}; device: {res['device']}"
+    )
 
 
 # ---- simulated ---------------------------------------------------------------------------------
 def _simulated(args, w, modes, cost) -> dict:
+    from disco_ray.bench import bound as B
     from disco_ray.bench import modes as M
     from disco_ray.bench import report as bench
     from disco_ray.bench.profiles import UnitCost
@@ -176,32 +211,33 @@ def _simulated(args, w, modes, cost) -> dict:
             cost.kernel, cost.load, cost.offload, cost.transfer, cost.launch, cost.streams, act, cost.name
         )
         note = "unit model: activation inputs cost 0 (DISCO §1)"
-    rows, results, plans = [], {}, {}
+    unit_model = isinstance(cost, UnitCost)
+    ns = 1e6 if unit_model else 1e9  # a unit shows as one millisecond in the trace viewer
+    rows, traces = [], {}
     for mode in _bar(modes, "bench"):
         if mode in bench.TORCH_MODES:
             rows.append(bench.row(mode, None, None, None, "not simulated"))
             continue
         mg = M.plan(tg, mode, args.capacity, levels=w.levels, order=_order(args, w))
         r = simulate(mg, tg, cost, streams=args.streams)
-        results[mode], plans[mode] = r, mg
         rows.append(bench.row(mode, r.makespan, bench.sim_summary(mg, r), None, "simulated, not checked"))
         rows[-1]["summary"] = {**bench.sim_summary(mg, r), "plan": mg.statistics()}
-    kern, load = bench.seconds_from_cost(M.in_memory(tg, order=_order(args, w)), tg, cost)
-    unit_model = isinstance(cost, UnitCost)
-    bound = bench.lower_bound(
+        traces[mode] = chrome_trace(mg, bench.sim_records(r, tg.gpus, ns))
+        traces[mode]["otherData"] = {
+            "mode": mode,
+            "makespan_s": r.makespan * ns / 1e9,
+            "capacity": mg.capacity,
+        }
+    kern, load = B.seconds_from_cost(M.in_memory(tg, order=_order(args, w)), tg, cost)
+    bound = B.lower_bound(
         kern, load, f"profile {cost.name}: kernel and input-load times of the cost model", note=note
     )
-    trace = None
-    if "dynamic" in results:
-        ns = 1e6 if unit_model else 1e9  # a unit shows as one millisecond in the trace viewer
-        trace = chrome_trace(plans["dynamic"], bench.sim_records(results["dynamic"], tg.gpus, ns))
     dev = f"simulated {cost.name}" + (f" ({note})" if note else "")
     return {
         "rows": rows,
         "bound": bound,
         "device": dev,
-        "timelines": {m: results[m] for m in ("dynamic", "levelwise") if m in results},
-        "trace": trace,
+        "traces": traces,
         "unit": ("units", 1.0) if unit_model else ("ms", 1e3),
         "profile": cost.name,
     }
@@ -219,46 +255,53 @@ def _device_name(backend: str) -> str:
     return f"CPU {cpu}, {os.cpu_count()} cores (cpu backend: arena in host memory, copies are memcpy)"
 
 
-def _h2d_rate(nbytes: int, backend: str) -> tuple[float, str]:
-    """Bytes/s of a host-to-arena copy of `nbytes` on the backend (best of REPS, after a warm-up)."""
+def _h2d_rate(nbytes: int) -> tuple[float, str]:
+    """Bytes/s of a pinned host-to-GPU copy of `nbytes` (best of REPS, after a warm-up)."""
     import torch
 
     nbytes = max(min(nbytes, 256 << 20), 1 << 20)
-    if backend == "cuda":
-        src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        times = []
-        for _ in range(REPS + 1):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        how = "pinned host -> GPU copy"
-    else:
-        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-        times = []
-        for _ in range(REPS + 1):
-            t = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t)
-        how = "host memcpy (the cpu backend's H2D)"
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(REPS + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
     rate = nbytes / min(times[1:])  # the best copy: the link's rate without interference
-    return rate, f"{how} of {nbytes >> 20} MiB, best of {REPS}: {rate / 1e9:.1f} GB/s"
+    return rate, f"pinned host -> GPU copy of {nbytes >> 20} MiB, best of {REPS}: {rate / 1e9:.1f} GB/s"
 
 
 def _to(tensors, dev: str):
     return {k: v.to(dev) for k, v in tensors.items()}
 
 
+def _cuda_bound(tg, per_mode: dict) -> dict:
+    """Kernels timed alone on the GPU and the best H2D rate (`disco_ray.bench.bound`)."""
+    from disco_ray.bench import bound as B
+
+    rate, how = _h2d_rate(max((v.nbytes for v in tg.inputs()), default=1))
+    seen = max((B.h2d_rate_from_records(mg, recs) for mg, recs in per_mode.values()), default=0.0)
+    if seen > rate:
+        how += f"; the runs' fastest load copy reached {seen / 1e9:.1f} GB/s, which is used"
+        rate = seen
+    kern = B.kernel_seconds_alone(tg, "cuda")
+    in_b = B.input_bytes(tg)
+    src = f"kernel time: each kernel timed alone on the GPU (best of 3), summed per GPU; H2D: input bytes / {how}"
+    return B.lower_bound(kern, [b / rate for b in in_b], src, h2d_rate=rate, input_bytes=in_b)
+
+
 def _measured(args, w, modes) -> dict:
     import torch
 
+    from disco_ray.bench import bound as B
     from disco_ray.bench import modes as M
     from disco_ray.bench import report as bench
     from disco_ray.driver.placement import cluster_kwargs
     from disco_ray.driver.program import Program
+    from disco_ray.graph.trace import chrome_trace
 
     from .run import engine_kwargs
 
@@ -271,8 +314,6 @@ def _measured(args, w, modes) -> dict:
         ref = {k: v.cpu() for k, v in w.reference(_to(w.inputs, tdev)).items()}
     if tdev == "cuda":
         torch.cuda.empty_cache()
-    # before anything else runs, so that the probe has the machine to itself
-    rate, how = _h2d_rate(max((v.nbytes for v in tg.inputs()), default=1), args.backend)
     tty = sys.stderr.isatty()
     pool, kw = None, {}
     if args.engine == "ray":
@@ -281,9 +322,9 @@ def _measured(args, w, modes) -> dict:
         ck = cluster_kwargs(args)
         pool = RayPool(placement=ck["placement"], address=ck["address"])
         kw = {"pool": pool}
-    rows, timelines, per_mode = [], {}, {}
-    ahead = None
-    trace = cluster = None
+    rows, traces, per_mode = [], {}, {}
+    ahead = cluster = None
+    cold = "cold: the first run" if args.warmup == 0 else ""
     try:
         for mode in _bar(modes, "bench"):
             if mode in bench.TORCH_MODES:
@@ -307,41 +348,25 @@ def _measured(args, w, modes) -> dict:
                 workers = prog.statistics()["engine"]["workers"]
                 ahead = workers[0]["ahead"]
             check = bench.check_outputs(outs, ref)
-            rows.append(bench.row(mode, best["makespan_s"], best, check))
+            rows.append(bench.row(mode, best["makespan_s"], best, check, cold if best.get("cold") else ""))
             rows[-1]["summary"] = {**best, "plan": mg.statistics()}
             host = [wk["backend"]["host"] for wk in workers if "host" in wk.get("backend", {})]
             if host:  # cuda: the launchers' host time per vertex, over every run of this mode
                 rows[-1]["host"] = host
             per_mode[mode] = (mg, recs)
-            if mode in ("dynamic", "levelwise"):
-                timelines[mode] = bench.timeline_from_records(mg, recs, mode)
-            if mode == "dynamic":
-                from disco_ray.graph.trace import chrome_trace
-
-                trace = chrome_trace(mg, recs)
-                trace["otherData"] = best
+            traces[mode] = chrome_trace(mg, recs)
+            traces[mode]["otherData"] = {"mode": mode, **best, "capacity": mg.capacity}
             if tdev == "cuda":
                 torch.cuda.empty_cache()
     finally:
         if pool is not None:
             pool.close()
-    base = "in_memory" if "in_memory" in per_mode else next(iter(per_mode), None)
-    kern = bench.kernel_seconds_from_records(*per_mode[base]) if base else [0.0] * tg.gpus
-    in_b = bench.input_bytes(tg)
-    seen = max((bench.h2d_rate_from_records(mg, recs) for mg, recs in per_mode.values()), default=0.0)
-    if seen > rate:
-        how += f"; the runs' fastest load copy reached {seen / 1e9:.1f} GB/s, which is used"
-        rate = seen
-    src = f"kernel time: union of kernel intervals of the {base} run; H2D: input bytes / {how}"
-    if base is None:
-        src = f"no runtime mode ran, kernel time unknown (0); H2D: input bytes / {how}"
-    bound = bench.lower_bound(kern, [b / rate for b in in_b], src, h2d_rate=rate, input_bytes=in_b)
+    bound = _cuda_bound(tg, per_mode) if tdev == "cuda" else B.no_bound()
     return {
         "rows": rows,
         "bound": bound,
         "device": device,
-        "timelines": timelines,
-        "trace": trace,
+        "traces": traces,
         "cluster": cluster,
         "ahead": ahead,  # the launch ahead the workers used (--ahead, or the backend's default)
     }
@@ -363,7 +388,11 @@ def _baseline(mode: str, w, dev: str, ref, warmup: int, repeat: int) -> dict:
     moved = sum(w.taskgraph[x].nbytes for x in w.weights) + sum(
         v.nbytes for v in w.taskgraph.inputs() if v.gpu == 0 and v.id not in set(w.weights)
     )
-    note = "one device" if w.taskgraph.gpus > 1 else ""
+    note = "; ".join(
+        n
+        for n in ("one device" if w.taskgraph.gpus > 1 else "", "cold: the first run" if warmup == 0 else "")
+        if n
+    )
     row = bench.row(mode, best.seconds, None, check, note)
     row["bytes_moved"] = moved  # H2D: all weights and GPU 0's activation inputs
     row["summary"] = {"seconds": best.seconds, "device": best.device}
@@ -379,11 +408,13 @@ def _bar(items, desc):
     return items
 
 
-def _write(out: Path, args, w, res, rows, header: str) -> None:
-    from disco_ray.bench import report as bench
+def _write(out: Path, args, w, res, rows, header: str) -> list[Path]:
+    """Writes results.json, timeline.png and the traces (each atomically); returns what it wrote,
+    after removing such files an earlier bench left in `out` that this one did not write."""
+    from disco_ray.bench import plot
     from disco_ray.graph.formats import write_doc
 
-    unit, scale = res.get("unit", ("ms", 1e3))
+    unit, _ = res.get("unit", ("ms", 1e3))
     doc = {
         "format": "disco-bench",
         "version": 1,
@@ -396,6 +427,7 @@ def _write(out: Path, args, w, res, rows, header: str) -> None:
         "ahead": res.get("ahead"),
         "order": args.order,
         "repeat": args.repeat,
+        "warmup": args.warmup,
         "simulate": args.simulate,
         "profile": res.get("profile"),
         "device": res["device"],
@@ -407,14 +439,29 @@ def _write(out: Path, args, w, res, rows, header: str) -> None:
         "argv": sys.argv[1:],
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    write_doc(_jsonable(doc), out / "results.json")
-    png = out / "timeline.png"
-    tmp = out / ".timeline.png.tmp.png"
-    if res["timelines"]:
-        bench.plot_timelines(res["timelines"], str(tmp), unit, scale)
+    written = [out / "results.json"]
+    write_doc(_jsonable(doc), written[0])
+    traces = res["traces"]
+    if traces:
+        first = "dynamic" if "dynamic" in traces else next(iter(traces))
+        for mode, trace in traces.items():
+            path = out / ("trace.json" if mode == first else f"trace.{mode}.json")
+            write_doc(trace, path)
+            written.append(path)
+        png, tmp = out / "timeline.png", out / ".timeline.png.tmp.png"
+        title = f"{header.splitlines()[0]}\ncapacity {_capacity_text(args.capacity)} per GPU; " + (
+            f"simulated ({args.simulate})"
+            if args.simulate
+            else f"{args.backend} backend, {args.engine} engine"
+        )
+        plot.plot([plot.panel(t, m) for m, t in traces.items()], str(tmp), title, unit)
         os.replace(tmp, png)
-    if res["trace"] is not None:
-        write_doc(res["trace"], out / "trace.json")
+        written.append(png)
+    for stale in [out / "timeline.png", out / "trace.json", *out.glob("trace.*.json")]:
+        if stale.exists() and stale not in written:
+            stale.unlink()
+            log.info("removed %s, left by an earlier bench", stale)
+    return written
 
 
 def _plain(v) -> bool:

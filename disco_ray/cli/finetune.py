@@ -21,7 +21,8 @@ from pathlib import Path
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
-from .run import add_capacity_arg, add_engine_args, engine_kwargs
+from .app import add_capacity_args, capacity_of
+from .run import add_engine_args, engine_kwargs
 
 
 def add_finetune(sub) -> None:
@@ -49,7 +50,7 @@ def add_finetune(sub) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0, metavar="W")
     p.add_argument("--batch", type=int, metavar="B", help="sequences per step (default: all)")
     p.add_argument("--gpus", type=int, default=1, metavar="G")
-    add_capacity_arg(p)
+    add_capacity_args(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="row tile, in tokens (64)")
     p.add_argument("--seed", type=int, default=0, help="of a new adapter's initial A")
@@ -86,7 +87,8 @@ def cmd_finetune(args) -> int:
     from disco_ray.models.finetune import LoraTrainer
     from workloads.llama_train import LoraSpec, OptimSpec
 
-    if args.capacity is None:
+    capacity = capacity_of(args, args.gpus)
+    if capacity is None:
         raise UsageError("--capacity is required: the arena bytes of each GPU, e.g. 64MiB")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
@@ -104,7 +106,7 @@ def cmd_finetune(args) -> int:
     with LoraTrainer(
         args.model,
         gpus=args.gpus,
-        capacity=args.capacity,
+        capacity=capacity,
         lora=spec,
         init_adapter=args.init_adapter,
         optim=optim,

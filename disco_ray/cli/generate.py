@@ -22,7 +22,8 @@ from pathlib import Path
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
-from .run import add_capacity_arg, add_engine_args, engine_kwargs
+from .app import add_capacity_args, capacity_of
+from .run import add_engine_args, engine_kwargs
 
 
 def token_ids(text: str) -> list[int]:
@@ -51,7 +52,7 @@ def add_generate(sub) -> None:
     p.add_argument(
         "--gpus", type=int, default=1, metavar="G", help="GPUs to split the model over (default 1)"
     )
-    add_capacity_arg(p)
+    add_capacity_args(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block, in tokens (64)")
     p.add_argument("--tile", type=int, metavar="N", help="prefill row tile, a multiple of --block (4 blocks)")
@@ -95,14 +96,15 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    capacity = capacity_of(args, args.gpus)
     budget = None
     if args.budget_file:
         from disco_ray.driver.elastic import BudgetFile
 
         budget = BudgetFile(args.budget_file)
-        if args.capacity is None:
-            args.capacity = budget.budget.capacity
-    if args.capacity is None:
+        if capacity is None:
+            capacity = budget.budget.capacity
+    if capacity is None:
         raise UsageError("--capacity is required: the arena bytes of each GPU, e.g. 64MiB")
     if args.logits:
         out = Path(args.logits)
@@ -119,7 +121,7 @@ def cmd_generate(args) -> int:
     with LlamaModel(
         args.model,
         gpus=args.gpus,
-        capacity=args.capacity,
+        capacity=capacity,
         dtype=args.dtype,
         block=args.block,
         tile=args.tile,
@@ -135,7 +137,7 @@ def cmd_generate(args) -> int:
         )
         stats = model.statistics()
     if args.logits:
-        from .run import save_npz
+        from .npz import save_npz
 
         assert gen.prefill_logits is not None  # asked for
         save_npz(args.logits, {"logits": gen.prefill_logits.float()})

@@ -8,8 +8,8 @@ Takes the options of `disco-ray run` (without --engine: always the ray engine), 
 job's cluster (--address defaults to auto, which inside a job is $RAY_ADDRESS), runs the graph,
 and prints the run summary (placement and transfer paths included) to stdout, then one line
 `disco-ray summary: {json}` for machines. --links adds `measure_links` figures to that JSON;
---check-reference compares the outputs with disco_ray.graph.reference.evaluate (exit status 1 on a
-mismatch). --out is optional here (a job's files stay on the head node).
+--check-reference compares the outputs with the reference (the graph evaluated by plain torch, or
+a workload's own torch code; exit status 1 on a mismatch). --out is optional here (a job's files stay on the head node).
 """
 
 from __future__ import annotations
@@ -40,9 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
         elif a.dest == "address":
             a.default = "auto"
     p.add_argument("--links", action="store_true", help="measure each worker pair's link after the run")
-    p.add_argument(
-        "--check-reference", action="store_true", help="compare the outputs with the torch reference"
-    )
     return p
 
 
@@ -54,19 +51,21 @@ def run_job(args: argparse.Namespace) -> int:
     from disco_ray.driver.placement import cluster_kwargs
     from disco_ray.driver.program import Program, compile
     from disco_ray.graph import formats
-    from disco_ray.graph.reference import check_inputs, evaluate, random_inputs
     from disco_ray.graph.trace import format_summary
 
-    from .run import load_npz, save_npz
+    from .app import capacity_of
+    from .npz import save_npz
+    from .target import load_target
 
     if args.out and not str(args.out).endswith(".npz"):
         raise UsageError(f"--out {args.out}: the outputs are written as .npz")
-    tg = formats.load_taskgraph(args.taskgraph)
-    inputs = load_npz(args.inputs, tg) if args.inputs else random_inputs(tg, args.seed)
-    check_inputs(tg, inputs)
+    w = load_target(args)  # a TaskGraph file (and its inputs) or a workload by name
+    tg, inputs = w.taskgraph, w.inputs
     kw = {"engine": "ray", "backend": args.backend, "streams": args.streams, **cluster_kwargs(args)}
     prog = (
-        Program(tg, formats.load_memgraph(args.plan), **kw) if args.plan else compile(tg, args.capacity, **kw)
+        Program(tg, formats.load_memgraph(args.plan), **kw)
+        if args.plan
+        else compile(tg, capacity_of(args, tg.gpus), **kw)
     )
     status = 0
     with prog:
@@ -79,7 +78,7 @@ def run_job(args: argparse.Namespace) -> int:
     if args.out:
         save_npz(args.out, outs)
     if args.check_reference:
-        ref = evaluate(tg, inputs)
+        ref = w.reference(inputs)
         bad = [k for k in tg.outputs if not _close(outs[k], ref[k], torch)]
         summary["reference"] = "mismatch: " + ", ".join(bad) if bad else "match"
         status = 1 if bad else 0

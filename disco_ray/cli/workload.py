@@ -83,7 +83,7 @@ def cmd_workload(args) -> int:
     import workloads
     from disco_ray.graph import formats
 
-    from .run import save_npz
+    from .npz import save_npz
 
     kv = parse_params(args.params)
     if kv.get("materialize", "true").lower() in ("0", "false", "no"):

@@ -12,6 +12,7 @@ node, and returns a JSON-ready dict for the bench command.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -23,6 +24,37 @@ from .placement import transfer_path
 
 PROBE_BYTES = 4 << 20
 PROBE_REPEATS = 3
+
+
+def running_cluster() -> str | None:
+    """The address of a running Ray cluster to reuse instead of starting a private one, or None.
+
+    `$DISCO_RAY_ADDRESS` decides when set ("local": never reuse; else that address); then
+    `$RAY_ADDRESS` (set inside `ray job submit`, or by the user); then the cluster `ray start`
+    recorded on this machine (Ray's own address file), if its GCS port answers. Starting a private
+    Ray costs seconds (README, "Start-up"); a cluster left running with `ray start --head` saves them.
+    """
+    import socket
+
+    own = os.environ.get("DISCO_RAY_ADDRESS")
+    if own:
+        return None if own == "local" else own
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    try:
+        from ray._private.utils import read_ray_address
+
+        addr = read_ray_address()
+    except Exception:  # Ray's private helper moved or failed: start a private Ray
+        return None
+    if not addr:
+        return None
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return addr
+    except (OSError, ValueError):
+        return None  # a stale record: that cluster is gone
 
 
 def connect(address: str, **kw: Any) -> None:

@@ -1,8 +1,12 @@
 """The `ray` engine: one GpuWorker actor per GPU and a Coordinator actor (driver side).
 
-Starts a local Ray (with `num_gpus` logical GPUs) when none is running and shuts it down on
-`close`; otherwise uses the running one. Each worker asks for one GPU, or an equal fraction when
-the cluster has fewer GPUs than the graph, or none when it has none (cpu backend only).
+Start-up (README, "Start-up"): a Program without a pool of its own uses the process's shared pool
+(`shared_pool`): Ray and the actors start on the first run and stay for the next Programs, until
+`shutdown()` or the interpreter exits. Ray itself is the one this process is connected to, else a
+running cluster of this machine (`cluster.running_cluster`: `$RAY_ADDRESS`, `ray start`), else a
+private local Ray (with `num_gpus` logical GPUs) shut down with the pool. Each worker asks for one
+GPU, or an equal fraction when the cluster has fewer GPUs than the graph, or none when it has
+none (cpu backend only).
 
 End detection: the driver `ray.wait`s on the coordinator's `wait` and every worker's long-lived
 `serve` together, so a kernel that raises (reported by its worker) and a worker that dies
@@ -11,7 +15,9 @@ End detection: the driver `ray.wait`s on the coordinator's `wait` and every work
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -23,11 +29,30 @@ from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .cluster import connect
+from .cluster import connect, running_cluster
 from .placement import Placed, PlacementConfig, describe, place, remove
 
 POLL_S = 0.2
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
+log = logging.getLogger("disco_ray")
+_SHARED: RayPool | None = None
+
+
+def shared_pool(num_cpus: int | None = None) -> RayPool:
+    """The process's pool for Programs without one: made on first use, kept until `shutdown()`."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = RayPool(num_cpus=num_cpus)
+        atexit.register(shutdown)
+    return _SHARED
+
+
+def shutdown() -> None:
+    """Closes the shared pool: its actors, and the Ray it started (`disco_ray.shutdown`)."""
+    global _SHARED
+    pool, _SHARED = _SHARED, None
+    if pool is not None:
+        pool.close()
 
 
 class RayPool:
@@ -51,7 +76,9 @@ class RayPool:
         self.op_modules = tuple(op_modules)
         self.num_cpus = num_cpus
         self.placement = placement or PlacementConfig()
-        self.address = address  # an existing cluster to connect to (disco_ray.driver.cluster.connect)
+        # a cluster to connect to (disco_ray.driver.cluster.connect); "local": a private Ray even
+        # where a running one could be reused; None: reuse one if running, else a private one
+        self.address = address
         self.started_ray = False
         self.coord = None
         self.workers: list = []
@@ -71,12 +98,19 @@ class RayPool:
         from actors.coordinator import Coordinator
         from actors.worker import GpuWorker
 
-        if not ray.is_initialized() and self.address:
+        address = self.address if self.address is not None else running_cluster()
+        if not ray.is_initialized() and address and address != "local":
             self.coord, self.workers = None, []
-            connect(self.address)
+            if self.address is None:
+                log.info(
+                    "using the running Ray cluster at %s (DISCO_RAY_ADDRESS=local starts a private one)",
+                    address,
+                )
+            connect(address)
             self.started_ray = True  # close() then only disconnects: the cluster is not ours to stop
         elif not ray.is_initialized():
             self.coord, self.workers = None, []
+            log.info("starting a private Ray (a running cluster, e.g. `ray start --head`, is reused)")
             ray.init(
                 address="local",
                 num_cpus=self.num_cpus or os.cpu_count(),
@@ -173,6 +207,8 @@ class RayEngine:
         from ray.exceptions import RayActorError, RayTaskError
 
         self.tg, self.mg = tg, mg
+        if pool is None and address is None and placement is None:
+            pool = shared_pool(num_cpus)  # Ray and the actors stay for the next Program
         self.own_pool = pool is None
         self.pool = RayPool(num_cpus=num_cpus, placement=placement, address=address) if pool is None else pool
         self.key = self.pool.new_key()
@@ -183,6 +219,7 @@ class RayEngine:
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, config.backend, op_modules)
             self.generation = self.pool.generation
+            ship_own_ops(tg, self.workers)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
             ray.get(
                 [
@@ -380,6 +417,20 @@ class RayEngine:
             )
         except Exception:
             self.pool.discard()
+
+
+def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:
+    """Registers, in every worker, the ops of one's own that `tg` uses (defined in the driver after
+    the built-in op set), so that no worker lacks one; see `disco_ray.graph.kernels.own_ops`."""
+    import ray
+    from ray import cloudpickle
+
+    from disco_ray.graph.kernels import own_ops
+
+    own = own_ops(v.op for v in tg if v.op is not None)
+    if own:
+        blobs = {name: cloudpickle.dumps(d) for name, d in own.items()}
+        ray.get([w.install_ops.remote(blobs) for w in workers])
 
 
 def share_devices(workers: Sequence) -> list[bool]:

@@ -13,20 +13,44 @@ worker and the vertex; the Program then tears its engine down (a later run start
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from actors.executor import RunOptions, WorkerConfig
 from disco_ray.graph.errors import GraphError, RunError, UsageError
+from disco_ray.graph.kernels import missing_kernels
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.reference import check_inputs
 from disco_ray.graph.taskgraph import TaskGraph
 from disco_ray.graph.trace import summarize, write_trace
 
 ENGINES = ("ray", "local")
-RUN_KEYS = ("trace", *RunOptions.__dataclass_fields__)  # what Program.run takes
+log = logging.getLogger("disco_ray")
+_WARNED: set[str] = set()  # low-precision dtypes already warned about on the cpu backend
+RUN_KEYS = ("trace", "details", *RunOptions.__dataclass_fields__)  # what Program.run takes
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """What `run(..., details=True)` returns: the outputs with the plan and the run's statistics.
+
+    `summary` is `disco_ray.graph.trace.summarize`'s (makespan, per-GPU busy fractions, bytes
+    moved by kind, `cold`: the first run of its Program, which pays one-time costs such as
+    allocating the arenas and reading sourced inputs); `plan.stats` the planner's (bytes
+    offloaded and reloaded, peak bytes, planning time); `records` the trace records per GPU.
+    """
+
+    outputs: dict[str, torch.Tensor]
+    plan: MemGraph
+    summary: dict
+    records: list[list]
+
+    def statistics(self) -> dict:
+        return {"plan": self.plan.statistics(), "run": self.summary}
 
 
 def _make_engine(name: str, tg: TaskGraph, mg: MemGraph, **kw):
@@ -88,6 +112,14 @@ class Program:
         missing = [o for o in tg.kept if o not in mg.outputs]
         if missing:
             raise GraphError(f"the MemGraph holds no final vertex for outputs {missing}")
+        missing = missing_kernels(v.op for v in tg if v.op is not None)
+        if missing:
+            raise UsageError(
+                f"op {missing[0]!r} has no kernel: define one with @disco_ray.graph.kernels.impl"
+                f'({missing[0]!r}) before running (README, "Your own op")'
+            )
+        if backend == "cpu":
+            _warn_low_precision(tg)
         if pool is not None and type(pool).__name__ != {"ray": "RayPool", "local": "LocalPool"}[engine]:
             raise UsageError(f"a {type(pool).__name__} cannot serve the {engine} engine")
         self.tg, self.mg = tg, mg
@@ -105,6 +137,7 @@ class Program:
         self._plans: dict[tuple[int, ...], MemGraph] = {}  # capacity -> plan (resize)
         self._order: Sequence[str] | None = None  # what compile planned with
         self._alignment = 256
+        self._runs = 0  # runs on the current engine (the first is cold)
         self.last_summary: dict | None = None
         self.last_records: list[list] | None = None
 
@@ -116,15 +149,17 @@ class Program:
             self.close()
         if self._engine is None:
             self._held = set()
+            self._runs = 0
             for m in self._kw["op_modules"]:
                 __import__(m)
             self._engine = _make_engine(self.engine_name, self.tg, self.mg, **self._kw)
         return self._engine
 
     def run(
-        self, inputs: Mapping[str, object], *, trace: str | None = None, **opts
-    ) -> dict[str, torch.Tensor]:
-        """Runs once; returns the outputs keyed by TaskGraph id.
+        self, inputs: Mapping[str, object], *, trace: str | None = None, details: bool = False, **opts
+    ) -> dict[str, torch.Tensor] | RunResult:
+        """Runs once; returns the outputs keyed by TaskGraph id (with `details`, a `RunResult`:
+        the outputs, the plan and the run's statistics).
 
         Args:
             inputs: a tensor (or numpy array) for every graph input the caller hands in. An input
@@ -168,12 +203,22 @@ class Program:
         self._held |= set(tensors)
         self.last_records = records
         self.last_summary = summarize(self.mg, records, wall)
+        self.last_summary["cold"] = self._runs == 0  # the engine's first run: arenas, sourced inputs
+        self._runs += 1
         self.last_summary["transports"] = dict(getattr(eng, "transports", {}))  # "i-j" -> path
         if getattr(eng, "placement_summary", None) is not None:  # ray engine: node of each worker, paths
             self.last_summary["placement"] = eng.placement_summary
         if trace:
             write_trace(trace, self.mg, records, self.last_summary)
+        if details:
+            return RunResult(outs, self.mg, self.last_summary, records)
         return outs
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The caller inputs the workers keep from earlier runs (a run may leave them out)."""
+        alive = self._engine is not None and not self._engine.stale
+        return frozenset(self._held) if alive else frozenset()
 
     def statistics(self) -> dict:
         out = {"memgraph": self.mg.statistics(), "last_run": self.last_summary}
@@ -219,6 +264,19 @@ class Program:
         self.close()
 
 
+def _warn_low_precision(tg: TaskGraph) -> None:
+    """Once per dtype and process: float16/bfloat16 kernels on the cpu backend are slow."""
+    slow = sorted({v.dtype for v in tg if v.op is not None and v.dtype in ("float16", "bfloat16")} - _WARNED)
+    if slow:
+        _WARNED.update(slow)
+        log.warning(
+            "%s kernels on the cpu backend are slow: most CPUs have no fast %s arithmetic, so they "
+            "can take many times as long as float32 (time them on a GPU; use float32 to try plans on a CPU)",
+            " and ".join(slow),
+            "/".join(slow),
+        )
+
+
 def compile(
     tg: TaskGraph,
     capacity: int | str | Sequence[int] | Mapping[int, int] | None = None,
@@ -244,8 +302,11 @@ def compile(
     return prog
 
 
-def run_memgraph(tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], **kw) -> dict[str, torch.Tensor]:
-    """Runs a given plan once and cleans up; `kw`: Program's options and `Program.run`'s (trace, check, ...)."""
+def run_memgraph(
+    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], **kw
+) -> dict[str, torch.Tensor] | RunResult:
+    """Runs a given plan once and cleans up; `kw`: Program's options and `Program.run`'s (trace,
+    details, check, ...)."""
     run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
     with Program(tg, mg, **kw) as prog:
         return prog.run(inputs, **run_kw)
@@ -259,11 +320,12 @@ def run(
     order: Sequence[str] | None = None,
     alignment: int = 256,
     **kw,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor] | RunResult:
     """Plans `tg` for `capacity` bytes per GPU (default: everything fits) and runs it once.
 
-    `kw`: Program's options (engine, backend, streams, ...) and `Program.run`'s (trace, check, delay,
-    seed, timeout, progress). Inputs are checked before planning, so a bad input costs nothing.
+    `kw`: Program's options (engine, backend, streams, ...) and `Program.run`'s (trace, details,
+    check, delay, seed, timeout, progress). Inputs are checked before planning, so a bad input
+    costs nothing. With `details=True` it returns a `RunResult` (outputs, plan, statistics).
     """
     check_inputs(tg, inputs)
     run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}

@@ -29,5 +29,9 @@ class RunError(DiscoError):
     """Running a MemGraph failed: a kernel raised, a worker died, an input was refused."""
 
 
+class FrontendError(DiscoError):
+    """A torch module cannot be captured or mapped onto the op set (names the aten op and node)."""
+
+
 class UsageError(DiscoError):
     """Bad command-line usage or an unparsable argument value."""

@@ -6,24 +6,61 @@ temporaries (torch's allocator), but never resizes or reallocates `out`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from . import ops
+from .kernels_nn import KERNELS as NN_KERNELS
+from .kernels_nn import TEMPS as NN_TEMPS
 from .kernels_train import KERNELS as TRAIN_KERNELS
 
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
-IMPLS: dict[str, Impl] = dict(TRAIN_KERNELS)  # the training ops' kernels live in kernels_train
+# the general ops' kernels live in kernels_nn, the training ops' in kernels_train
+IMPLS: dict[str, Impl] = {**NN_KERNELS, **TRAIN_KERNELS}
 
 
 def impl(name: str):
+    """Decorator: `fn(out, ins, attrs)` is op `name`'s kernel (README, "Your own op")."""
+
     def deco(fn: Impl) -> Impl:
         IMPLS[name] = fn
         return fn
 
     return deco
+
+
+def unregister(name: str) -> None:
+    """Takes op `name` out of the op, kernel and temporaries registries (tests, notebooks)."""
+    ops.OPS.pop(name, None)
+    IMPLS.pop(name, None)
+    TEMPS.pop(name, None)
+
+
+def missing_kernels(used: Iterable[str]) -> list[str]:
+    """The ops of `used` that are registered but have no kernel here."""
+    return sorted({op for op in used if op not in IMPLS})
+
+
+def own_ops(used: Iterable[str]) -> dict[str, tuple]:
+    """(spec, kernel, temporaries bound or None) of each op of `used` registered after the
+    built-in op set: what a worker in another process must be given (`install_ops`)."""
+    return {
+        op: (ops.OPS[op], IMPLS[op], TEMPS.get(op))
+        for op in sorted(set(used))
+        if op not in BUILTIN and op in ops.OPS and op in IMPLS
+    }
+
+
+def install_ops(found: Mapping[str, tuple]) -> None:
+    """Registers ops shipped by `own_ops` (a worker's side); a newer definition replaces one of
+    the same name."""
+    for name, (spec, fn, temps) in found.items():
+        ops.register(spec)
+        IMPLS[name] = fn
+        if temps is not None:
+            TEMPS[name] = temps
 
 
 def run_kernel(op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
@@ -59,7 +96,7 @@ def _scale(out, ins, attrs):
 
 @impl("softmax")
 def _softmax(out, ins, attrs):
-    torch.ops.aten._softmax.out(ins[0], -1, False, out=out)
+    torch.ops.aten._softmax.out(ins[0], attrs.get("axis", -1), False, out=out)
 
 
 @impl("silu")
@@ -174,10 +211,12 @@ def _kv_write(out, ins, attrs):
 
 @impl("linear")
 def _linear(out, ins, attrs):
-    x, w = ins
+    x, w = ins[:2]
     torch.matmul(x, w.t(), out=out)
     if attrs["scale"] != 1.0:
         out.mul_(attrs["scale"])
+    if len(ins) == 3:
+        out.add_(ins[2])
 
 
 @impl("reduce_sum")
@@ -189,10 +228,11 @@ def _reduce_sum(out, ins, attrs):
 def _embedding(out, ins, attrs):
     ids, table = ins
     rows = table.shape[0]
-    local = ids - attrs["start"]
+    local = (ids - attrs["start"]).reshape(-1)
     inside = (local >= 0) & (local < rows)
-    torch.index_select(table, 0, local.clamp(0, rows - 1), out=out)
-    out.mul_(inside.unsqueeze(1).to(out.dtype))
+    flat = out.view(-1, table.shape[1])  # ids [.., t]: one lookup of every id, rows in order
+    torch.index_select(table, 0, local.clamp(0, rows - 1), out=flat)
+    flat.mul_(inside.unsqueeze(1).to(out.dtype))
 
 
 # ---- temporaries -----------------------------------------------------------------------------------
@@ -202,7 +242,7 @@ def _embedding(out, ins, attrs):
 # Ops not listed write `out` in place (out= variants, copy_) and allocate nothing; an op added
 # elsewhere without an entry is assumed to need one output-sized temporary.
 TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
-TEMPS: dict[str, TempBytes] = {}
+TEMPS: dict[str, TempBytes] = dict(NN_TEMPS)
 IN_PLACE = frozenset({"matmul", "add", "mul", "scale", "softmax", "silu", "transpose", "concat", "linear"})
 
 
@@ -274,3 +314,8 @@ def _kv_write_temps(out, ins, attrs):
 def _embedding_temps(out, ins, attrs):
     ids = ins[0].numel()
     return 3 * 8 * ids + out.shape[0] * out.element_size()  # shifted, clamped ids, mask, its cast
+
+
+# the op set as this package defines it: ops registered later (one's own, actors.testops) are
+# shipped to the workers with the graph that uses them
+BUILTIN: frozenset[str] = frozenset(IMPLS)

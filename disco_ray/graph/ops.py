@@ -2,15 +2,17 @@
 
 The torch implementations live in `disco_ray.graph.kernels`; they write into a given output view so
 the runtime can run them on arena views on the CPU or a GPU. An op of one's own registers with
-`register(OpSpec(...))` here and `kernels.impl(name)` there (see README, "Ops"). This module
+`register(OpSpec(...))` here and `kernels.impl(name)` there (see README, "Your own op"). This module
 registers FORMATS.md's ops and the elementwise and normalisation ops; `ops_llm` the transformer
-ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups); `ops_train`
-the training ops (backward of the layers, cross-entropy, optimizer steps).
+ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups); `ops_nn`
+the general ops a torch model maps onto (activations, layer norm, broadcasting arithmetic, shape
+copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
+optimizer steps).
 """
 
 from __future__ import annotations
 
-from . import ops_llm, ops_train
+from . import ops_llm, ops_nn, ops_train
 from .ops_llm import attention_pairs
 from .opspec import OPS, REQUIRED, OpSpec, Shape, _broadcast, _same_dtype, get, numel, register
 
@@ -23,6 +25,7 @@ __all__ = [
     "get",
     "numel",
     "ops_llm",
+    "ops_nn",
     "ops_train",
     "register",
 ]
@@ -51,6 +54,13 @@ def _infer_same_shape(name: str, floats: bool = False):
     return infer
 
 
+def _infer_broadcast(name: str):
+    def infer(shapes, dtypes, attrs):
+        return ops_nn.broadcast(name, shapes), _same_dtype(name, dtypes, floats=False)
+
+    return infer
+
+
 def _infer_unary_float(name: str, min_rank: int = 0):
     def infer(shapes, dtypes, attrs):
         (s,) = shapes[:1]
@@ -59,6 +69,14 @@ def _infer_unary_float(name: str, min_rank: int = 0):
         return s, _same_dtype(name, dtypes[:1])
 
     return infer
+
+
+def _infer_softmax(shapes, dtypes, attrs):
+    (s,) = shapes
+    if not s:
+        raise ValueError("softmax needs rank >= 1, got a scalar")
+    ops_nn.reduced_axes("softmax", s, [attrs["axis"]])
+    return s, _same_dtype("softmax", dtypes)
 
 
 def _infer_rmsnorm(shapes, dtypes, attrs):
@@ -91,13 +109,21 @@ register(
         "add",
         1,
         None,
-        _infer_same_shape("add"),
+        _infer_broadcast("add"),
         flops=lambda s, o, a: (len(s) - 1) * numel(o),
-        doc="elementwise sum of 1 or more tensors of one shape",
+        doc="elementwise sum of 1 or more tensors of one shape, or of shapes that broadcast as numpy's "
+        "do (a bias b [n] added to x [.., n])",
     )
 )
 register(
-    OpSpec("mul", 2, 2, _infer_same_shape("mul"), flops=_elementwise(1), doc="elementwise product a * b")
+    OpSpec(
+        "mul",
+        2,
+        2,
+        _infer_broadcast("mul"),
+        flops=_elementwise(1),
+        doc="elementwise product a * b (shapes broadcast as numpy's do)",
+    )
 )
 register(
     OpSpec(
@@ -115,9 +141,10 @@ register(
         "softmax",
         1,
         1,
-        _infer_unary_float("softmax", 1),
+        _infer_softmax,
+        attrs={"axis": -1},
         flops=_elementwise(5),
-        doc="softmax over the last dim",
+        doc="softmax over dim axis (the last by default)",
     )
 )
 register(OpSpec("silu", 1, 1, _infer_unary_float("silu"), flops=_elementwise(4), doc="x * sigmoid(x)"))

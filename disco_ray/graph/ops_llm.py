@@ -127,9 +127,11 @@ def _infer_kv_write(shapes, dtypes, attrs):
 
 
 def _infer_linear(shapes, dtypes, attrs):
-    x, w = shapes
+    x, w = shapes[:2]
     if len(x) < 1 or len(w) != 2 or x[-1] != w[1]:
         raise ValueError(f"linear needs x [.., k] and w [n, k], got {list(x)} and {list(w)}")
+    if len(shapes) == 3 and shapes[2] != (w[0],):
+        raise ValueError(f"linear: the bias must have shape [{w[0]}], got {list(shapes[2])}")
     sc = attrs.get("scale", 1.0)
     if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not math.isfinite(sc):
         raise ValueError(f"linear: attribute scale must be a finite number, got {sc!r}")
@@ -139,11 +141,11 @@ def _infer_linear(shapes, dtypes, attrs):
 def _infer_embedding(shapes, dtypes, attrs):
     ids, table = shapes
     _int_attr("embedding", attrs, "start")
-    if len(ids) != 1 or dtypes[0] not in ("int32", "int64"):
-        raise ValueError(f"embedding: ids must be an integer vector [t], got {list(ids)} {dtypes[0]}")
+    if len(ids) < 1 or dtypes[0] not in ("int32", "int64"):
+        raise ValueError(f"embedding: ids must be integers [t] or [.., t], got {list(ids)} {dtypes[0]}")
     if len(table) != 2:
         raise ValueError(f"embedding: the table must be [rows, dim], got {list(table)}")
-    return (ids[0], table[1]), _same_dtype("embedding", dtypes[1:])
+    return (*ids, table[1]), _same_dtype("embedding", dtypes[1:])
 
 
 register(
@@ -213,12 +215,12 @@ register(
     OpSpec(
         "linear",
         2,
-        2,
+        3,
         _infer_linear,
         attrs={"scale": 1.0},
         flops=lambda s, o, a: 2.0 * numel(o) * s[0][-1],
-        doc="scale * x [.., k] @ w[n, k]^T -> [.., n]: a linear layer with the weight as checkpoints store "
-        "it (scale: a LoRA adapter's alpha / rank)",
+        doc="scale * x [.., k] @ w[n, k]^T [+ b [n]] -> [.., n]: a linear layer with the weight as "
+        "checkpoints and torch.nn.Linear store it (scale: a LoRA adapter's alpha / rank)",
     )
 )
 register(
@@ -229,7 +231,7 @@ register(
         _infer_embedding,
         attrs={"start": 0},
         flops=lambda s, o, a: 0.0,
-        doc="rows of table [r, d] for ids [t] (int): row id - start, zeros for ids outside "
+        doc="rows of table [r, d] for ids [t] or [.., t] (int): row id - start, zeros for ids outside "
         "start..start+r-1 (a vocabulary shard: the shards' lookups sum to the whole table's)",
     )
 )

@@ -22,6 +22,7 @@ from enum import Enum
 from typing import cast
 
 from . import ops
+from .builder import OpMethods
 from .dtypes import ITEMSIZE, nbytes
 from .errors import FormatError, GraphError
 from .sources import Source
@@ -75,8 +76,9 @@ class Vertex:
         return d
 
 
-class TaskGraph:
-    """A dataflow DAG over `gpus` GPUs, built with `input`, op methods, `transfer` and `output`.
+class TaskGraph(OpMethods):
+    """A dataflow DAG over `gpus` GPUs, built with `input`, op methods (`disco_ray.graph.builder`),
+    `transfer` and `output`.
 
     >>> g = TaskGraph(gpus=2)
     >>> x = g.input("x", (64, 64), gpu=0); w = g.input("w", (64, 64), gpu=0)
@@ -141,34 +143,6 @@ class TaskGraph:
                 f"{list(v.shape)} {v.dtype} on gpu {v.gpu}"
             )
         self.carry[value] = key
-
-    def matmul(self, a: str, b: str, **kw) -> str:
-        return self.kernel("matmul", a, b, **kw)
-
-    def add(self, *xs: str, **kw) -> str:
-        return self.kernel("add", *xs, **kw)
-
-    def mul(self, a: str, b: str, **kw) -> str:
-        return self.kernel("mul", a, b, **kw)
-
-    def scale(self, x: str, factor: float, **kw) -> str:
-        return self.kernel("scale", x, factor=float(factor), **kw)
-
-    def softmax(self, x: str, **kw) -> str:
-        return self.kernel("softmax", x, **kw)
-
-    def silu(self, x: str, **kw) -> str:
-        return self.kernel("silu", x, **kw)
-
-    def rmsnorm(self, x: str, w: str | None = None, eps: float = 1e-6, **kw) -> str:
-        return self.kernel("rmsnorm", *((x,) if w is None else (x, w)), eps=float(eps), **kw)
-
-    def transpose(self, x: str, **kw) -> str:
-        return self.kernel("transpose", x, **kw)
-
-    def linear(self, x: str, w: str, **kw) -> str:
-        """x @ w^T, with w [out, in] as checkpoints store it."""
-        return self.kernel("linear", x, w, **kw)
 
     # ---- queries ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -299,7 +273,10 @@ class TaskGraph:
             out_shape, out_dtype = ins[0].shape, ins[0].dtype
         else:
             if not isinstance(op, str) or op not in ops.OPS:
-                raise GraphError(f"{where}: unknown op {op!r} (one of {', '.join(sorted(ops.OPS))})")
+                raise GraphError(
+                    f"{where}: unknown op {op!r} (one of {', '.join(sorted(ops.OPS))}; an op of one's own "
+                    'is registered before the graph is built or loaded: README, "Your own op")'
+                )
             spec = ops.OPS[op]
             bad = spec.check_arity(len(ins))
             if bad:

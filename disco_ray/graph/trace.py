@@ -2,9 +2,17 @@
 
 A record is (vertex id, stream, start ns, end ns) as a worker measured it (wall clock, time.time_ns
 base, so records of workers in different processes of one node line up). In the trace, pid is the
-GPU and tid the stream; each vertex is a complete event ("ph": "X", ts/dur in us) whose args give
-the vertex id, kind, value and bytes written. Open the file in https://ui.perfetto.dev or
-chrome://tracing.
+GPU and tid the stream; each vertex is a complete event ("ph": "X", ts/dur in us, `cat` its kind)
+whose args give the vertex id, kind, value and bytes written. Besides (Chrome/Perfetto
+trace-event format):
+
+- counter events ("ph": "C") per GPU, "arena bytes" and "host store bytes": the bytes the plan
+  holds in use over time, each range from the start of the vertex writing it to the end of its
+  last reader (outputs to the end of the run);
+- flow events ("ph": "s" / "f", one id per transfer): an arrow from the vertex on the source GPU
+  that produced a transfer's value to the transfer on the destination GPU.
+
+Open the file in https://ui.perfetto.dev or chrome://tracing, or draw it with `disco-ray plot`.
 
 Busy fractions are the union of a GPU's intervals of one class divided by the makespan:
 compute = kernel, h2d = input + reload, d2h = offload, transfer = GPU-to-GPU pulls.
@@ -16,14 +24,73 @@ import json
 from collections.abc import Sequence
 
 from disco_ray.graph.formats import write_doc
-from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.memgraph import HOST, MemGraph, MKind
 
 Record = tuple[int, int, int, int]
 CLASS = {"kernel": "compute", "input": "h2d", "reload": "h2d", "offload": "d2h", "transfer": "transfer"}
 
 
+COUNTERS = ("arena bytes", "host store bytes")
+
+
+def occupancy(
+    mg: MemGraph, records: Sequence[Sequence[Record]]
+) -> dict[tuple[int, str], list[tuple[int, int]]]:
+    """(GPU, counter name) -> [(ns, bytes in use from then on)]: each arena or host-store range a
+    vertex writes is in use from that vertex's start to the end of its last reader; to the end of
+    the run for what the plan keeps (outputs); to its own end for a value nobody reads (an input
+    loaded, then evicted before its first use: the plan reloads it)."""
+    when = {vid: (g, a, b) for g, recs in enumerate(records) for vid, _, a, b in recs}
+    if not when:
+        return {}
+    end = max(b for _, a, b in when.values())
+    last: dict[int, int] = {}
+    for v in mg.vertices:
+        for r in v.ins:
+            if r.src is not None and v.id in when:
+                last[r.src] = max(last.get(r.src, 0), when[v.id][2])
+    kept = set(mg.outputs.values())
+    steps: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    for v in mg.vertices:
+        if v.id not in when or v.out.device not in (v.gpu, HOST):
+            continue
+        g, a, b = when[v.id]
+        name = COUNTERS[0] if v.out.device == v.gpu else COUNTERS[1]
+        stop = end if v.id in kept else last.get(v.id, b)
+        steps.setdefault((g, name), []).extend([(a, v.out.nbytes), (max(stop, a), -v.out.nbytes)])
+    out = {}
+    for key, ev in steps.items():
+        ev.sort()
+        level, curve = 0, []
+        for t, d in ev:
+            level += d
+            if curve and curve[-1][0] == t:
+                curve[-1] = (t, level)
+            else:
+                curve.append((t, level))
+        out[key] = curve
+    return out
+
+
+def _flows(mg: MemGraph, records: Sequence[Sequence[Record]], t0: int) -> list[dict]:
+    """A flow arrow per transfer, from the end of the vertex that wrote its source to its start."""
+    at = {vid: (g, s, a, b) for g, recs in enumerate(records) for vid, s, a, b in recs}
+    events: list[dict] = []
+    for v in mg.vertices:
+        src = v.ins[0].src if v.kind is MKind.TRANSFER and v.ins else None
+        if src is None or src not in at or v.id not in at:
+            continue
+        g0, s0, _, b0 = at[src]
+        g1, s1, a1, _ = at[v.id]
+        common = {"name": "transfer", "cat": "transfer", "id": v.id}
+        # the ends lie just inside the two slices, which the viewer binds them to
+        events.append({**common, "ph": "s", "pid": g0, "tid": s0, "ts": (b0 - t0) / 1e3 - 1e-3})
+        events.append({**common, "ph": "f", "bp": "e", "pid": g1, "tid": s1, "ts": (a1 - t0) / 1e3 + 1e-3})
+    return events
+
+
 def chrome_trace(mg: MemGraph, records: Sequence[Sequence[Record]]) -> dict:
-    """The trace-event document of one run (records per GPU)."""
+    """The trace-event document of one run (records per GPU): slices, counters, flows."""
     t0 = min((r[2] for recs in records for r in recs), default=0)
     events: list[dict] = []
     for g, recs in enumerate(records):
@@ -46,6 +113,12 @@ def chrome_trace(mg: MemGraph, records: Sequence[Sequence[Record]]) -> dict:
                     "args": {"vertex": vid, "kind": v.kind.value, "value": v.value, "bytes": v.out.nbytes},
                 }
             )
+    for (g, name), curve in sorted(occupancy(mg, records).items()):
+        events += [
+            {"name": name, "ph": "C", "pid": g, "tid": 0, "ts": (t - t0) / 1e3, "args": {"bytes": n}}
+            for t, n in curve
+        ]
+    events += _flows(mg, records, t0)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -109,7 +182,7 @@ def write_trace(
     """Writes the trace-event JSON (atomically), with the summary under "otherData"."""
     doc = chrome_trace(mg, records)
     if summary is not None:
-        doc["otherData"] = summary
+        doc["otherData"] = {**summary, "capacity": list(mg.capacity)}
     if str(path).endswith(".json"):
         write_doc(doc, path)
     else:
@@ -121,6 +194,7 @@ def format_summary(s: dict) -> str:
     """A few human-readable lines."""
     lines = [
         f"{s['vertices']} vertices in {s['makespan_s'] * 1e3:.2f} ms ({s['vertices_per_s']:.0f} vertices/s)"
+        + (" (cold: the plan's first run, with its one-time costs)" if s.get("cold") else "")
     ]
     for g in s["gpus"]:
         lines.append(
