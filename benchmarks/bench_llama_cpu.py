@@ -133,23 +133,32 @@ def bench_disco(path: Path, ids: list[int], new: int, repeat: int, engine: str, 
         }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, new: int, repeat: int) -> argparse.ArgumentParser:
+    """The options every benchmark on this checkpoint takes."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/bench_llama", help="where the checkpoint is (made if missing)")
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--new", type=int, default=new)
+    ap.add_argument("--repeat", type=int, default=repeat)
+    ap.add_argument("--json", help="write the figures here too")
+    return ap
+
+
+def prompt_ids(n: int) -> list[int]:
+    """A fixed random prompt of `n` token ids."""
+    return torch.randint(0, SHAPE["vocab_size"], (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = arguments(__doc__, new=32, repeat=3)
     ap.add_argument("--engines", default="local,ray")
     ap.add_argument("--capacities", default="roomy,third")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args(argv)
     path = checkpoint(Path(args.dir))
     from disco_ray.models.llama import capacity_bounds
     from workloads.checkpoint import Checkpoint
 
-    ids = torch.randint(
-        0, SHAPE["vocab_size"], (args.prompt,), generator=torch.Generator().manual_seed(0)
-    ).tolist()
+    ids = prompt_ids(args.prompt)
     weights = Checkpoint(path).weight_bytes()
     bounds = capacity_bounds(str(path), prompt=args.prompt, new_tokens=args.new)
     caps = {"roomy": bounds["roomy"][0], "third": max(bounds["min"][0], weights // 3)}
