@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import torch
 
-from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
@@ -30,9 +29,10 @@ from workloads.checkpoint import Checkpoint
 from workloads.llama_train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
 from . import adapter
+from .programs import Programs
 
 
-class LoraTrainer:
+class LoraTrainer(Programs):
     """A checkpoint with a LoRA adapter on `gpus` workers, trained one optimizer step per run.
 
     Args:
@@ -87,19 +87,9 @@ class LoraTrainer:
             self.lora = lora or LoraSpec()
             self.lora.check()
             self._start = adapter.init(self.lora, self.config.layers, dims, seed)
-        self.own_pool = pool is None
-        if pool is not None:
-            self.pool: object = pool
-        elif engine == "ray":
-            from disco_ray.driver.engine_ray import RayPool
-
-            self.pool = RayPool(**cluster)  # type: ignore[arg-type]
-        else:
-            self.pool = LocalPool()
-        self._prog_kw = dict(
-            engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool, sources=weights
+        super().__init__(
+            engine, pool, cluster, backend=backend, streams=streams, ahead=ahead, sources=weights
         )
-        self._programs: dict[tuple[int, int], tuple[TrainGraph, Program]] = {}
         self._written = False  # the adapter's initial states are on the workers
         self.steps_done = 0
         self.losses: list[float] = []
@@ -201,19 +191,6 @@ class LoraTrainer:
             "step_s": [round(s, 6) for s in self.step_s],
             "plans": list(self.plans),
         }
-
-    def close(self) -> None:
-        for _, prog in self._programs.values():
-            prog.close()
-        self._programs.clear()
-        if self.own_pool:
-            self.pool.close()  # type: ignore[attr-defined]
-
-    def __enter__(self) -> LoraTrainer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _check_tokens(tokens, vocab: int) -> torch.Tensor:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
@@ -33,6 +32,8 @@ from disco_ray.graph.sizes import parse_capacity
 from planner import build_memgraph, min_capacity
 from workloads.checkpoint import Checkpoint
 from workloads.llama_model import ModelGraph, decode_graph, prefill_graph
+
+from .programs import Programs
 
 
 @dataclass(slots=True)
@@ -65,7 +66,7 @@ class Generation:
         }
 
 
-class LlamaModel:
+class LlamaModel(Programs):
     """A LLaMA checkpoint on `gpus` workers with `capacity` arena bytes each.
 
     Args:
@@ -124,19 +125,10 @@ class LlamaModel:
         self.gpus, self.block, self.check = gpus, block, check
         self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
         self.engine, self.backend = engine, backend
-        self.own_pool = pool is None
-        if pool is not None:
-            self.pool: object = pool
-        elif engine == "ray":
-            from disco_ray.driver.engine_ray import RayPool
-
-            self.pool = RayPool(num_cpus=num_cpus, placement=placement, address=address)
-        else:
-            self.pool = LocalPool()
-        self._prog_kw = dict(
-            engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool, sources=weights
+        cluster = dict(num_cpus=num_cpus, placement=placement, address=address)
+        super().__init__(
+            engine, pool, cluster, backend=backend, streams=streams, ahead=ahead, sources=weights
         )
-        self._programs: dict[tuple, tuple[ModelGraph, Program]] = {}  # at the current capacity
         self._plans: dict[tuple, tuple[ModelGraph, MemGraph]] = {}  # (key, capacity) -> plan
         self.clamped = 0  # plans made at a vertex's minimum because the capacity was below it
         self.resizes: list[dict] = []
@@ -206,9 +198,7 @@ class LlamaModel:
         the resident weights stay on the workers. Returns the seconds it took to free the memory."""
         t = time.perf_counter()
         new = parse_capacity(capacity) if isinstance(capacity, str) else capacity
-        for _, prog in self._programs.values():
-            prog.close()
-        self._programs.clear()
+        self._close_programs()
         self.capacity = new
         freed = time.perf_counter() - t
         self.resizes.append({"capacity": self._caps(), "free_s": round(freed, 6)})
@@ -340,20 +330,6 @@ class LlamaModel:
             "resizes": list(self.resizes),
             "clamped_plans": self.clamped,
         }
-
-    def close(self) -> None:
-        """Ends every Program and the pool's workers (and a Ray the pool started)."""
-        for _, prog in self._programs.values():
-            prog.close()
-        self._programs.clear()
-        if self.own_pool:
-            self.pool.close()  # type: ignore[attr-defined]
-
-    def __enter__(self) -> LlamaModel:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def capacity_bounds(

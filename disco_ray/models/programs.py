@@ -1,0 +1,43 @@
+"""What a model driver (generation, fine-tuning) holds: a pool of workers and its Programs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disco_ray.driver.engine_local import LocalPool
+from disco_ray.driver.program import Program
+
+
+class Programs:
+    """A pool of workers (given, or started here for `engine`) and the Programs run on it, keyed
+    by graph; closing ends the Programs and a pool started here."""
+
+    def __init__(self, engine: str, pool: object | None, cluster: dict[str, Any], **program_kw: Any):
+        self.own_pool = pool is None
+        if pool is not None:
+            self.pool: object = pool
+        elif engine == "ray":
+            from disco_ray.driver.engine_ray import RayPool
+
+            self.pool = RayPool(**cluster)
+        else:
+            self.pool = LocalPool()
+        self._prog_kw = dict(engine=engine, pool=self.pool, **program_kw)
+        self._programs: dict[tuple, tuple[Any, Program]] = {}
+
+    def _close_programs(self) -> None:
+        for _, prog in self._programs.values():
+            prog.close()
+        self._programs.clear()
+
+    def close(self) -> None:
+        """Ends every Program and the pool's workers (and a Ray the pool started)."""
+        self._close_programs()
+        if self.own_pool:
+            self.pool.close()  # type: ignore[attr-defined]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
