@@ -11,6 +11,7 @@ from disco_ray.driver.program import Program
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.reference import evaluate
 from disco_ray.graph.taskgraph import TaskGraph
+from planner import build_memgraph
 from tests.memgraph_helpers import execute_random_order, naive_memgraph
 
 
@@ -83,3 +84,181 @@ def test_memgraph_accumulate_round_trips_and_is_checked():
     doc["vertices"][-3]["accumulate"] = {"part": 3, "parts": 3}
     with pytest.raises(Exception, match="accumulate"):
         MemGraph.from_dict(doc)
+
+
+# ---- the planner's groups, the verifier and the symbolic executor --------------------------------
+
+
+def _plan(tg: TaskGraph, cap: int, mode: str = "eager") -> MemGraph:
+    return build_memgraph(tg, cap, sum_into=mode)
+
+
+@pytest.mark.parametrize("gpus,cap", [(1, 1 << 20), (1, 1536), (2, 1 << 20), (2, 1536)])
+def test_the_planner_makes_a_verified_group_that_computes_the_sum(gpus, cap):
+    from planner.symbolic import check_random_orders
+    from planner.verify import verify
+
+    tg = grads(6, gpus)
+    mg = _plan(tg, cap)
+    members = [v for v in mg.vertices if v.acc is not None]
+    assert sorted(v.acc for v in members) == [(k, 6) for k in range(6)]
+    assert {v.out for v in members} == {members[0].out}  # one range
+    assert mg.outputs["out"] not in {v.id for v in members}
+    assert verify(tg, mg) == []
+    check_random_orders(tg, mg, 24, seed=gpus)
+    for seed in range(3):
+        ins = inputs(tg, seed)
+        got = execute_random_order(mg, tg, ins, seed)["out"]
+        torch.testing.assert_close(got, evaluate(tg, ins)["out"])
+
+
+def test_each_partial_dies_at_its_member():
+    """Eager members hold one partial at a time beside the sum: 8 partials of 256 bytes sum in
+    1 KiB without a reload; deferred ones reload, and the n-ary kernel needs all 9 ranges at once."""
+    tg = grads(8)
+    eager, deferred = _plan(tg, 1024), _plan(tg, 1024, "deferred")
+    assert eager.stats["sum_into"] == "eager" and eager.stats["bytes_reloaded"] == 0
+    assert deferred.stats["sum_into"] == "deferred" and deferred.stats["bytes_reloaded"] > 0
+    with pytest.raises(Exception, match="need 2304 bytes"):
+        _plan(tg, 1024, "off")
+    off = _plan(tg, 1 << 20, "off")
+    assert off.stats["sum_into"] == "off" and not any(v.acc for v in off.vertices)
+    # a partial is read by its member only, and partials share ranges
+    member_of = {v.ins[0].src: v.id for v in eager.vertices if v.acc is not None}
+    assert len({eager.vertex(s).out for s in member_of}) < len(member_of)
+
+
+def test_a_sum_in_the_way_is_planned_again_deferred():
+    """Between two members a vertex needs the whole arena: the open sum may not move, so the plan
+    is made again with the members at the accumulate's place."""
+    from planner.verify import verify
+
+    g = TaskGraph(1)
+    p0 = g.scale(g.input("a", (4, 4)), 2.0, id="p0")
+    h = g.scale(g.input("h", (16, 16)), 2.0, id="hh")
+    p1 = g.scale(g.input("b", (4, 4)), 3.0, id="p1")
+    acc = g.kernel("accumulate", p0, p1, id="acc")
+    g.output(g.add(acc, g.input("c", (4, 4)), id="out"), h)
+    order = ["a", "p0", "h", "hh", "b", "p1", "acc", "c", "out"]
+    mg = build_memgraph(g, 2048, order=order)
+    assert mg.stats["sum_into"] == "deferred"
+    assert verify(g, mg) == []
+    ins = inputs(g)
+    got = execute_random_order(mg, g, ins)
+    for k, want in evaluate(g, ins).items():
+        torch.testing.assert_close(got[k], want)
+
+
+@pytest.mark.parametrize("cap,mode", [(1024, "eager"), (768, "deferred")])
+def test_an_offloading_plan_keeps_the_sum_in_place_between_members(cap, mode):
+    """k0 is offloaded while the sum is open (1 KiB); in 768 bytes a matmul's three ranges and an
+    open sum do not fit, so the members are planned at the accumulate's place."""
+    from planner.verify import verify
+
+    g = TaskGraph(1)
+    k0 = g.scale(g.input("k", (4, 4)), 2.0, id="k0")
+    parts = [g.matmul(g.input(f"a{i}", (4, 4)), g.input(f"b{i}", (4, 4)), id=f"p{i}") for i in range(6)]
+    g.output(g.add(g.kernel("accumulate", *parts, id="acc"), k0, id="out"))
+    mg = build_memgraph(g, cap, order=[v.id for v in g])
+    assert mg.stats["sum_into"] == mode and mg.stats["bytes_offloaded"] > 0
+    assert verify(g, mg) == []
+    for seed in range(3):
+        ins = inputs(g, seed)
+        torch.testing.assert_close(execute_random_order(mg, g, ins, seed)["out"], evaluate(g, ins)["out"])
+
+
+def _planted(mg: MemGraph, verts=None, edges=None) -> MemGraph:
+    return MemGraph(list(mg.capacity), verts or list(mg.vertices), edges or list(mg.edges), dict(mg.outputs))
+
+
+def _errors(tg: TaskGraph, mg: MemGraph) -> tuple[list[str], str]:
+    from disco_ray.graph.errors import VerifyError
+    from planner.symbolic import check_random_orders
+    from planner.verify import verify
+
+    try:
+        check_random_orders(tg, mg, 40, seed=0)
+        sym = ""
+    except VerifyError as e:
+        sym = str(e)
+    return verify(tg, mg), sym
+
+
+def _members(mg: MemGraph) -> list[int]:
+    return [i for i, v in enumerate(mg.vertices) if v.acc is not None]
+
+
+def test_a_planted_missing_member_is_caught():
+    tg = grads(4)
+    mg = naive_memgraph(tg)
+    gone = mg.vertices[_members(mg)[1]].id
+    bad = _planted(mg, [v for v in mg.vertices if v.id != gone], [e for e in mg.edges if gone not in e[:2]])
+    msgs, sym = _errors(tg, bad)
+    assert any("parts [1] of 4 have no member" in m for m in msgs), msgs
+    assert "partial sum" in sym
+
+
+def test_a_planted_duplicate_part_is_caught():
+    import dataclasses
+
+    tg = grads(4)
+    mg = naive_memgraph(tg)
+    verts = list(mg.vertices)
+    i = _members(mg)[2]
+    verts[i] = dataclasses.replace(verts[i], acc=(1, 4))
+    msgs, sym = _errors(tg, _planted(mg, verts))
+    assert any("part 1 of 'acc' is also" in m for m in msgs), msgs
+    assert any("parts [2] of 4 have no member" in m for m in msgs), msgs
+    assert "was added already" in sym
+
+
+def test_a_planted_reader_before_a_member_is_caught():
+    tg = grads(4)
+    mg = naive_memgraph(tg)
+    first = mg.vertices[_members(mg)[0]].id
+    reader = mg.outputs["out"]
+    bad = _planted(mg, edges=[e for e in mg.edges if e[:2] != (first, reader)])
+    msgs, sym = _errors(tg, bad)
+    assert any(f"no path {first} -> {reader}" in m and "follows every member" in m for m in msgs), msgs
+    assert "partial sum" in sym
+
+
+def test_a_planted_member_writing_another_range_is_caught():
+    import dataclasses
+
+    from disco_ray.graph.memgraph import Loc
+
+    tg = grads(4)
+    mg = naive_memgraph(tg)
+    verts = list(mg.vertices)
+    i = _members(mg)[1]
+    o = verts[i].out
+    verts[i] = dataclasses.replace(verts[i], out=Loc(o.device, mg.capacity[0], o.nbytes))
+    bad = _planted(mg, verts)
+    bad.capacity[0] += o.nbytes
+    msgs, sym = _errors(tg, bad)
+    assert any("its group writes" in m for m in msgs), msgs
+    assert sym
+
+
+def test_a_planted_overlapping_writer_is_caught():
+    """A writer of the sum's range that the edges leave free to land between two members."""
+    import dataclasses
+
+    tg = grads(4)
+    z = tg.scale("a0", 3.0, id="z")
+    tg.output(z)
+    mg = naive_memgraph(tg)
+    verts = list(mg.vertices)
+    acc_range = verts[_members(mg)[0]].out
+    i = next(i for i, v in enumerate(verts) if v.value == "z")
+    verts[i] = dataclasses.replace(verts[i], out=acc_range)
+    msgs, sym = _errors(tg, _planted(mg, verts))
+    assert any(f"writes {'gpu:0'}[{acc_range.offset}:{acc_range.end}]" in m for m in msgs), msgs
+    assert sym
+    # ordered after every member's reader, the same writer is fine for the group
+    ok = _planted(mg, verts, [*mg.edges, (mg.outputs["out"], verts[i].id, "mem")])
+    ok.outputs.pop("z")
+    from planner.verify import verify
+
+    assert not any("acc" in m for m in verify(tg, ok)), verify(tg, ok)
