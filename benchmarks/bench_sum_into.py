@@ -1,6 +1,6 @@
 """Sum-into accumulation (TURNIP appendix A) against one n-ary add and a fixed chain of adds.
 
-    .venv/bin/python benchmarks/bench_sum_into.py [--partials 64] [--layers 2] [--seq 256]
+    .venv/bin/python benchmarks/bench_sum_into.py [--partials 64] [--layers 2] [--seq 256] [--7b-layers 1]
 
 Two graphs, each built three ways (`accumulate` planned as sum-into kernels, one n-ary `add`, a
 chain of two-operand adds), planned by BUILDMEMGRAPH in the builder's order (as `LoraTrainer`
@@ -10,7 +10,10 @@ plans) and simulated under the h100 profile (disco_ray.bench.simulate):
   summed over n tiles, alone);
 - `lora`: one LoRA training step (rank 16 on all seven linear layers, AdamW) of a small
   LLaMA-shaped model on 2 GPUs, batch 2 x seq tokens in tiles of 64: every adapter gradient is a
-  sum of one partial per tile and sequence.
+  sum of one partial per tile and sequence;
+- `lora 7b` (with --7b-layers N): the same with LLaMA-7B's shapes, N of its 32 layers, on 8 GPUs,
+  batch 8 x 1024 tokens in tiles of 512, rank 16 on q, k, v, gate, up, down (the papers' setting,
+  two tiles per sequence), simulated under the a100 profile.
 
 Columns: `live peak`, the most bytes the in-memory plan holds at once on a GPU in its serial
 order (a range from its first writer to its last reader); `no-offload capacity`, the least arena
@@ -41,7 +44,9 @@ MiB = 1 << 20
 
 def partials_graph(n: int, grad_sum: str) -> TaskGraph:
     g = TaskGraph(1)
-    parts = [g.matmul(g.input(f"a{k}", (256, 256)), g.input(f"b{k}", (256, 256)), id=f"p{k}") for k in range(n)]
+    parts = [
+        g.matmul(g.input(f"a{k}", (256, 256)), g.input(f"b{k}", (256, 256)), id=f"p{k}") for k in range(n)
+    ]
     if grad_sum == "sum_into":
         s = g.kernel("accumulate", *parts, id="sum")
     elif grad_sum == "add":
@@ -54,24 +59,28 @@ def partials_graph(n: int, grad_sum: str) -> TaskGraph:
     return g
 
 
-def lora_graph(layers: int, seq: int, grad_sum: str) -> TaskGraph:
+def lora_graph(layers: int, seq: int, grad_sum: str, big: bool = False) -> TaskGraph:
     from workloads.checkpoint import Checkpoint, LlamaConfig
     from workloads.llama_train import TARGETS, LoraSpec, OptimSpec, train_graph
 
+    dims = (32000, 4096, 11008, 32, 32) if big else (4096, 512, 1376, 8, 4)
     cfg = LlamaConfig.from_dict(
         {
             "model_type": "llama",
-            "vocab_size": 4096,
-            "hidden_size": 512,
-            "intermediate_size": 1376,
+            "vocab_size": dims[0],
+            "hidden_size": dims[1],
+            "intermediate_size": dims[2],
             "num_hidden_layers": layers,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
+            "num_attention_heads": dims[3],
+            "num_key_value_heads": dims[4],
             "rms_norm_eps": 1e-6,
         },
-        "bench-lora",
+        "llama-7b" if big else "bench-lora",
     )
     ck = Checkpoint.virtual(cfg, "float32")
+    if big:
+        spec = LoraSpec(16, 32.0, ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"))
+        return train_graph(ck, 8, 8, 1024, 512, spec, OptimSpec(lr=1e-4), "float32", grad_sum).taskgraph
     spec = LoraSpec(16, 32.0, tuple(TARGETS))
     return train_graph(ck, 2, 2, seq, 64, spec, OptimSpec(lr=1e-4), "float32", grad_sum).taskgraph
 
@@ -128,7 +137,7 @@ def least(tg: TaskGraph, lo: int, hi: int, ok) -> int:
     return hi
 
 
-def rows(name: str, make) -> list[str]:
+def rows(name: str, make, profile=h100) -> list[str]:
     graphs = {s: make(s) for s in SUMS}
     out = []
     free_cap = {}
@@ -139,14 +148,14 @@ def rows(name: str, make) -> list[str]:
     for s, tg in graphs.items():
         roomy = plan(tg, max(roomy_capacity(tg)) + MiB)
         assert roomy is not None
-        mem = simulate(roomy, tg, h100).makespan
+        mem = simulate(roomy, tg, profile).makespan
         floor = least(tg, 0, free_cap[s], lambda mg: True)
         floor = max(floor, max(min_capacity(tg)) if s != "sum_into" else 0)
         mg = plan(tg, tight)
         if mg is None:
             at = "does not plan | -"
         else:
-            t = simulate(mg, tg, h100).makespan
+            t = simulate(mg, tg, profile).makespan
             at = f"{mg.stats['bytes_reloaded'] / MiB:.1f} | {t * 1e3:.2f} ms ({t / mem:.2f}x)"
         out.append(
             f"| {name} | {s} | {len(tg)} | {live_peak(roomy) / MiB:.1f} | {free_cap[s] / MiB:.1f} | "
@@ -161,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partials", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--7b-layers", dest="big", type=int, default=0, help="0: skip the 7B-shaped graph")
     args = ap.parse_args(argv)
     print(
         "| graph | grad sum | vertices | live peak MiB | no-offload capacity MiB | min capacity MiB | "
@@ -169,8 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for line in rows(f"partials n={args.partials}", lambda s: partials_graph(args.partials, s)):
         print(line, flush=True)
-    for line in rows(f"lora layers={args.layers} seq={args.seq}", lambda s: lora_graph(args.layers, args.seq, s)):
+    for line in rows(
+        f"lora layers={args.layers} seq={args.seq}", lambda s: lora_graph(args.layers, args.seq, s)
+    ):
         print(line, flush=True)
+    if args.big:
+        from disco_ray.bench.profiles import a100
+
+        for line in rows(f"lora 7b layers={args.big}", lambda s: lora_graph(args.big, 0, s, True), a100):
+            print(line, flush=True)
     return 0
 
 
