@@ -262,3 +262,21 @@ def test_a_planted_overlapping_writer_is_caught():
     from planner.verify import verify
 
     assert not any("acc" in m for m in verify(tg, ok)), verify(tg, ok)
+
+
+def test_renumbering_a_plan_keeps_its_groups():
+    """bench modes renumber vertices: members keep `accumulate`, readers name the new last member."""
+    from disco_ray.bench.modes import _renumber
+    from planner.verify import verify
+
+    tg = grads(4)
+    mg = naive_memgraph(tg)
+    ms = _members(mg)
+    assert ms == list(range(ms[0], ms[0] + 4))
+    order = list(range(len(mg)))
+    order[ms[0] : ms[-1] + 1] = ms[::-1]  # members are unordered: reversed is still topological
+    new = _renumber(mg, order)
+    assert verify(tg, new) == []
+    part0 = next(v.id for v in new.vertices if v.acc == (0, 4))
+    assert part0 == max(v.id for v in new.vertices if v.acc)
+    assert new.vertex(new.outputs["out"]).ins[0].src == part0
