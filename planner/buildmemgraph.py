@@ -96,10 +96,10 @@ class Planner:
         uses = self.uses
         for t, k in enumerate(seq):
             if k >= n:  # a member reads its operand and, unless it is the first, adds into the sum
-                m = k - n
-                k = alloc_of[t] = mem.acc[m]  # type: ignore[union-attr]
-                uses[mem.x[m]].append(t)  # type: ignore[union-attr]
-                if not mem.first[m]:  # type: ignore[union-attr]
+                j = k - n
+                k = alloc_of[t] = mem.acc[j]  # type: ignore[union-attr]
+                uses[mem.x[j]].append(t)  # type: ignore[union-attr]
+                if not mem.first[j]:  # type: ignore[union-attr]
                     uses[k].append(t)
                     alloc_of[t] = -1
                     continue

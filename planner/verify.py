@@ -456,12 +456,12 @@ def _check_order(
     races = _arena_races(mg, pos, rank, groups, sink)
     us = [reads[:, 0], greads[:, 0], *(a.u for a in races)]
     ws = [reads[:, 1], greads[:, 1], *(a.w for a in races)]
-    u, w, q = _expand(np.concatenate(us), np.concatenate(ws), groups, big)
+    qu, qw, qi = _expand(np.concatenate(us), np.concatenate(ws), groups, big)
     n = max(big, 1)
-    uniq, inv = np.unique(u * n + w, return_inverse=True)
+    uniq, inv = np.unique(qu * n + qw, return_inverse=True)
     each = reach.ancestors(uniq // n, uniq % n)[inv] if len(uniq) else np.ones(0, dtype=bool)
     ok = np.ones(sum(len(x) for x in us), dtype=bool)
-    np.logical_and.at(ok, q, each)
+    np.logical_and.at(ok, qi, each)  # a question about a group holds when it holds for every member
     for k in np.flatnonzero(~ok[: len(reads)]).tolist():
         s, v = verts[reads[k, 0]], verts[reads[k, 1]]
         sink.add(
