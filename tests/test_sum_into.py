@@ -280,3 +280,66 @@ def test_renumbering_a_plan_keeps_its_groups():
     part0 = next(v.id for v in new.vertices if v.acc == (0, 4))
     assert part0 == max(v.id for v in new.vertices if v.acc)
     assert new.vertex(new.outputs["out"]).ins[0].src == part0
+
+
+def random_sums(seed: int) -> TaskGraph:
+    """A random graph of products summed by accumulates (repeated operands, sums of sums, sums
+    read by later products), on 2 GPUs."""
+    import random
+
+    rng = random.Random(seed)
+    g = TaskGraph(2)
+    vals: list[list[str]] = [[], []]
+    for k in range(4):
+        for j in range(2):
+            vals[j].append(g.input(f"x{k}_g{j}", (4, 4), gpu=j))
+    for k in range(14):
+        j = rng.randrange(2)
+        if rng.random() < 0.35 and len(vals[j]) >= 2:
+            ops = rng.choices(vals[j][-8:], k=rng.randint(1, 5))
+            vals[j].append(g.kernel("accumulate", *ops, id=f"s{k}"))
+        elif rng.random() < 0.2:
+            vals[j].append(g.transfer(rng.choice(vals[1 - j]), j, id=f"t{k}"))
+        else:
+            a, b = rng.choice(vals[j][-6:]), rng.choice(vals[j][-6:])
+            vals[j].append(g.scale(g.matmul(a, b, id=f"m{k}"), 0.5, id=f"n{k}"))
+    g.output(vals[0][-1], vals[1][-1])
+    return g
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_graphs_of_sums_plan_verify_and_compute(seed):
+    from disco_ray.graph.errors import CapacityError
+    from planner import min_capacity, roomy_capacity
+    from planner.symbolic import check_random_orders
+    from planner.verify import verify
+
+    tg = random_sums(seed)
+    lo, hi = max(min_capacity(tg)), max(roomy_capacity(tg))
+    ins = inputs(tg, seed)
+    want = evaluate(tg, ins)
+    modes = set()
+    for cap in sorted({lo, (lo + hi) // 2, hi, 768, 1024}):
+        for order in (None, [v.id for v in tg]):
+            try:
+                mg = build_memgraph(tg, cap, order=order)
+            except CapacityError:
+                continue
+            modes.add(mg.stats["sum_into"])
+            assert verify(tg, mg) == [], (seed, cap)
+            check_random_orders(tg, mg, 8, seed)
+            got = execute_random_order(mg, tg, ins, seed)
+            for k, w in want.items():
+                torch.testing.assert_close(got[k], w, rtol=1e-4, atol=1e-4, msg=f"seed {seed} capacity {cap}")
+    assert modes, seed
+
+
+def test_the_runtime_runs_a_planned_group_under_pressure_with_random_delays():
+    tg = grads(6, 2)
+    mg = _plan(tg, 1536)
+    assert mg.stats["sum_into"] == "eager"
+    with Program(tg, mg, engine="local", streams=4) as prog:
+        for seed in range(3):
+            ins = inputs(tg, seed)
+            out = prog.run(ins, delay=(0, 2e-3), seed=seed, check=True)["out"]
+            torch.testing.assert_close(out, evaluate(tg, ins)["out"])
