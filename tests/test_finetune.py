@@ -194,7 +194,7 @@ def test_cli_finetune_writes_a_peft_adapter_and_prints_losses(base, init_adapter
     r = run_cli(
         "finetune", base, "--data", tmp_path / "tokens.npy", "--init-adapter", init_adapter, "--steps", "2",
         "--lr", "0.01", "--capacity", "1MiB", "--out", tmp_path / "out", "--json", "--engine", "local",
-        "--block", str(BLOCK),
+        "--block", str(BLOCK), "--grad-sum", "add",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
