@@ -33,7 +33,7 @@ from typing import cast
 
 import numpy as np
 
-from disco_ray.graph.errors import CapacityError, PlanError
+from disco_ray.graph.errors import CapacityError, DiscoError, PlanError
 from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
@@ -52,8 +52,15 @@ _MKIND = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKi
 SUM_INTO = "eager"  # how an `accumulate` is planned (planner.groups.MODES)
 
 
+ROUNDS = 4  # plans made again with the blocking groups demoted before a mode is given up for all
+
+
 class GroupError(PlanError):
     """An open sum-into group's range is in the way (it may not move between its members)."""
+
+    def __init__(self, msg: str, groups: Sequence[int]):
+        super().__init__(msg)
+        self.groups = tuple(groups)  # the accumulates (positions) whose open sums were in the way
 
 
 class Planner:
@@ -67,12 +74,14 @@ class Planner:
         fit: str = FIT,
         dense: Dense | None = None,
         sum_into: str = SUM_INTO,
+        demoted: Mapping[int, str] | None = None,
     ):
         if sum_into not in MODES:
             raise ValueError(f"sum_into must be one of {MODES}, got {sum_into!r}")
         d = self.d = dense if dense is not None else Dense(tg)
         self.sum_into = sum_into
-        self.mem = mem = Members(d) if sum_into != "off" else None
+        self.demoted = dict(demoted or {})
+        self.mem = mem = Members(d, self.demoted) if sum_into != "off" else None
         self.tg = tg
         self.asked = capacities(capacity, tg.gpus)
         self.caps = rounded(self.asked, alignment)
@@ -332,7 +341,8 @@ class Planner:
             off = self._make_room(gpu, size, pinned, at=cursor)
             if off is None and self.open:
                 raise GroupError(
-                    f"vertex {d.ids[k]!r}: an open sum-into range blocks compaction on gpu {gpu}"
+                    f"vertex {d.ids[k]!r}: an open sum-into range blocks compaction on gpu {gpu}",
+                    [i.value for i in self.open.values()],
                 )
             assert off == cursor, (d.ids[k], d.ids[item], off, cursor)
             inst = self._place_output(item, off) if item == k else self._reload(item, off)
@@ -444,7 +454,8 @@ class Planner:
                 if compacted or not first:
                     raise GroupError(
                         f"sum-into member {mem.part[m]} of {d.ids[k]!r}: no room for {d.ids[x]!r} on "
-                        f"gpu {d.gpu[x]} beside the open sum"
+                        f"gpu {d.gpu[x]} beside the open sum",
+                        [k, *(i.value for i in self.open.values())],
                     )
                 self._compact(k, d.gpu[k], (x,))
                 return self._execute_member(t, m, compacted=True)
@@ -634,8 +645,9 @@ def build_memgraph(
         window: ids within which implied memory edges are found and dropped (0: keep them all).
         sum_into: how an `accumulate` is planned: "eager" (a sum-into kernel per operand right after
             it, planner.groups), "deferred" (all of them at the accumulate's place) or "off" (one
-            kernel reading every operand). A plan in which an open sum's range blocks a vertex is
-            made again in the next of these modes.
+            kernel reading every operand). A plan in which open sums' ranges block a vertex is
+            made again with those groups demoted (eager -> deferred -> one kernel), up to ROUNDS
+            times, then with every group in the next mode.
 
     Raises:
         CapacityError: a vertex's inputs plus output do not fit its GPU.
@@ -645,15 +657,7 @@ def build_memgraph(
     collecting = gc.isenabled()
     gc.disable()  # the simulation makes millions of small acyclic objects: cyclic GC passes only cost
     try:
-        for mode in MODES[MODES.index(sum_into) :]:
-            p = Planner(tg, capacity, order, alignment, lookahead, fit, sum_into=mode)
-            try:
-                p.run()
-                break
-            except GroupError as e:
-                if mode == "off":
-                    raise
-                log.info("sum-into %s: %s; planning again", mode, e)
+        p = _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into)
         mg = p.memgraph(started, window)
         log_rounding(p.asked, p.caps, alignment)
     finally:
@@ -662,4 +666,36 @@ def build_memgraph(
     mg.stats["order"] = p.order_name if order is not None else f"default ({p.order_name})"
     mg.stats["fit"] = fit
     mg.stats["sum_into"] = p.sum_into
+    if p.demoted:
+        mg.stats["sum_into_demoted"] = {
+            m: sum(1 for x in p.demoted.values() if x == m) for m in ("deferred", "off")
+        }
     return mg
+
+
+def _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into: str) -> Planner:
+    """Runs the Planner, demoting the sum-into groups in the way after each GroupError."""
+    modes = MODES[MODES.index(sum_into) :]
+    demoted: dict[int, str] = {}
+    mi = rounds = 0
+    while True:
+        mode = modes[mi]
+        try:
+            p = Planner(tg, capacity, order, alignment, lookahead, fit, sum_into=mode, demoted=demoted)
+            p.run()
+            return p
+        except CapacityError:
+            if "off" not in demoted.values():
+                raise  # not for want of a demoted group's room: no mode helps
+            e: DiscoError = CapacityError("a demoted accumulate does not fit as one kernel")
+            rounds = ROUNDS
+        except GroupError as ge:
+            e = ge
+            for k in ge.groups:
+                demoted[k] = "off" if demoted.get(k) == "deferred" or mode == "deferred" else "deferred"
+        rounds += 1
+        if rounds > ROUNDS:
+            mi, rounds, demoted = mi + 1, 0, {}
+            if mi == len(modes):
+                raise e
+        log.info("sum-into %s: %s; planning again", mode, e)

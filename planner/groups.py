@@ -14,7 +14,7 @@ partial sum a range of its own, which is what sum-into avoids).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .dense import Dense
 
@@ -23,9 +23,13 @@ MODES = ("eager", "deferred", "off")
 
 class Members:
     """The members of every accumulate: per member m its group `acc[m]`, `part[m]`, operand `x[m]`;
-    `first[m]`/`last[m]` in the serial order; per group k, `of[k]` its members in part order."""
+    `first[m]`/`last[m]` in the serial order; per group k, `of[k]` its members in part order.
 
-    def __init__(self, d: Dense):
+    `demoted` (accumulate position -> "deferred" | "off") overrides the mode per group: "off"
+    leaves the accumulate one kernel."""
+
+    def __init__(self, d: Dense, demoted: Mapping[int, str] | None = None):
+        self.demoted = demoted = demoted or {}
         self.n = n = len(d)
         self.acc: list[int] = []
         self.part: list[int] = []
@@ -34,7 +38,7 @@ class Members:
         tg = d.tg
         for k in range(n):
             ins = d.inputs[k]
-            if ins and tg[d.ids[k]].op == "accumulate":
+            if ins and tg[d.ids[k]].op == "accumulate" and demoted.get(k) != "off":
                 ms = self.of[k] = []
                 for i, x in enumerate(ins):
                     ms.append(len(self.acc))
@@ -67,14 +71,16 @@ class Members:
                     if left[k] == 0:
                         stack.append(k)
 
-        if mode == "eager":
-            for ms in of.values():
-                for m in ms:
-                    waiting.setdefault(self.x[m], []).append(m)
+        eager = {k for k in of if mode == "eager" and k not in self.demoted}
+        for k in eager:
+            for m in of[k]:
+                waiting.setdefault(self.x[m], []).append(m)
         for k in seq:
             if k in of:
-                if mode != "eager":
+                if k not in eager:
                     out.extend(n + m for m in of[k])
+                    left[k] = 0
+                    done(k)
                 continue
             out.append(k)
             done(k)

@@ -130,7 +130,7 @@ def test_each_partial_dies_at_its_member():
 
 def test_a_sum_in_the_way_is_planned_again_deferred():
     """Between two members a vertex needs the whole arena: the open sum may not move, so the plan
-    is made again with the members at the accumulate's place."""
+    is made again with that group's members at the accumulate's place."""
     from planner.verify import verify
 
     g = TaskGraph(1)
@@ -141,7 +141,8 @@ def test_a_sum_in_the_way_is_planned_again_deferred():
     g.output(g.add(acc, g.input("c", (4, 4)), id="out"), h)
     order = ["a", "p0", "h", "hh", "b", "p1", "acc", "c", "out"]
     mg = build_memgraph(g, 2048, order=order)
-    assert mg.stats["sum_into"] == "deferred"
+    assert mg.stats["sum_into"] == "eager" and mg.stats["sum_into_demoted"] == {"deferred": 1, "off": 0}
+    assert build_memgraph(g, 2048, order=order, sum_into="deferred").stats["sum_into"] == "deferred"
     assert verify(g, mg) == []
     ins = inputs(g)
     got = execute_random_order(mg, g, ins)
@@ -149,10 +150,10 @@ def test_a_sum_in_the_way_is_planned_again_deferred():
         torch.testing.assert_close(got[k], want)
 
 
-@pytest.mark.parametrize("cap,mode", [(1024, "eager"), (768, "deferred")])
-def test_an_offloading_plan_keeps_the_sum_in_place_between_members(cap, mode):
+@pytest.mark.parametrize("cap,demoted", [(1024, 0), (768, 1)])
+def test_an_offloading_plan_keeps_the_sum_in_place_between_members(cap, demoted):
     """k0 is offloaded while the sum is open (1 KiB); in 768 bytes a matmul's three ranges and an
-    open sum do not fit, so the members are planned at the accumulate's place."""
+    open sum do not fit, so the group's members are planned at the accumulate's place."""
     from planner.verify import verify
 
     g = TaskGraph(1)
@@ -160,7 +161,8 @@ def test_an_offloading_plan_keeps_the_sum_in_place_between_members(cap, mode):
     parts = [g.matmul(g.input(f"a{i}", (4, 4)), g.input(f"b{i}", (4, 4)), id=f"p{i}") for i in range(6)]
     g.output(g.add(g.kernel("accumulate", *parts, id="acc"), k0, id="out"))
     mg = build_memgraph(g, cap, order=[v.id for v in g])
-    assert mg.stats["sum_into"] == mode and mg.stats["bytes_offloaded"] > 0
+    assert mg.stats["sum_into"] == "eager" and mg.stats["bytes_offloaded"] > 0
+    assert mg.stats.get("sum_into_demoted", {}).get("deferred", 0) == demoted
     assert verify(g, mg) == []
     for seed in range(3):
         ins = inputs(g, seed)
