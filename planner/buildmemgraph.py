@@ -21,6 +21,14 @@ uses as its priority. Memory edges implied by other paths are dropped at the end
 If the operands of one kernel fragment its arena so badly that no window fits, the kernel is
 *compacted*: its output and operands are placed back to back from offset 0 (pre-checked to fit),
 evicting whatever lies there.
+
+Sum-into groups (TURNIP appendix A, planner.groups): an `accumulate` is simulated as one step per
+operand, its members. The first allocates the sum's range (a reservation like any output); from
+it to the last the range is pinned (no victim, no compaction moves it), since every member must
+write the same bytes; each member gets the range's memory deps, and whatever reads, offloads or
+overwrites the sum afterwards depends on all members (`Inst.writers`). Members get no edges
+among themselves. A vertex that finds no room because of an open sum raises GroupError, and
+build_memgraph plans again with that group demoted.
 """
 
 from __future__ import annotations
@@ -50,8 +58,6 @@ INF = float("inf")
 FIT = "oldest"  # the default free-range choice (planner.arena), by simulated makespan
 _MKIND = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKind.TRANSFER}
 SUM_INTO = "eager"  # how an `accumulate` is planned (planner.groups.MODES)
-
-
 ROUNDS = 4  # plans made again with the blocking groups demoted before a mode is given up for all
 
 
