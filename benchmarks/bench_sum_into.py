@@ -17,7 +17,7 @@ plans) and simulated under the h100 profile (disco_ray.bench.simulate):
 
 Columns: `live peak`, the most bytes the in-memory plan holds at once on a GPU in its serial
 order (a range from its first writer to its last reader); `no-offload capacity`, the least arena
-per GPU (bisection, 1% steps) at which the plan moves nothing; `min capacity`, the least at which
+per GPU (bisection, 1% steps) at which the plan moves nothing; `least capacity`, the least at which
 it plans at all; then, at one tight capacity for all three (half the n-ary add's no-offload
 capacity), the bytes reloaded and the simulated makespan, and the makespan in memory.
 """
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--7b-layers", dest="big", type=int, default=0, help="0: skip the 7B-shaped graph")
     args = ap.parse_args(argv)
     print(
-        "| graph | grad sum | vertices | live peak MiB | no-offload capacity MiB | min capacity MiB | "
+        "| graph | grad sum | vertices | live peak MiB | no-offload capacity MiB | least capacity MiB | "
         "reloaded MiB at half add's no-offload | makespan there | makespan in memory |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
