@@ -2,7 +2,7 @@
 setting in the simulator.
 
     .venv/bin/python benchmarks/bench_lora.py cpu [--dir /tmp/bench_llama] [--seq 512] [--batch 1]
-        [--steps 3] [--capacities roomy,third] [--grad-sums add,chain]
+        [--steps 3] [--capacities roomy,third] [--grad-sums sum_into,add,chain]
     .venv/bin/python benchmarks/bench_lora.py paper [--layers 32] [--batch 8] [--seq 1024] [--tile 1024]
 
 `cpu`: the 0.49 GB float32 checkpoint of bench_llama_cpu.py (made once), rank-16 adapters on
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--batch", type=int, default=1)
     c.add_argument("--steps", type=int, default=3)
     c.add_argument("--capacities", default="roomy,third")
-    c.add_argument("--grad-sums", default="add")
+    c.add_argument("--grad-sums", default="sum_into")
     c.add_argument("--json")
     p = sub.add_parser("paper")
     p.add_argument("--layers", type=int, default=32)

@@ -105,7 +105,7 @@ def reload_bound(d: Dense, seq: Sequence[int], caps: Sequence[int], alignment: i
         over = used[g] + sum(sizes[x] - res.get(x, 0) for x in xs) - caps[g]
         held = []
         h = heaps[g]
-        while over > 0:
+        while over > 0 and h:  # empty: an accumulate whose operands fit only one at a time (sum-into)
             key, x = heapq.heappop(h)
             have = res.get(x, 0)
             if not have or -key != when(x):

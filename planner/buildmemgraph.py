@@ -21,31 +21,52 @@ uses as its priority. Memory edges implied by other paths are dropped at the end
 If the operands of one kernel fragment its arena so badly that no window fits, the kernel is
 *compacted*: its output and operands are placed back to back from offset 0 (pre-checked to fit),
 evicting whatever lies there.
+
+Sum-into groups (TURNIP appendix A, planner.groups): an `accumulate` is simulated as one step per
+operand, its members. The first allocates the sum's range (a reservation like any output); from
+it to the last the range is pinned (no victim, no compaction moves it), since every member must
+write the same bytes; each member gets the range's memory deps, and whatever reads, offloads or
+overwrites the sum afterwards depends on all members (`Inst.writers`). Members get no edges
+among themselves. A vertex that finds no room because of an open sum raises GroupError, and
+build_memgraph plans again with that group demoted.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import cast
 
 import numpy as np
 
-from disco_ray.graph.errors import CapacityError, PlanError
+from disco_ray.graph.errors import CapacityError, DiscoError, PlanError
 from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import RESERVED, Arena, Block
 from .capacity import capacities, log_rounding, rounded
 from .dense import Dense, check_order
+from .groups import MODES, Members
 from .order import default
 from .prune import WINDOW, Reducer
 from .records import DATA, MEM, OWN, STEP, Inst, Rec
 
+log = logging.getLogger(__name__)
 INF = float("inf")
 FIT = "oldest"  # the default free-range choice (planner.arena), by simulated makespan
 _MKIND = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKind.TRANSFER}
+SUM_INTO = "eager"  # how an `accumulate` is planned (planner.groups.MODES)
+ROUNDS = 4  # plans made again with the blocking groups demoted before a mode is given up for all
+
+
+class GroupError(PlanError):
+    """An open sum-into group's range is in the way (it may not move between its members)."""
+
+    def __init__(self, msg: str, groups: Sequence[int]):
+        super().__init__(msg)
+        self.groups = tuple(groups)  # the accumulates (positions) whose open sums were in the way
 
 
 class Planner:
@@ -58,8 +79,15 @@ class Planner:
         lookahead: int | None = None,
         fit: str = FIT,
         dense: Dense | None = None,
+        sum_into: str = SUM_INTO,
+        demoted: Mapping[int, str] | None = None,
     ):
+        if sum_into not in MODES:
+            raise ValueError(f"sum_into must be one of {MODES}, got {sum_into!r}")
         d = self.d = dense if dense is not None else Dense(tg)
+        self.sum_into = sum_into
+        self.demoted = dict(demoted or {})
+        self.mem = mem = Members(d, self.demoted) if sum_into != "off" else None
         self.tg = tg
         self.asked = capacities(capacity, tg.gpus)
         self.caps = rounded(self.asked, alignment)
@@ -72,17 +100,31 @@ class Planner:
             self.seq, self.order_name = default(d, self.caps, alignment)
         else:
             self.seq, self.order_name = [d.index[x] for x in check_order(tg, order)], "given"
+        if mem is not None and len(mem):
+            self.seq = mem.expand(self.seq, sum_into)
         seq = self.seq
+        # per step: the value whose range it allocates (-1: none, a sum-into member after the first)
+        self.alloc_of = alloc_of = list(seq)
         self.pos = pos = [0] * n
-        for t, k in enumerate(seq):
-            pos[k] = t
-        self.lookahead = lookahead
         operands = d.operands
         self.uses: list[list[int]] = [[] for _ in range(n)]  # per value: positions of its readers
         uses = self.uses
         for t, k in enumerate(seq):
-            for i in operands[k]:
-                uses[i].append(t)
+            if k >= n:  # a member reads its operand and, unless it is the first, adds into the sum
+                j = k - n
+                k = alloc_of[t] = mem.acc[j]  # type: ignore[union-attr]
+                uses[mem.x[j]].append(t)  # type: ignore[union-attr]
+                if not mem.first[j]:  # type: ignore[union-attr]
+                    uses[k].append(t)
+                    alloc_of[t] = -1
+                    continue
+            else:
+                for i in operands[k]:
+                    uses[i].append(t)
+            pos[k] = t
+        self.lookahead = lookahead
+        self.open: dict[int, Inst] = {}  # sum-into groups between their first and last member
+        self.group_deps: dict[int, dict[int, str]] = {}  # group -> memory deps of its range
         self.next = [0] * n  # index into uses[value] of the next unexecuted use
         self.kept = set(d.kept)  # outputs and carried values: kept in place at the end
         self.resident: list[Inst | None] = [None] * n
@@ -96,7 +138,9 @@ class Planner:
         self.mine: list[list[int]] = [[] for _ in self.caps]
         self.slot = [0] * n  # value -> its index in mine[its gpu]
         gpu = d.gpu
-        for t, k in enumerate(seq):
+        for t, k in enumerate(alloc_of):
+            if k < 0:
+                continue
             m = self.mine[gpu[k]]
             self.slot[k] = len(m)
             m.append(t)
@@ -118,6 +162,13 @@ class Planner:
     def _check_fits(self) -> None:
         d = self.d
         ks, gs, need = d.needs(self.sizes)
+        if self.mem is not None and self.mem.of:  # a member needs the sum and one operand at once
+            sizes = self.sizes
+            need = need.copy()
+            nt = 2 * len(d) - len(ks)  # the rows of non-transfers come first, by position
+            for k, ms in self.mem.of.items():
+                i = int(np.searchsorted(ks[:nt], k))
+                need[i] = sizes[k] + max(sizes[self.mem.x[m]] for m in ms)
         room = np.array([cast(int, a.capacity) for a in self.arenas], dtype=np.int64)
         bad = np.flatnonzero(need > room[gs])
         if len(bad):
@@ -177,14 +228,15 @@ class Planner:
             rec = self.recs[o]
             rec.ins = [inst]
             rec.out = Loc(HOST, hoff, self.d.nbytes[k])
-            rec.deps[inst.src] = DATA
+            for w in inst.writers or (inst.src,):
+                rec.deps[w] = DATA
             self._mem_edges(ghosts, o)
             self.host[k] = (rec.out, o)
             self.host_readers[k] = []
             readers: tuple[int, ...] = (*inst.readers, o)
         else:
             self.counts["clean_evictions"] += 1
-            readers = tuple(inst.readers) or (inst.src,)
+            readers = tuple(inst.readers) or tuple(inst.writers or (inst.src,))
         self.arenas[inst.gpu].release(cast(Block, inst.block), readers, self.step)
         self.resident[k] = None
 
@@ -270,11 +322,13 @@ class Planner:
         self.resident[k] = inst
         return inst
 
-    def _compact(self, k: int, gpu: int) -> None:
-        """Places k's output and operands on `gpu` back to back from offset 0 (last resort)."""
+    def _compact(self, k: int, gpu: int, ops: Sequence[int] | None = None) -> None:
+        """Places k's output and operands (`ops`, default k's own) on `gpu` back to back from
+        offset 0 (last resort)."""
         self.counts["compactions"] += 1
         d = self.d
-        ops = d.operands[k]
+        if ops is None:
+            ops = d.operands[k]
         for i in ops:
             inst = self.resident[i]
             if inst is not None and inst.gpu == gpu:
@@ -285,12 +339,17 @@ class Planner:
         own = self.resident[k]
         if own is not None and d.gpu[k] == gpu:
             self._retract(own)
-        pinned: dict[int, Inst] = {}
+        pinned: dict[int, Inst] = dict(self.open)
         cursor = 0
         items = [k] if d.gpu[k] == gpu else []
         for item in items + [i for i in ops if d.gpu[i] == gpu]:
             size = self.sizes[item]
             off = self._make_room(gpu, size, pinned, at=cursor)
+            if off is None and self.open:
+                raise GroupError(
+                    f"vertex {d.ids[k]!r}: an open sum-into range blocks compaction on gpu {gpu}",
+                    [i.value for i in self.open.values()],
+                )
             assert off == cursor, (d.ids[k], d.ids[item], off, cursor)
             inst = self._place_output(item, off) if item == k else self._reload(item, off)
             pinned[id(inst)] = inst
@@ -299,12 +358,15 @@ class Planner:
     # ---- the two horizons -----------------------------------------------------------------------
     def _pinned_for(self, k: int) -> dict[int, Inst]:
         res = self.resident
-        return {id(i): i for x in (k, *self.d.operands[k]) if (i := res[x]) is not None}
+        pinned = {id(i): i for x in (k, *self.d.operands[k]) if (i := res[x]) is not None}
+        if self.open:
+            pinned.update(self.open)
+        return pinned
 
     def _advance(self, g: int, ex: int) -> None:
         """Pushes GPU g's allocation horizon as far as free ranges allow (simMalloc, Figure 8)."""
         arena = self.arenas[g]
-        mine, seq, alloc, sizes = self.mine[g], self.seq, self.allocated, self.sizes
+        mine, seq, alloc, sizes = self.mine[g], self.alloc_of, self.allocated, self.sizes
         la = self.lookahead
         i = self.hzn[g]
         while i < len(mine):
@@ -356,11 +418,14 @@ class Planner:
         own.dist = uk[0] if uk else INF
         for x in operands:
             inst = res[x]
-            src = inst.src
-            if deps.get(src) is MEM:
-                self.counts["superfluous_mem_edges"] += 1
-                self.built -= 1
-            deps[src] = DATA
+            if inst.writers is None:
+                src = inst.src
+                if deps.get(src) is MEM:
+                    self.counts["superfluous_mem_edges"] += 1
+                    self.built -= 1
+                deps[src] = DATA
+            else:
+                self._data_deps(deps, inst.writers)
             inst.readers.append(r)
             j = nxt[x] = nxt[x] + 1
             ux = uses[x]
@@ -373,11 +438,81 @@ class Planner:
         if not uk and k not in kept:
             self._free(k)
 
+    def _data_deps(self, deps: dict[int, str], srcs: Sequence[int]) -> None:
+        for src in srcs:
+            if deps.get(src) is MEM:
+                self.counts["superfluous_mem_edges"] += 1
+                self.built -= 1
+            deps[src] = DATA
+
+    def _execute_member(self, t: int, m: int, compacted: bool = False) -> None:
+        """One sum-into kernel: adds operand x into the group's range, which stays in place (pinned)
+        from the first member to the last; the partial is freed after its last use as usual."""
+        d, mem = self.d, cast(Members, self.mem)
+        k, x, first = mem.acc[m], mem.x[m], mem.first[m]
+        res = self.resident
+        own = cast(Inst, res[k])
+        if res[x] is None:
+            pinned = dict(self.open)
+            pinned[id(own)] = own
+            off = self._make_room(d.gpu[x], self.sizes[x], pinned)
+            if off is None:
+                if compacted or not first:
+                    raise GroupError(
+                        f"sum-into member {mem.part[m]} of {d.ids[k]!r}: no room for {d.ids[x]!r} on "
+                        f"gpu {d.gpu[x]} beside the open sum",
+                        [k, *(i.value for i in self.open.values())],
+                    )
+                self._compact(k, d.gpu[k], (x,))
+                return self._execute_member(t, m, compacted=True)
+            self._reload(x, off)
+        own = cast(Inst, res[k])
+        if first:
+            r = self.rec_of[k]
+            rec = self.recs[r]
+            own.produced = True
+            own.writers = []
+            self.group_deps[k] = dict(rec.deps)  # memory deps of the range: every member waits for them
+            self.open[id(own)] = own
+        else:
+            r = self._new(MKind.KERNEL, k, d.gpu[k], (t << STEP) | (1 << OWN))
+            rec = self.recs[r]
+            rec.out = own.loc
+            alloc = self.group_deps[k]
+            rec.deps.update(alloc)
+            self.built += len(alloc)
+        rec.acc = mem.parts(m)
+        inst = cast(Inst, res[x])
+        rec.ins = [inst]
+        self._data_deps(rec.deps, inst.writers or (inst.src,))
+        inst.readers.append(r)
+        writers = cast("list[int]", own.writers)
+        writers.append(r)
+        own.src = r  # readers name the last member (the runtime's alias of the group)
+        uses, nxt, kept = self.uses, self.next, self.kept
+        j = nxt[x] = nxt[x] + 1
+        if j < len(uses[x]):
+            inst.dist = uses[x][j]
+        elif x in kept:
+            inst.dist = INF
+        else:
+            self._free(x)
+        if not first:
+            nxt[k] += 1
+        uk, j = uses[k], nxt[k]
+        own.dist = uk[j] if j < len(uk) else INF
+        if mem.last[m]:
+            del self.open[id(own)]
+            del self.group_deps[k]
+            if j >= len(uk) and k not in kept:
+                self._free(k)
+
     def _free(self, k: int) -> None:
         """simFree: the value is dead; its GPU range and any host copy become reusable."""
         inst = cast(Inst, self.resident[k])
         self.resident[k] = None
-        self.arenas[inst.gpu].release(cast(Block, inst.block), tuple(inst.readers) or (inst.src,), self.step)
+        readers = tuple(inst.readers) or tuple(inst.writers or (inst.src,))
+        self.arenas[inst.gpu].release(cast(Block, inst.block), readers, self.step)
         if k in self.host and self.host[k][1] is not None:
             _, o = self.host.pop(k)
             assert o is not None  # checked above
@@ -386,15 +521,33 @@ class Planner:
 
     def run(self) -> None:
         d = self.d
-        n = len(self.seq)
+        n = len(d)
         gpus = range(len(self.caps))
         arenas, failed = self.arenas, self.failed
-        for ex in range(n):
+        steps = len(self.seq)
+        for ex in range(steps):
             self.step = ex
             for g in gpus:
                 if failed[g] != arenas[g].releases:
                     self._advance(g, ex)
             k = self.seq[ex]
+            m = k - n
+            if m >= 0:  # a sum-into member
+                k = self.alloc_of[ex]
+                if k >= 0 and not self.allocated[k]:  # the first: the sum's range is made now
+                    g = d.gpu[k]
+                    x = cast(Members, self.mem).x[m]
+                    pinned = dict(self.open)
+                    if (i := self.resident[x]) is not None:
+                        pinned[id(i)] = i
+                    off = self._make_room(g, self.sizes[k], pinned)
+                    if off is None:
+                        self._compact(k, g, (x,))
+                        self._execute_member(ex, m, compacted=True)
+                        continue
+                    self._place_output(k, off)
+                self._execute_member(ex, m)
+                continue
             if not self.allocated[k]:  # the vertex to execute next has no room: evict for it
                 g = d.gpu[k]
                 off = self._make_room(g, self.sizes[k], self._pinned_for(k))
@@ -403,7 +556,7 @@ class Planner:
                 else:
                     self._place_output(k, off)
             self._execute(ex)
-        self.step = n
+        self.step = steps
         for o in d.kept:  # an evicted output still in the caller's own copy comes back
             if self.resident[o] is None and self.host.get(o, (None, None))[1] is None:
                 g = d.gpu[o]
@@ -439,7 +592,7 @@ class Planner:
                     reads.append(Read(ids[val], None if src is None else new_id[src], loc))
             out = rec.out
             assert out is not None  # live
-            verts.append(MemVertex(new, rec.kind, ids[rec.value], rec.gpu, tuple(reads), out))
+            verts.append(MemVertex(new, rec.kind, ids[rec.value], rec.gpu, tuple(reads), out, rec.acc))
             try:  # section 7: every edge points forward in V
                 reducer.add(new, rec.deps.items(), edges, new_id)
             except ValueError as e:
@@ -483,6 +636,7 @@ def build_memgraph(
     lookahead: int | None = None,
     fit: str = FIT,
     window: int = WINDOW,
+    sum_into: str = SUM_INTO,
 ) -> MemGraph:
     """Compiles a TaskGraph into a MemGraph for GPUs of the given arena capacities.
 
@@ -495,6 +649,11 @@ def build_memgraph(
         lookahead: how many vertices the allocation horizon may run ahead (None: unbounded).
         fit: the free-range choice, "oldest" (last use furthest in the past) or "best" (tightest).
         window: ids within which implied memory edges are found and dropped (0: keep them all).
+        sum_into: how an `accumulate` is planned: "eager" (a sum-into kernel per operand right after
+            it, planner.groups), "deferred" (all of them at the accumulate's place) or "off" (one
+            kernel reading every operand). A plan in which open sums' ranges block a vertex is
+            made again with those groups demoted (eager -> deferred -> one kernel), up to ROUNDS
+            times, then with every group in the next mode.
 
     Raises:
         CapacityError: a vertex's inputs plus output do not fit its GPU.
@@ -504,8 +663,7 @@ def build_memgraph(
     collecting = gc.isenabled()
     gc.disable()  # the simulation makes millions of small acyclic objects: cyclic GC passes only cost
     try:
-        p = Planner(tg, capacity, order, alignment, lookahead, fit)
-        p.run()
+        p = _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into)
         mg = p.memgraph(started, window)
         log_rounding(p.asked, p.caps, alignment)
     finally:
@@ -513,4 +671,37 @@ def build_memgraph(
             gc.enable()
     mg.stats["order"] = p.order_name if order is not None else f"default ({p.order_name})"
     mg.stats["fit"] = fit
+    mg.stats["sum_into"] = p.sum_into
+    if p.demoted:
+        mg.stats["sum_into_demoted"] = {
+            m: sum(1 for x in p.demoted.values() if x == m) for m in ("deferred", "off")
+        }
     return mg
+
+
+def _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into: str) -> Planner:
+    """Runs the Planner, demoting the sum-into groups in the way after each GroupError."""
+    modes = MODES[MODES.index(sum_into) :]
+    demoted: dict[int, str] = {}
+    mi = rounds = 0
+    while True:
+        mode = modes[mi]
+        try:
+            p = Planner(tg, capacity, order, alignment, lookahead, fit, sum_into=mode, demoted=demoted)
+            p.run()
+            return p
+        except CapacityError:
+            if "off" not in demoted.values():
+                raise  # not for want of a demoted group's room: no mode helps
+            e: DiscoError = CapacityError("a demoted accumulate does not fit as one kernel")
+            rounds = ROUNDS
+        except GroupError as ge:
+            e = ge
+            for k in ge.groups:
+                demoted[k] = "off" if demoted.get(k) == "deferred" or mode == "deferred" else "deferred"
+        rounds += 1
+        if rounds > ROUNDS:
+            mi, rounds, demoted = mi + 1, 0, {}
+            if mi == len(modes):
+                raise e
+        log.info("sum-into %s: %s; planning again", mode, e)

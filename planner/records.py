@@ -18,7 +18,7 @@ class Rec:
     undoing the allocation clears them.
     """
 
-    __slots__ = ("deps", "gpu", "ins", "key", "kind", "out", "value")
+    __slots__ = ("acc", "deps", "gpu", "ins", "key", "kind", "out", "value")
 
     def __init__(self, kind: MKind, value: int, gpu: int, key: int):
         self.kind = kind
@@ -28,6 +28,7 @@ class Rec:
         self.ins: list[Inst | tuple[int, int | None, Loc]] = []
         self.out: Loc | None = None
         self.deps: dict[int, str] = {}  # provisional id -> DATA | MEM
+        self.acc: tuple[int, int] | None = None  # a sum-into member: (part, parts)
 
 
 class Inst:
@@ -35,7 +36,8 @@ class Inst:
 
     `dist` is its key as a victim (planner.arena): the position in V of its next use, inf for a
     kept value nobody reads again, RESERVED + its position for an output allocated ahead and not
-    produced yet.
+    produced yet. The sum of a sum-into group (an `accumulate`) has `writers`, its members so far
+    (src is the latest): every reader, offload or later writer of the range waits for all of them.
     """
 
     __slots__ = (
@@ -51,6 +53,7 @@ class Inst:
         "size",
         "src",
         "value",
+        "writers",
     )
 
     def __init__(self, value: int, gpu: int, src: int, loc: Loc, size: int, pos: int, dist: float):
@@ -62,3 +65,4 @@ class Inst:
         self.readers: list[int] = []
         self.read: Read | None = None  # its MemGraph Read, made once when the plan is written
         self.block: object = None  # its arena block (planner.arena.Block)
+        self.writers: list[int] | None = None  # a sum-into group's members (records), else None

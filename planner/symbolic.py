@@ -8,6 +8,13 @@ tag, then marks its output range as being written (a write may land any time whi
 completion it checks its reads again (it read throughout) and tags its output with its own id.
 With `in_flight` > 1 several vertices run at once and complete in random order, so a writer that
 the edges leave unordered against a reader is caught whichever way it falls. No math is done.
+
+Sum-into groups (MemGraph vertices with `accumulate`, one group per value) run as the runtime runs
+them: one member at a time (the write lock), in any order. A member after the first reads the
+sum's range too (it adds into it), so it must find the group's partial sum there; the range holds
+that partial-sum tag until the last member completes, then the tag of the group's last member
+by id, the writer its readers name: a reader that does not wait for every member finds a partial
+sum, and a writer that lands between members is found by the next member.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Iterable
+from typing import cast
 
 import numpy as np
 
@@ -64,6 +72,25 @@ class _Machine:
                 )
         self.preds: list[set[int]] = [set(p) for p in mg.preds()]  # by position, duplicates merged
         self.succs: list[list[int]] = mg.succs()
+        # sum-into groups: member position -> group index; per group its parts and last member
+        names: dict[str, int] = {}
+        self.group: dict[int, int] = {}
+        self.size: list[int] = []
+        self.rep: list[int] = []
+        for i, v in enumerate(self.verts):
+            if v.acc is not None:
+                g = names.setdefault(v.value, len(names))
+                if g == len(self.size):
+                    self.size.append(v.acc[1])
+                    self.rep.append(i)
+                self.group[i] = g
+                if v.id > self.verts[self.rep[g]].id:
+                    self.rep[g] = i
+        self.names = list(names)
+
+    def partial(self, g: int) -> int:
+        """The tag of a group's range after some, not all, of its members."""
+        return -2 - len(self.verts) - g
 
     @staticmethod
     def _locs(v: MemVertex) -> Iterable[Loc]:
@@ -84,6 +111,8 @@ class _Machine:
     def found(self, tag: int) -> str:
         if tag == EMPTY:
             return "nothing (never written)"
+        if tag < -1 - len(self.verts):
+            return f"a partial sum of {self.names[-2 - len(self.verts) - tag]!r} (not every member ran)"
         if tag < EMPTY:
             v = self.verts[-2 - tag]
             return f"{v.value!r} half-written (vertex {v.id}, {v.kind.value}, still running)"
@@ -126,6 +155,9 @@ def execute(
         ready = []
     running: list[int] = []
     done = 0
+    added: list[set[int]] = [set() for _ in m.size]  # per sum-into group: the parts added
+    locked: set[int] = set()  # groups with a member running
+    parked: dict[int, list[int]] = {}  # group -> its ready members waiting for the lock
 
     def check_reads(i: int, when: str) -> None:
         v = verts[i]
@@ -154,6 +186,21 @@ def execute(
     def start(i: int) -> None:
         check_reads(i, "on start")
         v = verts[i]
+        g = m.group.get(i)
+        if g is not None:
+            locked.add(g)
+            if cast("tuple[int, int]", v.acc)[0] in added[g]:
+                raise VerifyError(f"vertex {v.id}: part {v.acc} of {v.value!r} was added already")
+            if added[g]:  # it adds into the partial sum the earlier members left
+                k, a, b = m.segs(v.out, v.gpu)
+                seg = arenas[k][a:b]
+                bad = np.flatnonzero(seg != m.partial(g))
+                if bad.size:
+                    raise VerifyError(
+                        f"vertex {v.id} (sum-into {v.acc} of {v.value!r} on gpu:{v.gpu}) on start: "
+                        f"expects the partial sum of {len(added[g])} members at {_name(v.out, v.gpu)}, "
+                        f"found {m.found(int(seg[bad[0]]))}"
+                    )
         if v.out.device != INPUT:
             k, a, b = m.segs(v.out, v.gpu)
             arenas[k][a:b] = busy(i)
@@ -163,9 +210,20 @@ def execute(
         nonlocal done
         check_reads(i, "on completion")
         v = verts[i]
+        tag = i
+        g = m.group.get(i)
+        if g is not None:
+            added[g].add(cast("tuple[int, int]", v.acc)[0])
+            tag = m.rep[g] if len(added[g]) == m.size[g] else m.partial(g)
+            locked.discard(g)
+            for p in parked.pop(g, ()):
+                if prio is None:
+                    ready.append(p)
+                else:
+                    heapq.heappush(heap, (prio[p], p))
         if v.out.device != INPUT:
             k, a, b = m.segs(v.out, v.gpu)
-            arenas[k][a:b] = i
+            arenas[k][a:b] = tag
         done += 1
         for w in m.succs[i]:
             waiting[w] -= 1
@@ -180,9 +238,14 @@ def execute(
             if prio is None:
                 k = rng.randrange(len(ready))
                 ready[k], ready[-1] = ready[-1], ready[k]
-                start(ready.pop())
+                i = ready.pop()
             else:
-                start(heapq.heappop(heap)[1])
+                i = heapq.heappop(heap)[1]
+            g = m.group.get(i)
+            if g is not None and g in locked:
+                parked.setdefault(g, []).append(i)  # another member holds the write lock
+            else:
+                start(i)
         else:
             k = rng.randrange(len(running))
             running[k], running[-1] = running[-1], running[k]

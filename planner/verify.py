@@ -6,6 +6,13 @@ exactly that value at exactly that place and happens before the reader, no other
 overlapping range can run between a source and any of its readers, and every output is still in
 place at the end (TURNIP section 6: "v1 safely overwrites v2").
 
+A sum-into group (the MemGraph vertices with `accumulate`, TURNIP appendix A) realises one
+`accumulate`: parts 0..n-1 once each, part i reading operand i, all writing one range; its
+readers name its last member (the runtime's alias) and must follow every member. For the race
+check the group is one writer G of its range: "u before G" means u before every member, "G
+before w" every member before w, so a writer that may land between two members, or between a
+member and a reader, is caught like any other race.
+
 Every condition becomes a batch of "is u an ancestor of w?" questions: each read's source before
 its reader, and, per arena, the few writer orderings that rule out every race (planner.overlap),
 answered together by planner.reach in memory linear in the graph (the former n x n/8-byte bit
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from typing import cast
 
 import numpy as np
 
@@ -60,7 +68,9 @@ def check(tg: TaskGraph, mg: MemGraph, limit: int = 5) -> None:
 
 
 def describe(v: MemVertex) -> str:
-    """'vertex 7 (kernel m1 on gpu:0)'."""
+    """'vertex 7 (kernel m1 on gpu:0)', 'vertex 9 (sum-into 2/4 of g on gpu:0)'."""
+    if v.acc is not None:
+        return f"vertex {v.id} (sum-into {v.acc[0]}/{v.acc[1]} of {v.value!r} on gpu:{v.gpu})"
     return f"vertex {v.id} ({v.kind.value} {v.value!r} on gpu:{v.gpu})"
 
 
@@ -94,9 +104,70 @@ def _verify(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
     if order is None:
         return  # the remaining checks need a topological order
     _check_kinds_and_capacity(mg, sink)
-    _check_provenance(tg, mg, sink)
+    groups = _check_groups(tg, mg, sink)
+    _check_provenance(tg, mg, groups, sink)
     reach = Reach([list(set(ps)) for ps in preds], order)
-    _check_order(tg, mg, pos, reach, sink)
+    _check_order(tg, mg, pos, reach, groups, sink)
+
+
+class Groups:
+    """The sum-into groups of a MemGraph: per group (an accumulate's id) its members' positions
+    (`members`) and its last member's (`rep`, the writer its readers name); `of` maps a member's
+    position to its group's index when it writes the group's range (else it is a plain writer)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.members: list[list[int]] = []
+        self.rep: list[int] = []
+        self.of: dict[int, int] = {}
+
+
+def _check_groups(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> Groups:
+    verts = mg.vertices
+    by_value: dict[str, list[int]] = defaultdict(list)
+    for i, v in enumerate(verts):
+        if v.acc is not None:
+            by_value[v.value].append(i)
+    gs = Groups()
+    for name, ms in by_value.items():
+        t = tg.vertices.get(name)
+        if t is None or t.op != "accumulate":
+            what = "not a TaskGraph vertex" if t is None else f"a {t.kind.value} {t.op or ''}".rstrip()
+            sink.add(f"{describe(verts[ms[0]])}: sum-into of {name!r}, which is {what}, not an accumulate")
+            continue
+        n = len(t.inputs)
+        rep = max(ms, key=lambda i: verts[i].id)
+        r = verts[rep]
+        seen: dict[int, int] = {}
+        for i in ms:
+            v = verts[i]
+            part, parts = cast("tuple[int, int]", v.acc)
+            if parts != n:
+                sink.add(f"{describe(v)}: says {parts} parts, {name!r} has {n} operands")
+            if part in seen:
+                sink.add(f"{describe(v)}: part {part} of {name!r} is also {describe(verts[seen[part]])}")
+            seen[part] = i
+            want = t.inputs[part] if part < n else None
+            if len(v.ins) != 1 or v.ins[0].value != want:
+                sink.add(
+                    f"{describe(v)}: reads {[x.value for x in v.ins]}, part {part} of {name!r} reads "
+                    f"its operand {want!r}"
+                )
+            if v.out != r.out or v.gpu != r.gpu:
+                sink.add(
+                    f"{describe(v)}: writes {where(v.out, v.gpu)}, its group writes {where(r.out, r.gpu)}"
+                )
+        missing = [p for p in range(n) if p not in seen]
+        if missing:
+            sink.add(f"sum-into group of {name!r} (gpu:{r.gpu}): parts {missing} of {n} have no member")
+        g = len(gs.names)
+        gs.names.append(name)
+        gs.members.append(ms)
+        gs.rep.append(rep)
+        for i in ms:
+            if verts[i].out == r.out and verts[i].gpu == r.gpu:
+                gs.of[i] = g
+    return gs
 
 
 def _topo(preds: list[list[int]], verts: list[MemVertex], sink: _Sink) -> list[int] | None:
@@ -199,14 +270,17 @@ def _check_kinds_and_capacity(mg: MemGraph, sink: _Sink) -> None:
                     sink.add(f"{describe(v)}: moves {v.value!r} but reads {r.value!r}")
 
 
-def _check_provenance(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
+def _check_provenance(tg: TaskGraph, mg: MemGraph, groups: Groups, sink: _Sink) -> None:
     realised: dict[str, list[MemVertex]] = defaultdict(list)
-    for v in mg.vertices:
+    for i, v in enumerate(mg.vertices):
         t = tg.vertices.get(v.value)
         if t is None:
             sink.add(f"{describe(v)}: value {v.value!r} is not a TaskGraph vertex")
             continue
-        if v.kind in (MKind.KERNEL, MKind.TRANSFER, MKind.INPUT):
+        if v.acc is not None:  # a group realises its accumulate once; its reads: _check_groups
+            if i in groups.of and groups.rep[groups.of[i]] == i:
+                realised[v.value].append(v)
+        elif v.kind in (MKind.KERNEL, MKind.TRANSFER, MKind.INPUT):
             realised[v.value].append(v)
             if v.kind.value != t.kind.value:
                 sink.add(f"{describe(v)}: realises TaskGraph {t.kind.value} {t.id!r}")
@@ -282,11 +356,20 @@ def _head(v: MemVertex, n: int) -> str:
     return f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
 
 
-def _arena_races(mg: MemGraph, pos: dict[int, int], rank: np.ndarray, sink: _Sink) -> list[ArenaRaces]:
-    """Per arena, the ancestor questions that rule out every race (planner.overlap)."""
+def _arena_races(
+    mg: MemGraph, pos: dict[int, int], rank: np.ndarray, groups: Groups, sink: _Sink
+) -> list[ArenaRaces]:
+    """Per arena, the ancestor questions that rule out every race (planner.overlap); a sum-into
+    group is one writer, position len(vertices) + its index, its readers' src."""
     verts = mg.vertices
+    big = len(verts)
     writers: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
     for i, v in enumerate(verts):
+        g = groups.of.get(i)
+        if g is not None:
+            if groups.rep[g] != i:
+                continue  # the group writes once, as its last member
+            i = big + g
         if v.out.nbytes > 0 and v.out.device != INPUT:
             writers[_key(v.out, v.gpu)].append((v.out.offset, v.out.end, i))
     # reads: (offset, end, src position, reader position or -1 for an output, read index)
@@ -296,6 +379,8 @@ def _arena_races(mg: MemGraph, pos: dict[int, int], rank: np.ndarray, sink: _Sin
             j = pos.get(r.src) if r.src is not None else None
             if j is None or r.loc.nbytes == 0 or r.loc.device == INPUT:
                 continue
+            if j in groups.of:
+                j = big + groups.of[j]
             reads[_key(r.loc, v.gpu)].append((r.loc.offset, r.loc.end, j, i, n))
     for name, vid in mg.outputs.items():
         j = pos.get(vid)
@@ -306,32 +391,99 @@ def _arena_races(mg: MemGraph, pos: dict[int, int], rank: np.ndarray, sink: _Sin
         if o.value != name:
             sink.add(f"output {name!r}: {describe(o)} holds {o.value!r}")
             continue
+        if j in groups.of:
+            g = groups.of[j]
+            if groups.rep[g] != j:
+                sink.add(f"output {name!r}: {describe(o)} is not its group's last member")
+            j = big + g
         if o.out.nbytes:
             reads[_key(o.out, o.gpu)].append((o.out.offset, o.out.end, j, -1, -1))
     return [ArenaRaces(writers.get(key, []), reads[key], rank) for key in sorted(reads)]
 
 
-def _check_order(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], reach: Reach, sink: _Sink) -> None:
+def _group_reads(mg: MemGraph, reads: np.ndarray, groups: Groups, sink: _Sink) -> np.ndarray:
+    """A read of a group's sum names its last member and follows every member: (member, reader,
+    read index) rows for the members other than the named one."""
+    verts = mg.vertices
+    rows: list[tuple[int, int, int]] = []
+    for j, i, n in reads.tolist():
+        g = groups.of.get(j)
+        if g is None:
+            continue
+        if groups.rep[g] != j:
+            sink.add(
+                f"{_head(verts[i], n)}: src {describe(verts[j])} is not its group's last member "
+                f"(vertex {verts[groups.rep[g]].id}), the writer the readers of a sum name"
+            )
+        rows += [(m, i, n) for m in groups.members[g] if m != j]
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def _expand(
+    u: np.ndarray, w: np.ndarray, groups: Groups, big: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Questions naming a group (position big + g) become one per member: (u, w, question index)."""
+    if not groups.names or not len(u):
+        return u, w, np.arange(len(u), dtype=np.int64)
+    members = [np.asarray(ms, dtype=np.int64) for ms in groups.members]
+
+    def side(x: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out_x, out_q = [x[x < big]], [q[x < big]]
+        for k in np.flatnonzero(x >= big).tolist():
+            ms = members[int(x[k]) - big]
+            out_x.append(ms)
+            out_q.append(np.full(len(ms), q[k], dtype=np.int64))
+        return np.concatenate(out_x), np.concatenate(out_q)
+
+    q = np.arange(len(u), dtype=np.int64)
+    u2, q2 = side(u, q)
+    w2 = w[q2]
+    w3, q3 = side(w2, np.arange(len(w2), dtype=np.int64))
+    return u2[q3], w3, q2[q3]
+
+
+def _check_order(
+    tg: TaskGraph, mg: MemGraph, pos: dict[int, int], reach: Reach, groups: Groups, sink: _Sink
+) -> None:
     """Every read's source before its reader, no writer racing a read: all asked of `reach` at once."""
     verts = mg.vertices
+    big = len(verts)
     reads = _read_pairs(tg, mg, pos, sink)
-    races = _arena_races(mg, pos, reach.rank, sink)
-    us = [reads[:, 0], *(a.u for a in races)]
-    ws = [reads[:, 1], *(a.w for a in races)]
-    n = max(len(verts), 1)
-    uniq, inv = np.unique(np.concatenate(us) * n + np.concatenate(ws), return_inverse=True)
-    ok = reach.ancestors(uniq // n, uniq % n)[inv] if len(uniq) else np.ones(0, dtype=bool)
+    greads = _group_reads(mg, reads, groups, sink)
+    rank = reach.rank
+    if groups.names:  # a group ranks as its last member in the race check's writer order
+        rank = np.concatenate((rank, np.array([rank[r] for r in groups.rep], dtype=np.int64)))
+    races = _arena_races(mg, pos, rank, groups, sink)
+    us = [reads[:, 0], greads[:, 0], *(a.u for a in races)]
+    ws = [reads[:, 1], greads[:, 1], *(a.w for a in races)]
+    qu, qw, qi = _expand(np.concatenate(us), np.concatenate(ws), groups, big)
+    n = max(big, 1)
+    uniq, inv = np.unique(qu * n + qw, return_inverse=True)
+    each = reach.ancestors(uniq // n, uniq % n)[inv] if len(uniq) else np.ones(0, dtype=bool)
+    ok = np.ones(sum(len(x) for x in us), dtype=bool)
+    np.logical_and.at(ok, qi, each)  # a question about a group holds when it holds for every member
     for k in np.flatnonzero(~ok[: len(reads)]).tolist():
         s, v = verts[reads[k, 0]], verts[reads[k, 1]]
         sink.add(
             f"{_head(v, int(reads[k, 2]))}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})"
         )
     at = len(reads)
+    for k in np.flatnonzero(~ok[at : at + len(greads)]).tolist():
+        s, v = verts[greads[k, 0]], verts[greads[k, 1]]
+        sink.add(
+            f"{_head(v, int(greads[k, 2]))}: reads the sum of {describe(s)}, which is not an ancestor "
+            f"(no path {s.id} -> {v.id}; a reader of a sum follows every member)"
+        )
+    at += len(greads)
+
+    def real(p: int) -> int:
+        return p if p < big else groups.rep[p - big]
+
     for arena in races:
         part = ok[at : at + len(arena.u)]
         at += len(arena.u)
         for s, w, reader, n in arena.violations(part):
-            sv, wv = verts[s], verts[w]
+            sv, wv = verts[real(s)], verts[real(w)]
             if reader < 0:
                 sink.add(
                     f"output {sv.value!r} of {describe(sv)} at {where(sv.out, sv.gpu)} may be overwritten: "

@@ -14,8 +14,10 @@ layers of a frozen model, the base weights streamed from host exactly as in infe
   (TURNIP's recomputation), then its gradients: the MLP, attention backward one query tile and
   one key tile at a time (never more scores than one tile pair), the norms, and each adapter's
   weight gradients as one partial per tile and sequence;
-- **the sum of each weight gradient** over tiles, sequences and GPUs (`grad_sum`: one n-ary `add`,
-  a fixed chain of adds, or sum-into accumulation once the planner has it), and **the optimizer**
+- **the sum of each weight gradient** over tiles, sequences and GPUs (`grad_sum`: "sum_into", the
+  default, one `accumulate` that the planner turns into sum-into kernels, each adding one partial
+  as soon as it exists (TURNIP appendix A); "add", one n-ary `add`; "chain", a fixed chain of
+  adds), and **the optimizer**
   (AdamW or SGD) on each adapter matrix, whose state (parameter, and AdamW's moments, packed in
   one tensor) is a worker state carried from step to step: the adapter never leaves the workers.
 
@@ -422,7 +424,7 @@ def train_graph(
     lora: LoraSpec,
     optim: OptimSpec,
     dtype: str | None = None,
-    grad_sum: str = "add",
+    grad_sum: str = "sum_into",
 ) -> TrainGraph:
     """One optimizer step on `batch` sequences of `seq` tokens (row tiles of `block`)."""
     lora.check()

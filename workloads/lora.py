@@ -25,7 +25,7 @@ from .llama_model import _Builder
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COLUMN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}  # rows split
 ROW = {"o_proj": "o", "down_proj": "down"}  # input columns split
-GRAD_SUMS = ("add", "chain")
+GRAD_SUMS = ("sum_into", "add", "chain")  # sum_into: an `accumulate`, planned as sum-into kernels
 
 
 def module_dims(cfg, mod: str) -> tuple[int, int]:
@@ -309,6 +309,8 @@ class LoraLayers(_Builder):
         g = self.g
         if len(parts) == 1:
             return parts[0]
+        if self.grad_sum == "sum_into":
+            return g.kernel("accumulate", *parts, id=stem, gpu=gpu)
         if self.grad_sum == "add":
             return g.add(*parts, id=stem, gpu=gpu)
         acc = parts[0]

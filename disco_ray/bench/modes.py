@@ -145,9 +145,15 @@ def _renumber(mg: MemGraph, order: list[int]) -> MemGraph:
     vs = mg.vertices
     dense = all(v.id == p for p, v in enumerate(vs))
     new_id = {vs[p].id: (n if dense else vs[p].id) for n, p in enumerate(order)}
+    # a sum-into group's readers name its member of highest id, which renumbering may change
+    last: dict[str, int] = {}
+    for v in vs:
+        if v.acc is not None:
+            last[v.value] = max(last.get(v.value, -1), new_id[v.id])
+    named = {v.id: last[v.value] for v in vs if v.acc is not None}
 
     def rid(x: int | None) -> int | None:
-        return None if x is None else new_id[x]
+        return None if x is None else named.get(x, new_id[x])
 
     verts = [
         MemVertex(
@@ -157,9 +163,10 @@ def _renumber(mg: MemGraph, order: list[int]) -> MemGraph:
             vs[p].gpu,
             tuple(Read(r.value, rid(r.src), r.loc) for r in vs[p].ins),
             vs[p].out,
+            vs[p].acc,
         )
         for p in order
     ]
     edges = [(new_id[u], new_id[w], k) for u, w, k in mg.edges]
-    outputs = {k: new_id[v] for k, v in mg.outputs.items()}
+    outputs = {k: named.get(v, new_id[v]) for k, v in mg.outputs.items()}
     return MemGraph(list(mg.capacity), verts, edges, outputs, list(mg.host_capacity), dict(mg.stats))

@@ -68,6 +68,8 @@ class Profile:
         speed = self.op_speed.get(tv.op, 1.0)
         rate = self.flops.get(tv.dtype, self.flops["float32"]) * self.efficiency * speed
         moved = nb + sum(r.loc.nbytes for r in v.ins)
+        if v.acc is not None:  # a sum-into kernel also reads the sum it adds into
+            moved += nb
         return self.launch + max(kernel_work(tv, in_shapes) / rate, moved / (self.hbm * speed))
 
     def with_(self, **kw) -> Profile:

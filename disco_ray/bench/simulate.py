@@ -147,6 +147,8 @@ def simulate(mg: MemGraph, tg: TaskGraph, cost: Profile | UnitCost, streams: int
 
 def _duration(v, tg: TaskGraph, cost) -> float:
     tv = tg[v.value] if v.kind is MKind.KERNEL else None
+    if tv is not None and v.acc is not None:  # a sum-into kernel adds one operand into the sum
+        return float(cost.time(v, tv, [tv.shape, tg[v.ins[0].value].shape]))
     shapes = [tg[i].shape for i in tv.inputs] if tv is not None else []
     return float(cost.time(v, tv, shapes))
 

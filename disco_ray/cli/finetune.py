@@ -54,6 +54,12 @@ def add_finetune(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="row tile, in tokens (64)")
     p.add_argument("--seed", type=int, default=0, help="of a new adapter's initial A")
+    p.add_argument(
+        "--grad-sum",
+        choices=["sum_into", "add", "chain"],
+        default="sum_into",
+        help="how gradient partials are summed: sum-into kernels (default), one n-ary add, a chain of adds",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, metavar="S", help="give up a step after S seconds")
     p.add_argument(
@@ -113,6 +119,7 @@ def cmd_finetune(args) -> int:
         dtype=args.dtype,
         block=args.block,
         seed=args.seed,
+        grad_sum=args.grad_sum,
         **kw,
     ) as tr:
         losses = tr.train(data, args.steps, args.batch, args.timeout)

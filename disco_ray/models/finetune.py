@@ -41,7 +41,8 @@ class LoraTrainer(Programs):
         init_adapter: a PEFT adapter directory to start from.
         optim: AdamW (torch.optim.AdamW's update; weight decay 0 unless given) or SGD.
         seed: of a new adapter's A matrices (B starts at zero, as PEFT does).
-        grad_sum: how a weight gradient's partials are summed ("add": one n-ary add; "chain").
+        grad_sum: how a weight gradient's partials are summed ("sum_into", the default: sum-into
+            kernels, each adding one partial as soon as it exists; "add": one n-ary add; "chain").
         capacity, gpus, dtype, block, engine, backend, streams, ahead, weights, pool, check: as for
             `disco_ray.models.LlamaModel`.
     """
@@ -58,7 +59,7 @@ class LoraTrainer(Programs):
         dtype: str | None = None,
         block: int = 64,
         seed: int = 0,
-        grad_sum: str = "add",
+        grad_sum: str = "sum_into",
         engine: str = "ray",
         backend: str = "cpu",
         weights: str = "host",
@@ -114,6 +115,7 @@ class LoraTrainer(Programs):
                 "planning_s": round(time.perf_counter() - t, 4),
                 "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
                 "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
+                "sum_into": mg.stats.get("sum_into"),
             }
         )
         prog = Program(tg, mg, **self._prog_kw)
