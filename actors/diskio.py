@@ -1,4 +1,5 @@
-"""Reading a graph input from its file at the moment the plan loads it, at the disk's speed.
+"""Disk I/O at the disk's speed: graph inputs read from their files when the plan loads them, and
+the spill file that offloads go to once the host store is full (`SpillFile`).
 
 A worker that streams its sourced inputs (`WorkerConfig.sources == "disk"`) keeps no copy of them
 in host memory: each load vertex reads its block of the safetensors file into a bounce buffer and
@@ -11,10 +12,14 @@ worker by default, each the size of the largest block: loads on several lanes ta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -191,3 +196,152 @@ class Streams:
                 torch.cuda.current_stream(out.device).synchronize()
         finally:
             self._free.put(buf)
+
+
+class SpillFile:
+    """One worker's spill file: the disk tier below its host store (MemGraph locations
+    `{"device": "disk"}`, offsets into this file).
+
+    Preallocated when the graph is loaded, in `directory` (None: a temporary directory, removed
+    with the file by `close`). Offloads write and reloads read whole ALIGN-aligned blocks (the
+    planner aligns every disk range to ALIGN) through a bounce buffer, with O_DIRECT where the file
+    system allows it (so the page cache neither hides the cost nor fills host memory), buffered
+    where it does not. On CUDA the bounce buffers are pinned: an offload copies the arena range
+    into one and waits for the copy before writing; a reload reads into one and waits for the
+    copy to the arena before the buffer is reused. Counts bytes and seconds of the file I/O alone.
+    """
+
+    def __init__(
+        self,
+        directory: str | None,
+        gpu: int,
+        nbytes: int,
+        largest: int,
+        alloc: Callable[[int, bool], torch.Tensor],
+        buffers: int = 2,
+        direct: bool = True,
+    ):
+        self.tmp = tempfile.mkdtemp(prefix="disco-spill-") if directory is None else None
+        directory = self.tmp or str(directory)
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"spill-gpu{gpu}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
+        self.nbytes = -(-nbytes // ALIGN) * ALIGN
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(self.fd, 0, self.nbytes)
+            except OSError:  # a file system without fallocate: a sparse file of that size
+                os.ftruncate(self.fd, self.nbytes)
+            self.dfd: int | None = None
+            if direct and hasattr(os, "O_DIRECT"):
+                try:
+                    self.dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+                except OSError:  # tmpfs and some network file systems: buffered
+                    self.dfd = None
+            span = -(-largest // ALIGN) * ALIGN
+            self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+            for _ in range(buffers):
+                self._free.put(aligned(span, alloc))
+        except BaseException:
+            self.close()
+            raise
+        self.reset()
+
+    @property
+    def direct(self) -> bool:
+        return self.dfd is not None
+
+    def reset(self) -> None:
+        """Zeroes the counters (a new run)."""
+        self.bytes_written = self.bytes_read = 0
+        self.write_s = self.read_s = 0.0
+        self.writes = self.reads = 0
+
+    def _io(self, write: bool, offset: int, view: memoryview) -> None:
+        need = len(view)
+        if offset + need > self.nbytes:
+            raise RunError(
+                f"spill file {self.path}: range [{offset}, {offset + need}) beyond its {self.nbytes} bytes"
+            )
+        while True:
+            fd = self.dfd if self.dfd is not None else self.fd
+            try:
+                done = 0
+                while done < need:
+                    part = [view[done:]]
+                    n = os.pwritev(fd, part, offset + done) if write else os.preadv(fd, part, offset + done)
+                    if n <= 0:
+                        raise RunError(f"spill file {self.path}: short {'write' if write else 'read'}")
+                    done += n
+                return
+            except OSError as e:
+                if self.dfd is None or e.errno not in (22, 95):  # EINVAL, EOPNOTSUPP: no O_DIRECT
+                    raise
+                os.close(self.dfd)
+                self.dfd = None
+
+    def write(self, offset: int, src: torch.Tensor) -> None:
+        """Writes the uint8 range `src` (arena bytes) at `offset` of the file."""
+        n = src.numel()
+        span = -(-n // ALIGN) * ALIGN
+        buf = self._free.get()
+        try:
+            buf[:n].copy_(src)
+            if src.is_cuda:  # the bounce buffer must hold the bytes before the file gets them
+                torch.cuda.current_stream(src.device).synchronize()
+            t = time.perf_counter()
+            self._io(True, offset, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
+            self.write_s += time.perf_counter() - t
+            self.bytes_written += span
+            self.writes += 1
+        finally:
+            self._free.put(buf)
+
+    def read(
+        self, offset: int, dst: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]
+    ) -> None:
+        """Reads `dst.numel()` bytes at `offset` of the file into the uint8 range `dst` (with `copy`,
+        the backend's)."""
+        n = dst.numel()
+        span = -(-n // ALIGN) * ALIGN
+        buf = self._free.get()
+        try:
+            t = time.perf_counter()
+            self._io(False, offset, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
+            self.read_s += time.perf_counter() - t
+            self.bytes_read += span
+            self.reads += 1
+            copy(dst, buf[:n])
+            if dst.is_cuda:  # the bounce buffer is free again only once the copy has read it
+                torch.cuda.current_stream(dst.device).synchronize()
+        finally:
+            self._free.put(buf)
+
+    def statistics(self) -> dict:
+        """This run's disk I/O: bytes, seconds and GB/s each way (file I/O alone, no copies)."""
+        return {
+            "path": self.path,
+            "file_bytes": self.nbytes,
+            "direct": self.direct,
+            "bytes_written": self.bytes_written,
+            "bytes_read": self.bytes_read,
+            "writes": self.writes,
+            "reads": self.reads,
+            "write_s": round(self.write_s, 6),
+            "read_s": round(self.read_s, 6),
+            "write_gb_per_s": round(self.bytes_written / self.write_s / 1e9, 3) if self.write_s else None,
+            "read_gb_per_s": round(self.bytes_read / self.read_s / 1e9, 3) if self.read_s else None,
+        }
+
+    def close(self) -> None:
+        """Closes and removes the file (and the temporary directory it made)."""
+        for fd in (getattr(self, "dfd", None), self.fd):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.dfd, self.fd = None, -1  # a second close must not close a reused descriptor
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None

@@ -135,6 +135,7 @@ def _with_edges(mg: MemGraph, new: list[tuple[int, int, str]], stats: dict) -> M
         dict(mg.outputs),
         list(mg.host_capacity),
         {**mg.stats, **stats},
+        list(mg.disk_capacity),
     )
 
 
@@ -162,4 +163,12 @@ def _renumber(mg: MemGraph, order: list[int]) -> MemGraph:
     ]
     edges = [(new_id[u], new_id[w], k) for u, w, k in mg.edges]
     outputs = {k: new_id[v] for k, v in mg.outputs.items()}
-    return MemGraph(list(mg.capacity), verts, edges, outputs, list(mg.host_capacity), dict(mg.stats))
+    return MemGraph(
+        list(mg.capacity),
+        verts,
+        edges,
+        outputs,
+        list(mg.host_capacity),
+        dict(mg.stats),
+        list(mg.disk_capacity),
+    )

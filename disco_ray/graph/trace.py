@@ -24,7 +24,7 @@ import json
 from collections.abc import Sequence
 
 from disco_ray.graph.formats import write_doc
-from disco_ray.graph.memgraph import HOST, MemGraph, MKind
+from disco_ray.graph.memgraph import DISK, HOST, MemGraph, MKind
 
 Record = tuple[int, int, int, int]
 CLASS = {"kernel": "compute", "input": "h2d", "reload": "h2d", "offload": "d2h", "transfer": "transfer"}
@@ -134,6 +134,13 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+def _on_disk(v) -> bool:
+    """An offload to or a reload from the spill file (the disk lanes)."""
+    if v.kind is MKind.OFFLOAD:
+        return v.out.device == DISK
+    return v.kind is MKind.RELOAD and bool(v.ins) and v.ins[0].loc.device == DISK
+
+
 def summarize(mg: MemGraph, records: Sequence[Sequence[Record]], wall_s: float | None = None) -> dict:
     """Makespan, per-GPU busy fractions by class, bytes moved by kind, vertices per second."""
     flat = [r for recs in records for r in recs]
@@ -152,12 +159,18 @@ def summarize(mg: MemGraph, records: Sequence[Sequence[Record]], wall_s: float |
     moved: dict[str, int] = {}
     gpus = []
     for g, recs in enumerate(records):
-        by_class: dict[str, list[tuple[int, int]]] = {c: [] for c in ("compute", "h2d", "d2h", "transfer")}
+        by_class: dict[str, list[tuple[int, int]]] = {
+            c: [] for c in ("compute", "h2d", "d2h", "transfer", "disk")
+        }
         for vid, _, a, b in recs:
             v = mg.vertex(vid)
-            by_class[CLASS[v.kind.value]].append((a, b))
+            disk = _on_disk(v)
+            by_class["disk" if disk else CLASS[v.kind.value]].append((a, b))
             if v.kind.value != "kernel":
                 moved[v.kind.value] = moved.get(v.kind.value, 0) + v.out.nbytes
+            if disk:  # also counted in "offload" / "reload" above
+                key = f"{v.kind.value}_disk"
+                moved[key] = moved.get(key, 0) + v.out.nbytes
         gpus.append(
             {
                 "gpu": g,
@@ -200,9 +213,20 @@ def format_summary(s: dict) -> str:
         lines.append(
             f"  gpu:{g['gpu']}: {g['vertices']} vertices, busy compute {g['busy_compute']:.0%} "
             f"h2d {g['busy_h2d']:.0%} d2h {g['busy_d2h']:.0%} transfer {g['busy_transfer']:.0%}"
+            + (f" disk {g['busy_disk']:.0%}" if g.get("busy_disk") else "")
         )
     if s["bytes"]:
         lines.append("  bytes moved: " + ", ".join(f"{k} {v}" for k, v in sorted(s["bytes"].items())))
+    d = s.get("disk")
+    if d:
+        for w in d["workers"]:
+            lines.append(
+                f"  disk gpu:{w['gpu']}: wrote {w['bytes_written']} B in {w['write_s'] * 1e3:.1f} ms, read "
+                f"{w['bytes_read']} B in {w['read_s'] * 1e3:.1f} ms ({'O_DIRECT' if w['direct'] else 'buffered'})"
+            )
+        lines.append(
+            f"  disk bandwidth: write {d['write_gb_per_s'] or 0:.3f} GB/s, read {d['read_gb_per_s'] or 0:.3f} GB/s"
+        )
     if s.get("placement"):
         lines.extend(format_placement(s["placement"]))
     return "\n".join(lines)
