@@ -106,9 +106,18 @@ def in_memory(tg: TaskGraph, alignment: int = 256, order=None) -> MemGraph:
     return mg
 
 
-def plan(tg: TaskGraph, mode: str, capacity, levels=None, alignment: int = 256, order=None) -> MemGraph:
+def plan(
+    tg: TaskGraph,
+    mode: str,
+    capacity,
+    levels=None,
+    alignment: int = 256,
+    order=None,
+    host_capacity=None,
+) -> MemGraph:
     """Plans `tg` with the planner (serial `order`, default the planner's) for `capacity` (None:
-    room for everything) and applies `mode` (one of MODES)."""
+    room for everything; `host_capacity`: the host stores' budget, beyond which offloads go to
+    disk) and applies `mode` (one of MODES)."""
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
     if mode == "in_memory":
@@ -117,7 +126,7 @@ def plan(tg: TaskGraph, mode: str, capacity, levels=None, alignment: int = 256, 
 
     if capacity is None:  # everything fits
         capacity = roomy_capacity(tg, alignment)
-    mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
+    mg = build_memgraph(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity)
     if mode == "deterministic":
         return deterministic(mg)
     if mode == "levelwise":
