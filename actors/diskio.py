@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from disco_ray.graph import sources
@@ -198,6 +199,12 @@ class Streams:
             self._free.put(buf)
 
 
+def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A host copy in this thread: torch's copy_ splits a large one over its thread pool, which on
+    a busy machine waits for cores (6 ms for 1 MiB on 2 loaded cores, against 0.04 ms here)."""
+    np.copyto(dst.numpy(), src.numpy())
+
+
 class SpillFile:
     """One worker's spill file: the disk tier below its host store (MemGraph locations
     `{"device": "disk"}`, offsets into this file).
@@ -286,9 +293,11 @@ class SpillFile:
         span = -(-n // ALIGN) * ALIGN
         buf = self._free.get()
         try:
-            buf[:n].copy_(src)
             if src.is_cuda:  # the bounce buffer must hold the bytes before the file gets them
+                buf[:n].copy_(src)
                 torch.cuda.current_stream(src.device).synchronize()
+            else:
+                _memcpy(buf[:n], src)
             t = time.perf_counter()
             self._io(True, offset, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
             self.write_s += time.perf_counter() - t
@@ -311,9 +320,11 @@ class SpillFile:
             self.read_s += time.perf_counter() - t
             self.bytes_read += span
             self.reads += 1
-            copy(dst, buf[:n])
             if dst.is_cuda:  # the bounce buffer is free again only once the copy has read it
+                copy(dst, buf[:n])
                 torch.cuda.current_stream(dst.device).synchronize()
+            else:
+                _memcpy(dst, buf[:n])
         finally:
             self._free.put(buf)
 
