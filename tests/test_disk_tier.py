@@ -285,6 +285,23 @@ def test_random_dag_spills_to_disk_with_random_delays():
     assert spilled >= 2
 
 
+def test_an_output_the_plan_leaves_on_disk_is_read_back():
+    """A kept value evicted to the spill file stays there (the MemGraph's output is its offload):
+    the worker reads it back from the file when the caller asks for the outputs."""
+    from disco_ray.driver.program import Program
+    from workloads.random_dag import random_dag
+
+    tg = random_dag(60, 2, 20)
+    mg = build_memgraph(tg, tight_capacity(tg, 0.02), host_capacity=0)
+    assert any(mg.vertex(v).out.device == DISK for v in mg.outputs.values())
+    inputs = random_inputs(tg, 20)
+    with Program(tg, mg, engine="local", streams=2) as prog:
+        out = prog.run(inputs, check=True, timeout=120)
+    ref = evaluate(tg, inputs)
+    for k in ref:
+        torch.testing.assert_close(out[k], ref[k], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.ray
 def test_llama_spills_to_disk_and_back_on_the_ray_engine(llama):
     from tests.ray_fixtures import ray
