@@ -400,3 +400,30 @@ def test_cli_bad_tier_values_are_one_line_errors(tmp_path, capsys, args, msg):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("disco-ray: error:") and msg in err[0], err
+
+
+# ---- models ------------------------------------------------------------------------------------
+def test_generate_spills_to_disk_with_the_tokens_of_transformers(tmp_path):
+    """LlamaModel passes host_capacity and disk_dir through: greedy tokens as transformers'."""
+    pytest.importorskip("transformers")
+    from disco_ray.models import LlamaModel
+    from tests.test_models import BLOCK, PROMPT, capacity, expected, make_checkpoint
+
+    hf = make_checkpoint(tmp_path / "ck", num_key_value_heads=4, tie_word_embeddings=False)
+    path = str(tmp_path / "ck")
+    new = 6
+    _, want = expected(hf, PROMPT, new)
+    cap = capacity(path, 1, "tight", new)
+    with LlamaModel(
+        path,
+        capacity=cap,
+        host_capacity=0,
+        disk_dir=str(tmp_path / "spill"),
+        block=BLOCK,
+        engine="local",
+        check=True,
+    ) as m:
+        gen = m.run_generate(PROMPT, new, stop_at_eos=False)
+        assert gen.tokens == want
+        assert sum(p["bytes_offloaded_disk"] for p in m.plans) > 0, m.plans
+    assert list((tmp_path / "spill").iterdir()) == []

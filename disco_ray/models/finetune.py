@@ -42,8 +42,8 @@ class LoraTrainer:
         optim: AdamW (torch.optim.AdamW's update; weight decay 0 unless given) or SGD.
         seed: of a new adapter's A matrices (B starts at zero, as PEFT does).
         grad_sum: how a weight gradient's partials are summed ("add": one n-ary add; "chain").
-        capacity, gpus, dtype, block, engine, backend, streams, ahead, weights, pool, check: as for
-            `disco_ray.models.LlamaModel`.
+        capacity, host_capacity, disk_dir, gpus, dtype, block, engine, backend, streams, ahead,
+            weights, pool, check: as for `disco_ray.models.LlamaModel`.
     """
 
     def __init__(
@@ -66,6 +66,8 @@ class LoraTrainer:
         ahead: int | None = None,
         pool: object | None = None,
         check: bool = False,
+        host_capacity: int | str | Sequence[int | None] | None = None,
+        disk_dir: str | None = None,
         **cluster: object,
     ):
         if engine not in ENGINES:
@@ -78,6 +80,9 @@ class LoraTrainer:
         self.dtype = dtype or self.config.dtype
         self.gpus, self.block, self.grad_sum, self.check = gpus, block, grad_sum, check
         self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
+        self.host_capacity = (
+            parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity
+        )
         self.optim = optim or OptimSpec()
         self.optim.check()
         dims = {m: module_dims(self.config, m) for m in TARGETS}
@@ -97,7 +102,13 @@ class LoraTrainer:
         else:
             self.pool = LocalPool()
         self._prog_kw = dict(
-            engine=engine, backend=backend, streams=streams, ahead=ahead, pool=self.pool, sources=weights
+            engine=engine,
+            backend=backend,
+            streams=streams,
+            ahead=ahead,
+            pool=self.pool,
+            sources=weights,
+            disk_dir=disk_dir,
         )
         self._programs: dict[tuple[int, int], tuple[TrainGraph, Program]] = {}
         self._written = False  # the adapter's initial states are on the workers
@@ -115,7 +126,7 @@ class LoraTrainer:
             self.ck, self.gpus, batch, seq, self.block, self.lora, self.optim, self.dtype, self.grad_sum
         )
         tg = tgraph.taskgraph
-        mg = build_memgraph(tg, self.capacity, order=list(tg.vertices))
+        mg = build_memgraph(tg, self.capacity, order=list(tg.vertices), host_capacity=self.host_capacity)
         self.plans.append(
             {
                 "graph": f"train/{batch}x{seq}",
@@ -124,6 +135,7 @@ class LoraTrainer:
                 "planning_s": round(time.perf_counter() - t, 4),
                 "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
                 "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
+                "bytes_offloaded_disk": mg.stats.get("bytes_offloaded_disk", 0),
             }
         )
         prog = Program(tg, mg, **self._prog_kw)
