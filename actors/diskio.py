@@ -32,6 +32,7 @@ from disco_ray.graph.errors import RunError
 from disco_ray.graph.taskgraph import Vertex
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffer addresses on common file systems
+CHUNK = 16 << 20  # the largest spill-file I/O: a bounce buffer's size (a multiple of ALIGN)
 
 
 def aligned(nbytes: int, alloc: Callable[[int, bool], torch.Tensor]) -> torch.Tensor:
@@ -213,7 +214,8 @@ class SpillFile:
     with the file by `close`). Offloads write and reloads read whole ALIGN-aligned blocks (the
     planner aligns every disk range to ALIGN) through a bounce buffer, with O_DIRECT where the file
     system allows it (so the page cache neither hides the cost nor fills host memory), buffered
-    where it does not. On CUDA the bounce buffers are pinned: an offload copies the arena range
+    where it does not; a value larger than `chunk` bytes moves a chunk at a time, so bounce
+    buffers stay small whatever the tensors. On CUDA the bounce buffers are pinned: an offload copies the arena range
     into one and waits for the copy before writing; a reload reads into one and waits for the
     copy to the arena before the buffer is reused. Counts bytes and seconds of the file I/O alone.
     """
@@ -227,6 +229,7 @@ class SpillFile:
         alloc: Callable[[int, bool], torch.Tensor],
         buffers: int = 2,
         direct: bool = True,
+        chunk: int = CHUNK,
     ):
         self.tmp = tempfile.mkdtemp(prefix="disco-spill-") if directory is None else None
         directory = self.tmp or str(directory)
@@ -245,7 +248,7 @@ class SpillFile:
                     self.dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
                 except OSError:  # tmpfs and some network file systems: buffered
                     self.dfd = None
-            span = -(-largest // ALIGN) * ALIGN
+            span = min(-(-largest // ALIGN) * ALIGN, max(ALIGN, chunk // ALIGN * ALIGN))
             self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
             for _ in range(buffers):
                 self._free.put(aligned(span, alloc))
@@ -288,20 +291,24 @@ class SpillFile:
                 self.dfd = None
 
     def write(self, offset: int, src: torch.Tensor) -> None:
-        """Writes the uint8 range `src` (arena bytes) at `offset` of the file."""
+        """Writes the uint8 range `src` (arena bytes) at `offset` of the file, a chunk at a time."""
         n = src.numel()
-        span = -(-n // ALIGN) * ALIGN
         buf = self._free.get()
         try:
-            if src.is_cuda:  # the bounce buffer must hold the bytes before the file gets them
-                buf[:n].copy_(src)
-                torch.cuda.current_stream(src.device).synchronize()
-            else:
-                _memcpy(buf[:n], src)
-            t = time.perf_counter()
-            self._io(True, offset, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
-            self.write_s += time.perf_counter() - t
-            self.bytes_written += span
+            chunk = buf.numel()
+            for at in range(0, n, chunk):
+                k = min(chunk, n - at)
+                part = src[at : at + k]
+                if part.is_cuda:  # the bounce buffer must hold the bytes before the file gets them
+                    buf[:k].copy_(part)
+                    torch.cuda.current_stream(part.device).synchronize()
+                else:
+                    _memcpy(buf[:k], part)
+                span = -(-k // ALIGN) * ALIGN
+                t = time.perf_counter()
+                self._io(True, offset + at, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
+                self.write_s += time.perf_counter() - t
+                self.bytes_written += span
             self.writes += 1
         finally:
             self._free.put(buf)
@@ -309,22 +316,26 @@ class SpillFile:
     def read(
         self, offset: int, dst: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]
     ) -> None:
-        """Reads `dst.numel()` bytes at `offset` of the file into the uint8 range `dst` (with `copy`,
-        the backend's)."""
+        """Reads `dst.numel()` bytes at `offset` of the file into the uint8 range `dst`, a chunk at a
+        time (on a device with `copy`, the backend's)."""
         n = dst.numel()
-        span = -(-n // ALIGN) * ALIGN
         buf = self._free.get()
         try:
-            t = time.perf_counter()
-            self._io(False, offset, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
-            self.read_s += time.perf_counter() - t
-            self.bytes_read += span
+            chunk = buf.numel()
+            for at in range(0, n, chunk):
+                k = min(chunk, n - at)
+                span = -(-k // ALIGN) * ALIGN
+                t = time.perf_counter()
+                self._io(False, offset + at, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
+                self.read_s += time.perf_counter() - t
+                self.bytes_read += span
+                part = dst[at : at + k]
+                if part.is_cuda:  # the bounce buffer is free again only once the copy has read it
+                    copy(part, buf[:k])
+                    torch.cuda.current_stream(part.device).synchronize()
+                else:
+                    _memcpy(part, buf[:k])
             self.reads += 1
-            if dst.is_cuda:  # the bounce buffer is free again only once the copy has read it
-                copy(dst, buf[:n])
-                torch.cuda.current_stream(dst.device).synchronize()
-            else:
-                _memcpy(dst, buf[:n])
         finally:
             self._free.put(buf)
 

@@ -229,6 +229,21 @@ def test_spill_file_round_trip(tmp_path, direct):
     assert not path.exists() and path.parent.exists()  # a directory of the user's stays
 
 
+def test_spill_file_moves_a_large_value_a_chunk_at_a_time(tmp_path):
+    alloc = lambda n, host: torch.zeros(n, dtype=torch.uint8)  # noqa: E731
+    f = SpillFile(str(tmp_path), 0, 8 * ALIGN, 4 * ALIGN, alloc, chunk=ALIGN + 7)  # rounded to ALIGN
+    try:
+        a = torch.randint(0, 255, (3 * ALIGN + 5,), dtype=torch.uint8)
+        f.write(ALIGN, a)
+        got = torch.zeros_like(a)
+        f.read(ALIGN, got, lambda d, s: d.copy_(s))
+        assert torch.equal(got, a)
+        st = f.statistics()
+        assert st["writes"] == st["reads"] == 1 and st["bytes_written"] == 4 * ALIGN
+    finally:
+        f.close()
+
+
 def test_spill_file_in_a_temporary_directory_is_removed():
     f = SpillFile(None, 3, ALIGN, ALIGN, lambda n, host: torch.zeros(n, dtype=torch.uint8))
     d = Path(f.path).parent
