@@ -206,18 +206,35 @@ def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
     np.copyto(dst.numpy(), src.numpy())
 
 
+class _Pending:
+    """A chunk handed to the writer thread: its bounce buffer, until it is in the file."""
+
+    __slots__ = ("buf", "done", "end", "offset", "span")
+
+    def __init__(self, offset: int, span: int, buf: torch.Tensor):
+        self.offset, self.span, self.end, self.buf = offset, span, offset + span, buf
+        self.done = threading.Event()
+
+
 class SpillFile:
     """One worker's spill file: the disk tier below its host store (MemGraph locations
     `{"device": "disk"}`, offsets into this file).
 
     Preallocated when the graph is loaded, in `directory` (None: a temporary directory, removed
     with the file by `close`). Offloads write and reloads read whole ALIGN-aligned blocks (the
-    planner aligns every disk range to ALIGN) through a bounce buffer, with O_DIRECT where the file
+    planner aligns every disk range to ALIGN) through bounce buffers, with O_DIRECT where the file
     system allows it (so the page cache neither hides the cost nor fills host memory), buffered
     where it does not; a value larger than `chunk` bytes moves a chunk at a time, so bounce
-    buffers stay small whatever the tensors. On CUDA the bounce buffers are pinned: an offload copies the arena range
-    into one and waits for the copy before writing; a reload reads into one and waits for the
-    copy to the arena before the buffer is reused. Counts bytes and seconds of the file I/O alone.
+    buffers stay small whatever the tensors.
+
+    Write-behind (the saving thread of the nntrainer design: loading, working and saving
+    overlapped): an offload only copies its range into a free bounce buffer and hands it to this
+    file's writer thread, so the arena range, and the compute waiting for it, is free at memcpy
+    speed; with every buffer in flight an offload waits for one (back-pressure). A read first
+    waits for the pending writes that overlap its range, so a reload always reads what its
+    offload wrote, from the file. On CUDA the bounce buffers are pinned: an offload waits for the
+    device-to-host copy before handing the buffer on; a reload waits for the host-to-device copy
+    before its buffer is reused. Counts bytes and seconds of the file I/O alone.
     """
 
     def __init__(
@@ -227,7 +244,7 @@ class SpillFile:
         nbytes: int,
         largest: int,
         alloc: Callable[[int, bool], torch.Tensor],
-        buffers: int = 2,
+        buffers: int = 4,
         direct: bool = True,
         chunk: int = CHUNK,
     ):
@@ -236,13 +253,19 @@ class SpillFile:
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"spill-gpu{gpu}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
         self.nbytes = -(-nbytes // ALIGN) * ALIGN
+        self._lock = threading.Lock()
+        self._pending: list[_Pending] = []  # handed to the writer, not in the file yet (FIFO)
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._writer: threading.Thread | None = None
+        self._retired: list[int] = []  # O_DIRECT descriptors given up on (closed with the file)
+        self.dfd: int | None = None
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
                 os.posix_fallocate(self.fd, 0, self.nbytes)
             except OSError:  # a file system without fallocate: a sparse file of that size
                 os.ftruncate(self.fd, self.nbytes)
-            self.dfd: int | None = None
             if direct and hasattr(os, "O_DIRECT"):
                 try:
                     self.dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
@@ -250,11 +273,13 @@ class SpillFile:
                     self.dfd = None
             span = min(-(-largest // ALIGN) * ALIGN, max(ALIGN, chunk // ALIGN * ALIGN))
             self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-            for _ in range(buffers):
+            for _ in range(max(2, buffers)):  # at least one to write behind and one to read
                 self._free.put(aligned(span, alloc))
         except BaseException:
             self.close()
             raise
+        self._writer = threading.Thread(target=self._write_loop, daemon=True, name=f"spill-writer-{gpu}")
+        self._writer.start()
         self.reset()
 
     @property
@@ -262,7 +287,7 @@ class SpillFile:
         return self.dfd is not None
 
     def reset(self) -> None:
-        """Zeroes the counters (a new run)."""
+        """Zeroes the counters (a new run; call `flush` first)."""
         self.bytes_written = self.bytes_read = 0
         self.write_s = self.read_s = 0.0
         self.writes = self.reads = 0
@@ -285,40 +310,71 @@ class SpillFile:
                     done += n
                 return
             except OSError as e:
-                if self.dfd is None or e.errno not in (22, 95):  # EINVAL, EOPNOTSUPP: no O_DIRECT
+                if fd == self.fd or e.errno not in (22, 95):  # EINVAL, EOPNOTSUPP: no O_DIRECT
                     raise
-                os.close(self.dfd)
-                self.dfd = None
+                with self._lock:  # buffered from now on; the other thread may still use fd
+                    if self.dfd == fd:
+                        self._retired.append(fd)
+                        self.dfd = None
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RunError(f"spill file {self.path}: a write failed: {self._error}")
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                t = time.perf_counter()
+                self._io(True, item.offset, memoryview(item.buf.numpy()).cast("B")[: item.span])  # type: ignore[arg-type]
+                self.write_s += time.perf_counter() - t
+                self.bytes_written += item.span
+            except BaseException as e:  # raised by the next write, read or flush
+                self._error = e
+            with self._lock:
+                self._pending.remove(item)
+            item.done.set()
+            self._free.put(item.buf)
 
     def write(self, offset: int, src: torch.Tensor) -> None:
-        """Writes the uint8 range `src` (arena bytes) at `offset` of the file, a chunk at a time."""
-        n = src.numel()
-        buf = self._free.get()
-        try:
-            chunk = buf.numel()
-            for at in range(0, n, chunk):
-                k = min(chunk, n - at)
-                part = src[at : at + k]
+        """Writes the uint8 range `src` (arena bytes) at `offset` of the file: copies it into bounce
+        buffers, a chunk each, and returns; the writer thread puts them in the file."""
+        self._check()
+        n, at = src.numel(), 0
+        while at < n:
+            buf = self._free.get()
+            k = min(buf.numel(), n - at)
+            part = src[at : at + k]
+            try:
                 if part.is_cuda:  # the bounce buffer must hold the bytes before the file gets them
                     buf[:k].copy_(part)
                     torch.cuda.current_stream(part.device).synchronize()
                 else:
                     _memcpy(buf[:k], part)
-                span = -(-k // ALIGN) * ALIGN
-                t = time.perf_counter()
-                self._io(True, offset + at, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
-                self.write_s += time.perf_counter() - t
-                self.bytes_written += span
-            self.writes += 1
-        finally:
-            self._free.put(buf)
+            except BaseException:
+                self._free.put(buf)
+                raise
+            item = _Pending(offset + at, -(-k // ALIGN) * ALIGN, buf)
+            with self._lock:
+                self._pending.append(item)
+            self._queue.put(item)
+            at += k
+        self.writes += 1
+
+    def _wait_for(self, lo: int, hi: int) -> None:
+        """Waits until no write pending over [lo, hi) is left."""
+        with self._lock:
+            waits = [p for p in self._pending if p.offset < hi and lo < p.end]
+        for p in waits:
+            p.done.wait()
+        self._check()
 
     def read(
         self, offset: int, dst: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]
     ) -> None:
         """Reads `dst.numel()` bytes at `offset` of the file into the uint8 range `dst`, a chunk at a
-        time (on a device with `copy`, the backend's)."""
+        time (on a device with `copy`, the backend's), once the writes pending there are in."""
         n = dst.numel()
+        self._wait_for(offset, offset + n)
         buf = self._free.get()
         try:
             chunk = buf.numel()
@@ -339,6 +395,10 @@ class SpillFile:
         finally:
             self._free.put(buf)
 
+    def flush(self) -> None:
+        """Waits until every write handed to the writer is in the file (RunError if one failed)."""
+        self._wait_for(0, 1 << 62)
+
     def statistics(self) -> dict:
         """This run's disk I/O: bytes, seconds and GB/s each way (file I/O alone, no copies)."""
         return {
@@ -356,12 +416,18 @@ class SpillFile:
         }
 
     def close(self) -> None:
-        """Closes and removes the file (and the temporary directory it made)."""
-        for fd in (getattr(self, "dfd", None), self.fd):
+        """Stops the writer (after the writes handed to it) and removes the file (and the
+        temporary directory it made)."""
+        w, self._writer = self._writer, None
+        if w is not None:
+            self._queue.put(None)
+            if w is not threading.current_thread():
+                w.join(timeout=60)
+        for fd in (self.dfd, self.fd, *self._retired):
             if fd is not None and fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self.dfd, self.fd = None, -1  # a second close must not close a reused descriptor
+        self.dfd, self.fd, self._retired = None, -1, []  # a second close must not close a reused descriptor
         with contextlib.suppress(OSError):
             os.unlink(self.path)
         if self.tmp is not None:

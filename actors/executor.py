@@ -272,6 +272,7 @@ class Executor:
             self.slots.start(ahead, lane_of)
             self.trace = []
             if self.spill is not None:
+                self.spill.flush()  # the last run's writes behind are in (RunError if one failed)
                 self.spill.reset()
             self._reporter.reset()
             self._error = None
@@ -395,6 +396,8 @@ class Executor:
         """Every vertex of this GPU is done: saves the carried values as their states and records
         what the arena holds now, then lets `wait` return."""
         try:
+            if self.spill is not None:  # the offloads' writes behind: in the file, in the counters
+                self.spill.flush()
             for _, vid, st in self.carries:
                 st.buf.copy_(self._range(self.mg.vertex(vid).out, vid))
                 st.version += 1

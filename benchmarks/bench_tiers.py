@@ -49,6 +49,7 @@ def probe(directory: str | None, total: int, block: int) -> dict:
             t = time.perf_counter()
             for i in range(n):
                 f.write(i * block, src)
+            f.flush()  # the writes go behind, on the file's writer thread
             w = time.perf_counter() - t
             first = first or w
         dst = torch.empty(block, dtype=torch.uint8)
