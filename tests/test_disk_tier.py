@@ -244,6 +244,18 @@ def test_spill_file_moves_a_large_value_a_chunk_at_a_time(tmp_path):
         f.close()
 
 
+def test_a_failed_write_behind_is_raised_by_the_next_call(tmp_path):
+    from disco_ray.graph.errors import RunError
+
+    f = SpillFile(str(tmp_path), 0, ALIGN, ALIGN, lambda n, host: torch.zeros(n, dtype=torch.uint8))
+    try:
+        f.write(ALIGN, torch.ones(16, dtype=torch.uint8))  # beyond the file: fails in the writer
+        with pytest.raises(RunError, match="a write failed: .*beyond its 4096 bytes"):
+            f.flush()
+    finally:
+        f.close()
+
+
 def test_spill_file_in_a_temporary_directory_is_removed():
     f = SpillFile(None, 3, ALIGN, ALIGN, lambda n, host: torch.zeros(n, dtype=torch.uint8))
     d = Path(f.path).parent
