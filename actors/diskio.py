@@ -244,7 +244,7 @@ class SpillFile:
         nbytes: int,
         largest: int,
         alloc: Callable[[int, bool], torch.Tensor],
-        buffers: int = 4,
+        buffers: int = 3,
         direct: bool = True,
         chunk: int = CHUNK,
     ):
@@ -273,6 +273,7 @@ class SpillFile:
                     self.dfd = None
             span = min(-(-largest // ALIGN) * ALIGN, max(ALIGN, chunk // ALIGN * ALIGN))
             self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+            self.buffer_bytes = max(2, buffers) * span
             for _ in range(max(2, buffers)):  # at least one to write behind and one to read
                 self._free.put(aligned(span, alloc))
         except BaseException:
@@ -395,6 +396,17 @@ class SpillFile:
         finally:
             self._free.put(buf)
 
+    def read_raw(self, offset: int, nbytes: int, buf: torch.Tensor) -> None:
+        """Reads the whole blocks of [offset, offset + nbytes) into `buf` (ALIGN-aligned, at least
+        that many whole blocks), once the writes pending there are in."""
+        span = -(-nbytes // ALIGN) * ALIGN
+        self._wait_for(offset, offset + nbytes)
+        t = time.perf_counter()
+        self._io(False, offset, memoryview(buf.numpy()).cast("B")[:span])  # type: ignore[arg-type]
+        self.read_s += time.perf_counter() - t
+        self.bytes_read += span
+        self.reads += 1
+
     def flush(self) -> None:
         """Waits until every write handed to the writer is in the file (RunError if one failed)."""
         self._wait_for(0, 1 << 62)
@@ -404,6 +416,7 @@ class SpillFile:
         return {
             "path": self.path,
             "file_bytes": self.nbytes,
+            "buffer_bytes": self.buffer_bytes,
             "direct": self.direct,
             "bytes_written": self.bytes_written,
             "bytes_read": self.bytes_read,
@@ -433,3 +446,155 @@ class SpillFile:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
+
+
+class ReadAhead:
+    """Reads a worker's reloads from disk ahead of time, into staging buffers of its own.
+
+    At a tight arena a reload's range frees only just before its reader runs, so a reload that
+    read the file only then would put the disk's latency on the critical path. This thread
+    follows the plan's reloads from disk in id order (the planner's serial order): once a
+    reload's offload has run in this run (`written`), it reads the range into a free staging
+    buffer; the reload vertex then only copies it into the arena (`take`), or reads the file
+    itself when the read-ahead has not got there (then the thread drops its copy). Correct
+    because no vertex writes a disk range between its offload and the last reload of it (a
+    MemGraph condition the verifier checks), and each read waits for the pending writes over its
+    range. `buffers` staging buffers of the largest such value bound how far ahead it reads: host
+    memory beyond the host budget, reported in `statistics`.
+
+    Args:
+        spill: the worker's spill file.
+        items: (reload vertex, its offload vertex, file offset, bytes) in the order to read.
+    """
+
+    def __init__(
+        self,
+        spill: SpillFile,
+        items: list[tuple[int, int, int, int]],
+        alloc: Callable[[int, bool], torch.Tensor],
+        buffers: int = 4,
+    ):
+        self.spill = spill
+        self.items = [it for it in items if it[3] <= CHUNK]  # larger values are read by their reload
+        largest = max((it[3] for it in self.items), default=0)
+        span = -(-largest // ALIGN) * ALIGN
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self.buffers = buffers if self.items else 0
+        for _ in range(self.buffers):
+            self._free.put(aligned(span, alloc))
+        self.staging_bytes = self.buffers * span
+        self._cv = threading.Condition()
+        self._gen = 0  # bumps at every begin and end: the thread drops what it was doing
+        self._active = False
+        self._closing = False
+        self._written: dict[int, threading.Event] = {}
+        self._ready: dict[int, torch.Tensor] = {}
+        self._taken: set[int] = set()
+        self.hits = self.misses = 0
+        self._thread: threading.Thread | None = None
+        if self.items:
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="spill-read-ahead")
+            self._thread.start()
+
+    def begin(self) -> None:
+        """A new run: nothing is written or read ahead yet."""
+        with self._cv:
+            self._drop()
+            self._written = {it[1]: threading.Event() for it in self.items}
+            self._taken = set()
+            self.hits = self.misses = 0
+            self._active = True
+            self._cv.notify_all()
+
+    def end(self) -> None:
+        """The run is over (or failed): the thread stops and gives its buffers back."""
+        with self._cv:
+            self._drop()
+            self._active = False
+
+    def _drop(self) -> None:
+        # caller holds the condition's lock
+        self._gen += 1
+        for buf in self._ready.values():
+            self._free.put(buf)
+        self._ready = {}
+
+    def written(self, offload: int) -> None:
+        """Offload vertex `offload` has handed its bytes to the spill file in this run."""
+        ev = self._written.get(offload)
+        if ev is not None:
+            ev.set()
+
+    def take(
+        self, reload: int, dst: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]
+    ) -> bool:
+        """Copies reload `reload`'s bytes into `dst` if they were read ahead (True); else marks it
+        taken, so the thread drops its copy, and returns False (the caller reads the file)."""
+        with self._cv:
+            buf = self._ready.pop(reload, None)
+            self._taken.add(reload)
+            if buf is None:
+                self.misses += 1
+                return False
+            self.hits += 1
+        try:
+            n = dst.numel()
+            if dst.is_cuda:  # the staging buffer is free again only once the copy has read it
+                copy(dst, buf[:n])
+                torch.cuda.current_stream(dst.device).synchronize()
+            else:
+                _memcpy(dst, buf[:n])
+        finally:
+            self._free.put(buf)
+        return True
+
+    def _current(self, gen: int) -> bool:
+        return gen == self._gen and not self._closing
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._active or self._closing):
+                    self._cv.wait()
+                if self._closing:
+                    return
+                gen, written = self._gen, self._written
+            for reload, offload, offset, nbytes in self.items:
+                ev = written[offload]
+                while not ev.wait(0.05):
+                    if not self._current(gen):
+                        break
+                buf = None
+                while self._current(gen) and buf is None:
+                    with contextlib.suppress(queue.Empty):
+                        buf = self._free.get(timeout=0.05)
+                if buf is None:
+                    break
+                with self._cv:
+                    wanted = self._current(gen) and reload not in self._taken
+                if wanted:
+                    try:
+                        self.spill.read_raw(offset, nbytes, buf)
+                    except BaseException:  # the reload reads the file itself, and raises there
+                        wanted = False
+                with self._cv:
+                    if wanted and self._current(gen) and reload not in self._taken:
+                        self._ready[reload] = buf
+                        buf = None
+                if buf is not None:
+                    self._free.put(buf)
+            with self._cv:  # every item seen: wait for the next run
+                if self._gen == gen:
+                    self._active = False
+
+    def statistics(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "staging_bytes": self.staging_bytes}
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._drop()
+            self._cv.notify_all()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=10)

@@ -20,8 +20,9 @@ Streams of a worker: 0..S-1 compute; then the lanes: host-to-device (inputs, rel
 device-to-host (offloads), one per peer this GPU receives transfers from, one for deferred
 transfers (NCCL: one communicator, its operations in one order, `actors.nccl_channel`), and,
 when the plan spills, two disk lanes (offloads to and reloads from the worker's spill file,
-`actors.diskio.SpillFile`): disk I/O waits on the host, so it gets lanes of its own and never
-holds back a host copy; it runs aside (BLOCKING) on cuda.
+`actors.diskio.SpillFile`, which writes behind; reloads read ahead, `actors.diskio.ReadAhead`):
+disk I/O waits on the host, so it gets lanes of its own and never holds back a host copy; it
+runs aside (BLOCKING) on cuda.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .backend import BLOCKING, DEFERRED, LAUNCH, Backend
 from .backend_cpu import CpuBackend
-from .diskio import SpillFile
+from .diskio import ReadAhead, SpillFile
 from .loads import Loads
 from .plans import (
     K_COPY,
@@ -192,6 +193,15 @@ class Executor:
             self.spill = SpillFile(
                 config.disk_dir, gpu, max(declared, disk_need), largest, self.backend.alloc
             )
+        # reloads from disk, read ahead in the plan's order once their offload has run
+        self.read_ahead: ReadAhead | None = None
+        if self.spill is not None:
+            items = [
+                (vid, p.src_vid, p.src_loc.offset, p.src_loc.nbytes)
+                for vid, p in sorted(self.plans.items())
+                if p.kind == K_UNSPILL and p.src_loc is not None
+            ]
+            self.read_ahead = ReadAhead(self.spill, items, self.backend.alloc)
         self.peers = sorted({p.src_gpu for p in self.plans.values() if p.kind == K_TRANSFER})
         self.h2d, self.d2h = streams, streams + 1
         self.peer_lane = {peer: streams + 2 + k for k, peer in enumerate(self.peers)}
@@ -274,6 +284,7 @@ class Executor:
             if self.spill is not None:
                 self.spill.flush()  # the last run's writes behind are in (RunError if one failed)
                 self.spill.reset()
+                cast(ReadAhead, self.read_ahead).begin()
             self._reporter.reset()
             self._error = None
             self._finished.clear()
@@ -352,9 +363,11 @@ class Executor:
             self.backend.copy(p.out, p.ins[0])
         elif k == K_SPILL:
             cast(SpillFile, self.spill).write(p.out_loc.offset, p.ins[0])
+            cast(ReadAhead, self.read_ahead).written(vid)
         elif k == K_UNSPILL:
             assert p.src_loc is not None  # a reload from disk's plan has one
-            cast(SpillFile, self.spill).read(p.src_loc.offset, p.out, self.backend.copy)
+            if not cast(ReadAhead, self.read_ahead).take(vid, p.out, self.backend.copy):
+                cast(SpillFile, self.spill).read(p.src_loc.offset, p.out, self.backend.copy)
         elif k == K_TRANSFER:
             if self.transport is None:
                 raise RunError(f"gpu:{self.gpu}: no transport for {describe(self.mg, vid)}")
@@ -397,6 +410,7 @@ class Executor:
         what the arena holds now, then lets `wait` return."""
         try:
             if self.spill is not None:  # the offloads' writes behind: in the file, in the counters
+                cast(ReadAhead, self.read_ahead).end()
                 self.spill.flush()
             for _, vid, st in self.carries:
                 st.buf.copy_(self._range(self.mg.vertex(vid).out, vid))
@@ -419,6 +433,8 @@ class Executor:
             if self._error is not None:
                 return
             self._error = msg
+        if self.read_ahead is not None:  # its staging buffers go back
+            self.read_ahead.end()
         self._reporter.flush()  # what completed before the failure reaches the coordinator first
         self._finished.set()
         if self._fail_cb is not None:
@@ -495,7 +511,16 @@ class Executor:
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
             "loads_skipped": len(self._skip),
             "store": self.store.statistics(),
-            **({"disk": self.spill.statistics()} if self.spill is not None else {}),
+            **(
+                {
+                    "disk": {
+                        **self.spill.statistics(),
+                        "read_ahead": cast(ReadAhead, self.read_ahead).statistics(),
+                    }
+                }
+                if self.spill is not None
+                else {}
+            ),
             **({"backend": self.backend.statistics()} if hasattr(self.backend, "statistics") else {}),
         }
 
@@ -503,6 +528,8 @@ class Executor:
         self._reporter.close()
         self.backend.close()
         self.loads.release()
+        if self.read_ahead is not None:
+            self.read_ahead.close()
         if self.spill is not None:
             self.spill.close()
         # drop every view of the arena, so that the store's release really frees it

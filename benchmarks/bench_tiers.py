@@ -154,6 +154,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {max(g.get('busy_disk', 0) for g in s['gpus']):.0%} |"
             )
         print()
+        for name, r in rows:
+            d = r["summary"].get("disk")
+            if d:
+                w0 = d["workers"][0]
+                ra = w0["read_ahead"]
+                print(
+                    f"{name}: I/O buffers beside the host store: {format_size(w0['buffer_bytes'])} of bounce "
+                    f"buffers (writes behind) + {format_size(ra['staging_bytes'])} read-ahead staging; "
+                    f"reloads read ahead {ra['hits']}, read by the reload itself {ra['misses']}; "
+                    f"compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}"
+                )
+            else:
+                print(f"{name}: compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}")
         print(
             "(reloaded host includes weights reloaded from the caller's copy; disk I/O counts whole "
             "4 KiB blocks and only the seconds of file I/O; disk lanes busy: the share of the makespan "

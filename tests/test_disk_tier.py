@@ -250,7 +250,7 @@ def test_a_failed_write_behind_is_raised_by_the_next_call(tmp_path):
     f = SpillFile(str(tmp_path), 0, ALIGN, ALIGN, lambda n, host: torch.zeros(n, dtype=torch.uint8))
     try:
         f.write(ALIGN, torch.ones(16, dtype=torch.uint8))  # beyond the file: fails in the writer
-        with pytest.raises(RunError, match="a write failed: .*beyond its 4096 bytes"):
+        with pytest.raises(RunError, match=r"a write failed: .*beyond its 4096 bytes"):
             f.flush()
     finally:
         f.close()
@@ -281,6 +281,10 @@ def _check_run(w, cap, host_capacity, engine, disk_dir=None, **kw):
             assert res.summary["bytes"]["offload_disk"] == plan["bytes_offloaded_disk"]
             assert d["write_gb_per_s"] > 0 and d["read_gb_per_s"] > 0
             assert all(x["direct"] for x in d["workers"])  # ext4 and xfs take O_DIRECT
+            for x in d["workers"]:  # every reload from disk was read ahead or read by itself
+                ra = x["read_ahead"]
+                mine = [v for v in disk_reloads(prog.mg) if v.gpu == x["gpu"]]
+                assert ra["hits"] + ra["misses"] == len(mine) and ra["hits"] > 0, ra
         return res
 
 
