@@ -244,7 +244,7 @@ class SpillFile:
         nbytes: int,
         largest: int,
         alloc: Callable[[int, bool], torch.Tensor],
-        buffers: int = 3,
+        buffers: int = 2,
         direct: bool = True,
         chunk: int = CHUNK,
     ):
@@ -472,7 +472,7 @@ class ReadAhead:
         spill: SpillFile,
         items: list[tuple[int, int, int, int]],
         alloc: Callable[[int, bool], torch.Tensor],
-        buffers: int = 4,
+        buffers: int = 2,
     ):
         self.spill = spill
         self.items = [it for it in items if it[3] <= CHUNK]  # larger values are read by their reload

@@ -159,14 +159,20 @@ def main(argv: list[str] | None = None) -> int:
             if d:
                 w0 = d["workers"][0]
                 ra = w0["read_ahead"]
+                io_bytes = w0["buffer_bytes"] + ra["staging_bytes"]
+                store = max(r["plan"]["peak_host_bytes"])
                 print(
-                    f"{name}: I/O buffers beside the host store: {format_size(w0['buffer_bytes'])} of bounce "
-                    f"buffers (writes behind) + {format_size(ra['staging_bytes'])} read-ahead staging; "
+                    f"{name}: host RAM for the tiers {format_size(store + io_bytes)}: the host store's peak "
+                    f"{format_size(store)} + I/O buffers {format_size(w0['buffer_bytes'])} (bounce, writes "
+                    f"behind) and {format_size(ra['staging_bytes'])} (read-ahead staging); "
                     f"reloads read ahead {ra['hits']}, read by the reload itself {ra['misses']}; "
                     f"compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}"
                 )
             else:
-                print(f"{name}: compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}")
+                print(
+                    f"{name}: host RAM for the tiers {format_size(max(r['plan']['peak_host_bytes']))} (the host "
+                    f"store's peak); compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}"
+                )
         print(
             "(reloaded host includes weights reloaded from the caller's copy; disk I/O counts whole "
             "4 KiB blocks and only the seconds of file I/O; disk lanes busy: the share of the makespan "
