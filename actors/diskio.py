@@ -370,7 +370,7 @@ class SpillFile:
         self._check()
 
     def read(
-        self, offset: int, dst: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]
+        self, offset: int, dst: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], object]
     ) -> None:
         """Reads `dst.numel()` bytes at `offset` of the file into the uint8 range `dst`, a chunk at a
         time (on a device with `copy`, the backend's), once the writes pending there are in."""
@@ -526,7 +526,7 @@ class ReadAhead:
             ev.set()
 
     def take(
-        self, reload: int, dst: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]
+        self, reload: int, dst: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], object]
     ) -> bool:
         """Copies reload `reload`'s bytes into `dst` if they were read ahead (True); else marks it
         taken, so the thread drops its copy, and returns False (the caller reads the file)."""

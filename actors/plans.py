@@ -106,14 +106,20 @@ class Views:
                 OPS[op].full_attrs(self.tg[v.value].attrs),
                 checks=local,
             )
-        if v.kind is MKind.OFFLOAD and v.out.device == DISK:
-            r = v.ins[0]
-            src = self.buf(r.loc, v.id)
-            return VertexPlan(K_SPILL, v.value, src, v.out, [src], checks=local)
+        disk = v.kind in (MKind.OFFLOAD, MKind.RELOAD) and len(v.ins) == 1
+        disk = disk and DISK in (v.out.device, v.ins[0].loc.device)
+        if disk and v.ins[0].loc.nbytes != v.out.nbytes:
+            raise RunError(
+                f"gpu:{self.gpu} {describe(self.mg, v.id)} moves {v.ins[0].loc.nbytes} bytes into a "
+                f"range of {v.out.nbytes}"
+            )
+        if disk and v.kind is MKind.OFFLOAD:  # to the spill file: reads an arena range
+            arena = self.buf(v.ins[0].loc, v.id)
+            return VertexPlan(K_SPILL, v.value, arena, v.out, [arena], checks=local)
         out = self.buf(v.out, v.id)
-        if v.kind is MKind.RELOAD and v.ins and v.ins[0].loc.device == DISK and v.ins[0].src is not None:
-            r = v.ins[0]
-            return VertexPlan(K_UNSPILL, v.value, out, v.out, src_loc=r.loc, src_vid=r.src, checks=local)
+        rd = v.ins[0] if v.ins else None
+        if disk and rd is not None and rd.src is not None:  # from the spill file
+            return VertexPlan(K_UNSPILL, v.value, out, v.out, src_loc=rd.loc, src_vid=rd.src, checks=local)
         if v.kind is MKind.INPUT:
             return VertexPlan(K_INPUT, v.value, out, v.out)
         r = v.ins[0]
