@@ -393,6 +393,22 @@ def test_cli_run_with_a_host_budget_and_a_disk_directory(tmp_path, capsys):
     assert list((tmp_path / "spill").iterdir()) == []
 
 
+def test_cli_bench_with_a_host_budget_spills_into_the_disk_directory(tmp_path):
+    import json
+
+    from disco_ray.cli.app import main
+
+    spill = tmp_path / "spill"
+    args = ["bench", "llama_prefill", *(f"{k}={v}" for k, v in LLAMA.items()), "--capacity", "200KiB"]
+    args += ["--host-capacity", "16KiB", "--disk", str(spill), "--engine", "local", "--modes", "dynamic"]
+    assert main([*args, "--warmup", "0", "--out", str(tmp_path / "b")]) == 0
+    row = json.loads((tmp_path / "b" / "results.json").read_text())["modes"][0]
+    assert row["check"]["ok"] and row["summary"]["plan"]["bytes_offloaded_disk"] > 0
+    workers = row["summary"]["disk"]["workers"]
+    assert workers and all(Path(w["path"]).parent == spill for w in workers)
+    assert list(spill.iterdir()) == []
+
+
 def test_cli_plan_and_info_show_the_tiers(tmp_path, capsys):
     from disco_ray.cli.app import main
 

@@ -342,7 +342,7 @@ def _measured(args, w, modes) -> dict:
                 order=_order(args, w),
                 host_capacity=args.host_capacity,
             )
-            prog = Program(tg, mg, **engine_kwargs(args), **kw)
+            prog = Program(tg, mg, **engine_kwargs(args), disk_dir=args.disk, **kw)
             with prog:
                 best = recs = outs = None
                 for r in range(args.warmup + args.repeat):  # warm-up: allocator, cuBLAS, actors
