@@ -474,3 +474,20 @@ def test_generate_spills_to_disk_with_the_tokens_of_transformers(tmp_path):
         assert gen.tokens == want
         assert sum(p["bytes_offloaded_disk"] for p in m.plans) > 0, m.plans
     assert list((tmp_path / "spill").iterdir()) == []
+
+
+def test_cli_generate_with_a_host_budget_and_a_disk_directory(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from disco_ray.cli.app import main
+    from tests.test_models import BLOCK, PROMPT, capacity, expected, make_checkpoint
+
+    hf = make_checkpoint(tmp_path / "ck", num_key_value_heads=4, tie_word_embeddings=False)
+    path = str(tmp_path / "ck")
+    _, want = expected(hf, PROMPT, 4)
+    cap = capacity(path, 1, "tight", 4)[0]
+    args = ["generate", path, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4"]
+    args += ["--capacity", str(cap), "--block", str(BLOCK), "--engine", "local", "--ignore-eos"]
+    args += ["--host-capacity", "0", "--disk", str(tmp_path / "spill")]
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip() == ",".join(map(str, want))
+    assert list((tmp_path / "spill").iterdir()) == []
