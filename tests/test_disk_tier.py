@@ -491,3 +491,19 @@ def test_cli_generate_with_a_host_budget_and_a_disk_directory(tmp_path, capsys):
     assert main(args) == 0
     assert capsys.readouterr().out.strip() == ",".join(map(str, want))
     assert list((tmp_path / "spill").iterdir()) == []
+
+
+def test_the_simulator_prices_disk_moves_on_the_disk_lanes(llama):
+    from disco_ray.bench.profiles import h100
+    from disco_ray.bench.simulate import simulate
+
+    w, cap = llama
+    tg = w.taskgraph
+    host = simulate(build_memgraph(tg, cap), tg, h100)
+    mg = build_memgraph(tg, cap, host_capacity=0)
+    disk = simulate(mg, tg, h100)
+    lanes = {ln for _, _, ln, _, _ in disk.timeline}
+    assert {"disk_w", "disk_r"} <= lanes and not {"disk_w", "disk_r"} & {ln for *_, ln, _, _ in host.timeline}
+    assert disk.makespan >= host.makespan
+    slow = simulate(mg, tg, h100.with_(disk_read=1e8, disk_write=1e8))
+    assert slow.makespan > disk.makespan
