@@ -291,8 +291,14 @@ def _check_run(w, cap, host_capacity, engine, disk_dir=None, **kw):
 @pytest.mark.parametrize("host_capacity", [0, 32 << 10])
 def test_llama_spills_to_disk_and_back_on_the_local_engine(llama, tmp_path, host_capacity):
     w, cap = llama
-    _check_run(w, cap, host_capacity, "local", disk_dir=str(tmp_path), streams=3)
+    res = _check_run(w, cap, host_capacity, "local", disk_dir=str(tmp_path), streams=3)
     assert list(tmp_path.iterdir()) == []  # the spill files are gone with the engine
+    from disco_ray.graph.trace import chrome_trace
+
+    events = chrome_trace(res.plan, res.records)["traceEvents"]
+    disk = [e for e in events if e["ph"] == "X" and e["args"].get("tier") == "disk"]
+    assert len(disk) == len(offloads(res.plan, DISK)) + len(disk_reloads(res.plan))
+    assert any(e["ph"] == "C" and e["name"] == "spill file bytes" for e in events)
 
 
 def test_random_dag_spills_to_disk_with_random_delays():

@@ -6,7 +6,7 @@ GPU and tid the stream; each vertex is a complete event ("ph": "X", ts/dur in us
 whose args give the vertex id, kind, value and bytes written. Besides (Chrome/Perfetto
 trace-event format):
 
-- counter events ("ph": "C") per GPU, "arena bytes" and "host store bytes": the bytes the plan
+- counter events ("ph": "C") per GPU, "arena bytes", "host store bytes" and "spill file bytes": the bytes the plan
   holds in use over time, each range from the start of the vertex writing it to the end of its
   last reader (outputs to the end of the run);
 - flow events ("ph": "s" / "f", one id per transfer): an arrow from the vertex on the source GPU
@@ -30,7 +30,7 @@ Record = tuple[int, int, int, int]
 CLASS = {"kernel": "compute", "input": "h2d", "reload": "h2d", "offload": "d2h", "transfer": "transfer"}
 
 
-COUNTERS = ("arena bytes", "host store bytes")
+COUNTERS = ("arena bytes", "host store bytes", "spill file bytes")
 
 
 def occupancy(
@@ -52,10 +52,10 @@ def occupancy(
     kept = set(mg.outputs.values())
     steps: dict[tuple[int, str], list[tuple[int, int]]] = {}
     for v in mg.vertices:
-        if v.id not in when or v.out.device not in (v.gpu, HOST):
+        if v.id not in when or v.out.device not in (v.gpu, HOST, DISK):
             continue
         g, a, b = when[v.id]
-        name = COUNTERS[0] if v.out.device == v.gpu else COUNTERS[1]
+        name = COUNTERS[0] if v.out.device == v.gpu else COUNTERS[1] if v.out.device == HOST else COUNTERS[2]
         stop = end if v.id in kept else last.get(v.id, b)
         steps.setdefault((g, name), []).extend([(a, v.out.nbytes), (max(stop, a), -v.out.nbytes)])
     out = {}
@@ -110,7 +110,13 @@ def chrome_trace(mg: MemGraph, records: Sequence[Sequence[Record]]) -> dict:
                     "tid": s,
                     "ts": (a - t0) / 1e3,
                     "dur": (b - a) / 1e3,
-                    "args": {"vertex": vid, "kind": v.kind.value, "value": v.value, "bytes": v.out.nbytes},
+                    "args": {
+                        "vertex": vid,
+                        "kind": v.kind.value,
+                        "value": v.value,
+                        "bytes": v.out.nbytes,
+                        **({"tier": "disk"} if _on_disk(v) else {}),
+                    },
                 }
             )
     for (g, name), curve in sorted(occupancy(mg, records).items()):
