@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from disco_ray.graph.kernels import IMPLS
@@ -89,7 +90,13 @@ class CpuBackend:
         self._queues[stream].put((vid, waits))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        if dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous():
+            # one memcpy in this stream's thread: torch's copy_ splits a large copy over its
+            # thread pool, which on a busy machine waits for cores (6 ms for 1 MiB on 2 loaded
+            # cores, against 0.04 ms; benchmarks/bench_tiers.py)
+            np.copyto(dst.numpy(), src.numpy())
+        else:
+            dst.copy_(src)
 
     def kernel(self, op: str, out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
         IMPLS[op](out, ins, attrs)

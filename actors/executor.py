@@ -17,8 +17,12 @@ completion goes to the reporter (`actors.reporter`), which batches completions f
 coordinator with a bounded lag.
 
 Streams of a worker: 0..S-1 compute; then the lanes: host-to-device (inputs, reloads),
-device-to-host (offloads), one per peer this GPU receives transfers from, and one for deferred
-transfers (NCCL: one communicator, its operations in one order, `actors.nccl_channel`).
+device-to-host (offloads), one per peer this GPU receives transfers from, one for deferred
+transfers (NCCL: one communicator, its operations in one order, `actors.nccl_channel`), and,
+when the plan spills, two disk lanes (offloads to and reloads from the worker's spill file,
+`actors.diskio.SpillFile`, which writes behind; reloads read ahead, `actors.diskio.ReadAhead`):
+disk I/O waits on the host, so it gets lanes of its own and never holds back a host copy; it
+runs aside (BLOCKING) on cuda.
 """
 
 from __future__ import annotations
@@ -28,24 +32,28 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
 
 from disco_ray.graph.errors import RunError, UsageError
 from disco_ray.graph.kernels import temp_bytes
-from disco_ray.graph.memgraph import HOST, Loc, MemGraph
+from disco_ray.graph.memgraph import DISK, HOST, Loc, MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .backend import BLOCKING, DEFERRED, LAUNCH, Backend
 from .backend_cpu import CpuBackend
+from .diskio import ReadAhead, SpillFile
 from .loads import Loads
 from .plans import (
     K_COPY,
     K_INPUT,
     K_KERNEL,
     K_RELOAD_INPUT,
+    K_SPILL,
     K_TRANSFER,
+    K_UNSPILL,
     VertexPlan,
     Views,
     as_tensor,
@@ -86,6 +94,7 @@ class WorkerConfig:
     flush_s: float = 1e-3  # longest a busy worker holds back a completion another GPU waits for
     lazy_s: float = 0.05  # longest it may hold back the others (see actors/reporter.py)
     sources: str = "host"  # sourced inputs: "host" (read once, kept) or "disk" (read at each load)
+    disk_dir: str | None = None  # where a worker whose plan spills makes its spill file (None: a temp dir)
 
     def __post_init__(self) -> None:
         if self.sources not in ("host", "disk"):
@@ -174,11 +183,35 @@ class Executor:
         self._error: str | None = None
         # lanes after the compute streams: loads, offloads, a lane per peer sending to this GPU,
         # and the deferred lane (no limit: NCCL posts its receives in its own order)
+        disk_locs = [v.out for v in mine if v.out.device == DISK]
+        disk_locs += [r.loc for v in mine for r in v.ins if r.loc.device == DISK]
+        self.spill: SpillFile | None = None
+        if disk_locs:
+            disk_need = max(loc.end for loc in disk_locs)
+            declared = mg.disk_capacity[gpu] if gpu < len(mg.disk_capacity) else 0
+            largest = max(loc.nbytes for loc in disk_locs)
+            self.spill = SpillFile(
+                config.disk_dir, gpu, max(declared, disk_need), largest, self.backend.alloc
+            )
+        # reloads from disk, read ahead in the plan's order once their offload has run
+        self.read_ahead: ReadAhead | None = None
+        if self.spill is not None:
+            items = [
+                (vid, p.src_vid, p.src_loc.offset, p.src_loc.nbytes)
+                for vid, p in sorted(self.plans.items())
+                if p.kind == K_UNSPILL and p.src_loc is not None
+            ]
+            self.read_ahead = ReadAhead(self.spill, items, self.backend.alloc)
         self.peers = sorted({p.src_gpu for p in self.plans.values() if p.kind == K_TRANSFER})
         self.h2d, self.d2h = streams, streams + 1
         self.peer_lane = {peer: streams + 2 + k for k, peer in enumerate(self.peers)}
         self.deferred_lane = streams + 2 + len(self.peers)
         limits: list[int | None] = [COPY_DEPTH] * (2 + len(self.peers)) + ([None] if self.peers else [])
+        # the disk lanes (write, read): one I/O each at a time, each on a bounce buffer of its own
+        self.disk_w = streams + len(limits)
+        self.disk_r = self.disk_w + 1
+        if self.spill is not None:
+            limits += [1, 1]
         self.slots = StreamSlots(self.core, streams, limits)
         self.trace: list[tuple[int, int, int, int]] = []
         # kernel temporaries: the most any kernel of this GPU needs, kept ready per compute stream
@@ -227,6 +260,7 @@ class Executor:
                         self.granule,
                         lambda vid: describe(self.mg, vid),
                         self._acc_alias(),
+                        self.spill.nbytes if self.spill is not None else 0,
                     )
                 self._sanitizer.reset()
             self._check = check
@@ -247,6 +281,10 @@ class Executor:
             ahead = 0 if check and getattr(self.backend, "async_launch", False) else self.ahead
             self.slots.start(ahead, lane_of)
             self.trace = []
+            if self.spill is not None:
+                self.spill.flush()  # the last run's writes behind are in (RunError if one failed)
+                self.spill.reset()
+                cast(ReadAhead, self.read_ahead).begin()
             self._reporter.reset()
             self._error = None
             self._finished.clear()
@@ -262,6 +300,9 @@ class Executor:
                 lane_of[vid] = self.h2d
             elif p.kind == K_COPY:
                 lane_of[vid] = self.d2h if p.out_loc.device == HOST else self.h2d
+            elif p.kind in (K_SPILL, K_UNSPILL):
+                lane_of[vid] = self.disk_w if p.kind == K_SPILL else self.disk_r
+                mode[vid] = BLOCKING  # file I/O waits on the host (cuda: on a helper thread)
             elif p.kind == K_TRANSFER:
                 m = BLOCKING if self.transport is None else self.transport.mode(p.src_gpu)
                 lane_of[vid] = self.deferred_lane if m == DEFERRED else self.peer_lane[p.src_gpu]
@@ -320,6 +361,13 @@ class Executor:
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
         elif k == K_COPY:
             self.backend.copy(p.out, p.ins[0])
+        elif k == K_SPILL:
+            cast(SpillFile, self.spill).write(p.out_loc.offset, p.ins[0])
+            cast(ReadAhead, self.read_ahead).written(vid)
+        elif k == K_UNSPILL:
+            assert p.src_loc is not None  # a reload from disk's plan has one
+            if not cast(ReadAhead, self.read_ahead).take(vid, p.out, self.backend.copy):
+                cast(SpillFile, self.spill).read(p.src_loc.offset, p.out, self.backend.copy)
         elif k == K_TRANSFER:
             if self.transport is None:
                 raise RunError(f"gpu:{self.gpu}: no transport for {describe(self.mg, vid)}")
@@ -361,8 +409,11 @@ class Executor:
         """Every vertex of this GPU is done: saves the carried values as their states and records
         what the arena holds now, then lets `wait` return."""
         try:
+            if self.spill is not None:  # the offloads' writes behind: in the file, in the counters
+                cast(ReadAhead, self.read_ahead).end()
+                self.spill.flush()
             for _, vid, st in self.carries:
-                st.buf.copy_(self.views.buf(self.mg.vertex(vid).out, vid))
+                st.buf.copy_(self._range(self.mg.vertex(vid).out, vid))
                 st.version += 1
             if self._error is None:
                 self.loads.end(self.arena_slot)
@@ -382,6 +433,8 @@ class Executor:
             if self._error is not None:
                 return
             self._error = msg
+        if self.read_ahead is not None:  # its staging buffers go back
+            self.read_ahead.end()
         self._reporter.flush()  # what completed before the failure reaches the coordinator first
         self._finished.set()
         if self._fail_cb is not None:
@@ -404,12 +457,13 @@ class Executor:
         return self._error
 
     def read_range(self, loc: Loc, reader: int, expect: int, into: torch.Tensor | None = None):
-        """Bytes of `loc` (this GPU's arena or host store), checked by the sanitizer when it is on.
+        """Bytes of `loc` (this GPU's arena, host store or spill file), checked by the sanitizer
+        when it is on.
 
         Copies into `into` when given; otherwise returns a fresh numpy copy (what a Ray call
         ships; the only allocation during a run, on the cpu transport).
         """
-        src = self.views.buf(loc, reader)
+        src = self._range(loc, reader)
         san = self._sanitizer if self._check else None
         value = self.mg.vertex(expect).value if expect >= 0 else "?"
         if san is not None and expect >= 0:
@@ -422,6 +476,14 @@ class Executor:
         if san is not None and expect >= 0:
             san.check_read(reader, value, loc, expect, "after it ran")
         return out
+
+    def _range(self, loc: Loc, vid: int) -> torch.Tensor:
+        """The bytes of `loc`: a view of the arena or host store, a copy of a spill-file range."""
+        if loc.device == DISK and self.spill is not None:  # a kept value the plan left on disk
+            out = torch.empty(loc.nbytes, dtype=torch.uint8)
+            self.spill.read(loc.offset, out, lambda d, s: d.copy_(s))
+            return out
+        return self.views.buf(loc, vid)
 
     def output_bytes(self, vid: int) -> np.ndarray:
         """A copy of the bytes of the output held by vertex `vid` of this GPU (checked if `check`)."""
@@ -449,6 +511,16 @@ class Executor:
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
             "loads_skipped": len(self._skip),
             "store": self.store.statistics(),
+            **(
+                {
+                    "disk": {
+                        **self.spill.statistics(),
+                        "read_ahead": cast(ReadAhead, self.read_ahead).statistics(),
+                    }
+                }
+                if self.spill is not None
+                else {}
+            ),
             **({"backend": self.backend.statistics()} if hasattr(self.backend, "statistics") else {}),
         }
 
@@ -456,6 +528,10 @@ class Executor:
         self._reporter.close()
         self.backend.close()
         self.loads.release()
+        if self.read_ahead is not None:
+            self.read_ahead.close()
+        if self.spill is not None:
+            self.spill.close()
         # drop every view of the arena, so that the store's release really frees it
         self.views = self.arena = self.arena_slot = None  # type: ignore[assignment]
         self.plans = {}

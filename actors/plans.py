@@ -15,11 +15,13 @@ import torch
 from disco_ray.graph.dtypes import torch_dtype
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.kernels import IMPLS
-from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
+from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MemVertex, MKind
 from disco_ray.graph.ops import OPS
 from disco_ray.graph.taskgraph import TaskGraph
 
-K_INPUT, K_KERNEL, K_TRANSFER, K_COPY, K_RELOAD_INPUT = range(5)
+K_INPUT, K_KERNEL, K_TRANSFER, K_COPY, K_RELOAD_INPUT, K_SPILL, K_UNSPILL = range(7)
+# K_SPILL: an offload to the spill file (reads ins[0], an arena range; writes out_loc on disk);
+# K_UNSPILL: a reload from it (reads src_loc on disk; writes out, an arena range)
 
 
 @dataclass(slots=True)
@@ -82,7 +84,7 @@ class Views:
         return self.buf(loc, vid).view(torch_dtype(tv.dtype)).view(tv.shape)
 
     def plan(self, v: MemVertex) -> VertexPlan:
-        local = tuple((r.value, r.loc, r.src) for r in v.ins if r.loc.device in (self.gpu, HOST))
+        local = tuple((r.value, r.loc, r.src) for r in v.ins if r.loc.device in (self.gpu, HOST, DISK))
         if v.kind is MKind.KERNEL:
             op = self.tg[v.value].op
             if op is None:
@@ -104,7 +106,20 @@ class Views:
                 OPS[op].full_attrs(self.tg[v.value].attrs),
                 checks=local,
             )
+        disk = v.kind in (MKind.OFFLOAD, MKind.RELOAD) and len(v.ins) == 1
+        disk = disk and DISK in (v.out.device, v.ins[0].loc.device)
+        if disk and v.ins[0].loc.nbytes != v.out.nbytes:
+            raise RunError(
+                f"gpu:{self.gpu} {describe(self.mg, v.id)} moves {v.ins[0].loc.nbytes} bytes into a "
+                f"range of {v.out.nbytes}"
+            )
+        if disk and v.kind is MKind.OFFLOAD:  # to the spill file: reads an arena range
+            arena = self.buf(v.ins[0].loc, v.id)
+            return VertexPlan(K_SPILL, v.value, arena, v.out, [arena], checks=local)
         out = self.buf(v.out, v.id)
+        rd = v.ins[0] if v.ins else None
+        if disk and rd is not None and rd.src is not None:  # from the spill file
+            return VertexPlan(K_UNSPILL, v.value, out, v.out, src_loc=rd.loc, src_vid=rd.src, checks=local)
         if v.kind is MKind.INPUT:
             return VertexPlan(K_INPUT, v.value, out, v.out)
         r = v.ins[0]

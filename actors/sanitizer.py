@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from disco_ray.graph.errors import RunError
-from disco_ray.graph.memgraph import HOST, Loc
+from disco_ray.graph.memgraph import DISK, HOST, Loc
 
 NEVER = -1
 
@@ -45,6 +45,7 @@ class Sanitizer:
         granule: int,
         describe: Callable[[int], str],
         alias: dict[int, int] | None = None,
+        disk_bytes: int = 0,
     ):
         self.gpu = gpu
         self.alias = alias or {}  # sum-into member -> the member its group's readers name
@@ -53,6 +54,7 @@ class Sanitizer:
         self._shadow = {
             gpu: np.full(-(-arena_bytes // granule), NEVER, np.int32),
             HOST: np.full(-(-host_bytes // granule), NEVER, np.int32),
+            DISK: np.full(-(-disk_bytes // granule), NEVER, np.int32),  # the spill file
         }
         self.checks = 0
 
@@ -88,7 +90,7 @@ class Sanitizer:
             return
         found = int(s[bad[0]])
         at = loc.offset + int(bad[0]) * self.granule
-        where = "host" if loc.device == HOST else f"gpu:{loc.device}"
+        where = "host" if loc.device == HOST else "disk" if loc.device == DISK else f"gpu:{loc.device}"
         if found == NEVER:
             what = "nothing (never written)"
         elif found <= -2:

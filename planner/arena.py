@@ -15,8 +15,8 @@ bench_quality.py: fastest without memory pressure, "best" sometimes ahead under 
 chosen block the end whose ghosts are older is used. Free blocks are indexed per size class (bit
 length) in lists sorted by the choice's key, so a choice looks at one class's blocks and the first
 of each larger class, not at every free block (the former scan cost 20 us per allocation on a
-fragmented 65B plan). A host store (capacity None) grows at its top when no free range fits, and
-records its peak.
+fragmented 65B plan). A host store or spill file (capacity None) grows at its top when no free range
+fits, and records its peak; a host store with a budget is bounded like a GPU arena.
 
 Victims (`best_window`, TURNIP section 6 "simMallocOffld"): the window of blocks whose owners'
 smallest key is largest. A key orders victims: an output reserved and not computed yet is undone
@@ -153,6 +153,7 @@ class Arena:
         self.releases = 0  # bumps on every release: a failed best_free stays failed until it moves
         self.used = 0
         self.peak = 0
+        self.high = 0  # the highest end of any range allocated (the bytes a store needs)
 
     def round(self, nbytes: int) -> int:
         return aligned(nbytes, self.align)
@@ -304,6 +305,8 @@ class Arena:
         self.used += size
         if self.used > self.peak:
             self.peak = self.used
+        if end > self.high:
+            self.high = end
         return mid, covered
 
     def _link_after(self, a: Block | None, b: Block) -> None:

@@ -15,6 +15,13 @@ by its own position instead (the former rule) evicted live data that was needed 
 victim is offloaded (or just dropped when the host already holds a copy: a graph input's own, or
 an earlier offload) and renamed to its reload for all later readers.
 
+Memory tiers: each GPU's host store is an Arena, unbounded or of a budget (`host_capacity`); an
+offload that finds no free range of the budget goes to that GPU's spill file instead (an
+unbounded Arena of DISK_ALIGN-aligned ranges, so that the worker reads and writes it with
+O_DIRECT), with the same range rules and memory edges; once host ranges free up, later offloads
+go to the host again. Rejected: moving host residents down to disk to make room (a host-to-disk
+vertex kind of its own) - a full host store simply sends the newer victims down.
+
 Vertices created while executing V[t] (offloads, reloads) sort just before V[t]; every edge then
 points forward (section 7), so the MemGraph ids below are a topological order, which the runtime
 uses as its priority. Memory edges implied by other paths are dropped at the end (planner.prune).
@@ -42,11 +49,11 @@ from typing import cast
 import numpy as np
 
 from disco_ray.graph.errors import CapacityError, DiscoError, PlanError
-from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import RESERVED, Arena, Block
-from .capacity import capacities, log_rounding, rounded
+from .capacity import aligned, capacities, host_capacities, log_rounding, rounded
 from .dense import Dense, check_order
 from .groups import MODES, Members
 from .order import default
@@ -56,6 +63,7 @@ from .records import DATA, MEM, OWN, STEP, Inst, Rec
 log = logging.getLogger(__name__)
 INF = float("inf")
 FIT = "oldest"  # the default free-range choice (planner.arena), by simulated makespan
+DISK_ALIGN = 4096  # spill-file ranges: O_DIRECT's alignment of offsets and sizes (actors/diskio.py)
 _MKIND = {Kind.INPUT: MKind.INPUT, Kind.KERNEL: MKind.KERNEL, Kind.TRANSFER: MKind.TRANSFER}
 SUM_INTO = "eager"  # how an `accumulate` is planned (planner.groups.MODES)
 ROUNDS = 4  # plans made again with the blocking groups demoted before a mode is given up for all
@@ -81,6 +89,7 @@ class Planner:
         dense: Dense | None = None,
         sum_into: str = SUM_INTO,
         demoted: Mapping[int, str] | None = None,
+        host_capacity=None,
     ):
         if sum_into not in MODES:
             raise ValueError(f"sum_into must be one of {MODES}, got {sum_into!r}")
@@ -94,7 +103,9 @@ class Planner:
         n = len(d)
         self.sizes = d.sizes(alignment)
         self.arenas = [Arena(c, alignment, fit) for c in self.caps]
-        self.hosts = [Arena(None, alignment) for _ in self.caps]
+        self.host_asked = host_capacities(host_capacity, tg.gpus)
+        self.hosts = [Arena(h, alignment) for h in self.host_asked]
+        self.disks = [Arena(None, DISK_ALIGN) for _ in self.caps]
         self._check_fits()
         if order is None:
             self.seq, self.order_name = default(d, self.caps, alignment)
@@ -133,7 +144,7 @@ class Planner:
         self.rec_of = [-1] * n  # value -> its own Rec
         self.host: dict[int, tuple[Loc, int | None]] = {}  # value -> (host copy, offload rec or None)
         self.host_readers: dict[int, list[int]] = {}
-        self.host_block: dict[int, Block] = {}  # value -> its offload's host block
+        self.host_block: dict[int, Block] = {}  # value -> its offload's host or disk block
         # one allocation horizon per GPU over its own vertices
         self.mine: list[list[int]] = [[] for _ in self.caps]
         self.slot = [0] * n  # value -> its index in mine[its gpu]
@@ -219,15 +230,18 @@ class Planner:
         k = inst.value
         if k not in self.host and self.d.kind[k] is not Kind.INPUT:
             self.counts["evictions"] += 1
-            host = self.hosts[inst.gpu]
-            spot = host.best_free(inst.size)
-            assert spot is not None  # a host store always has room
+            tier, store, size = HOST, self.hosts[inst.gpu], inst.size
+            spot = store.best_free(size)
+            if spot is None:  # the host budget is full: to the spill file
+                tier, store, size = DISK, self.disks[inst.gpu], aligned(self.d.nbytes[k], DISK_ALIGN)
+                spot = store.best_free(size)
+                assert spot is not None  # a spill file always has room
             hblk, hoff = spot
             o = self._new(MKind.OFFLOAD, k, inst.gpu, self._aux_key())
-            self.host_block[k], ghosts = host.take(hblk, hoff, inst.size, o)
+            self.host_block[k], ghosts = store.take(hblk, hoff, size, o)
             rec = self.recs[o]
             rec.ins = [inst]
-            rec.out = Loc(HOST, hoff, self.d.nbytes[k])
+            rec.out = Loc(tier, hoff, self.d.nbytes[k])
             for w in inst.writers or (inst.src,):
                 rec.deps[w] = DATA
             self._mem_edges(ghosts, o)
@@ -514,10 +528,11 @@ class Planner:
         readers = tuple(inst.readers) or tuple(inst.writers or (inst.src,))
         self.arenas[inst.gpu].release(cast(Block, inst.block), readers, self.step)
         if k in self.host and self.host[k][1] is not None:
-            _, o = self.host.pop(k)
+            loc, o = self.host.pop(k)
             assert o is not None  # checked above
             readers = tuple(self.host_readers.pop(k)) or (o,)
-            self.hosts[inst.gpu].release(self.host_block.pop(k), readers, self.step)
+            store = self.disks[inst.gpu] if loc.device == DISK else self.hosts[inst.gpu]
+            store.release(self.host_block.pop(k), readers, self.step)
 
     def run(self) -> None:
         d = self.d
@@ -608,9 +623,12 @@ class Planner:
                 assert off_rec is not None  # run() brought back every output the host holds no offload of
                 outputs[ids[o]] = new_id[off_rec]
         moved = {MKind.OFFLOAD: 0, MKind.RELOAD: 0}
+        disk = {MKind.OFFLOAD: 0, MKind.RELOAD: 0}
         for v in verts:
             if v.kind in moved:
                 moved[v.kind] += v.out.nbytes
+                if (v.out if v.kind is MKind.OFFLOAD else v.ins[0].loc).device == DISK:
+                    disk[v.kind] += v.out.nbytes
         counts = dict(self.counts)
         counts["superfluous_mem_edges"] += implied
         stats = {
@@ -619,12 +637,17 @@ class Planner:
             "bytes_reloaded": moved[MKind.RELOAD],
             "peak_gpu_bytes": [a.peak for a in self.arenas],
             "peak_host_bytes": [h.peak for h in self.hosts],
+            "peak_disk_bytes": [h.peak for h in self.disks],
+            "bytes_offloaded_disk": disk[MKind.OFFLOAD],
+            "bytes_reloaded_disk": disk[MKind.RELOAD],
+            "host_budget": self.host_asked,
             **counts,
             "implied_mem_edges": implied,
             "mem_edges_built": self.built,
         }
-        host_cap = [h.top for h in self.hosts]
-        return MemGraph(list(self.caps), verts, edges, outputs, host_cap, stats)
+        host_cap = [h.high for h in self.hosts]
+        disk_cap = [h.high for h in self.disks]
+        return MemGraph(list(self.caps), verts, edges, outputs, host_cap, stats, disk_cap)
 
 
 def build_memgraph(
@@ -637,6 +660,7 @@ def build_memgraph(
     fit: str = FIT,
     window: int = WINDOW,
     sum_into: str = SUM_INTO,
+    host_capacity: int | Sequence[int | None] | Mapping[int, int | None] | None = None,
 ) -> MemGraph:
     """Compiles a TaskGraph into a MemGraph for GPUs of the given arena capacities.
 
@@ -654,6 +678,8 @@ def build_memgraph(
             kernel reading every operand). A plan in which open sums' ranges block a vertex is
             made again with those groups demoted (eager -> deferred -> one kernel), up to ROUNDS
             times, then with every group in the next mode.
+        host_capacity: host-store bytes per GPU (one int, a list or dict per GPU; None or an entry
+            None: unbounded). An offload that does not fit goes to the GPU's spill file (disk).
 
     Raises:
         CapacityError: a vertex's inputs plus output do not fit its GPU.
@@ -663,7 +689,7 @@ def build_memgraph(
     collecting = gc.isenabled()
     gc.disable()  # the simulation makes millions of small acyclic objects: cyclic GC passes only cost
     try:
-        p = _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into)
+        p = _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into, host_capacity)
         mg = p.memgraph(started, window)
         log_rounding(p.asked, p.caps, alignment)
     finally:
@@ -679,7 +705,9 @@ def build_memgraph(
     return mg
 
 
-def _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into: str) -> Planner:
+def _plan_with_groups(
+    tg, capacity, order, alignment, lookahead, fit, sum_into: str, host_capacity
+) -> Planner:
     """Runs the Planner, demoting the sum-into groups in the way after each GroupError."""
     modes = MODES[MODES.index(sum_into) :]
     demoted: dict[int, str] = {}
@@ -687,7 +715,17 @@ def _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into: 
     while True:
         mode = modes[mi]
         try:
-            p = Planner(tg, capacity, order, alignment, lookahead, fit, sum_into=mode, demoted=demoted)
+            p = Planner(
+                tg,
+                capacity,
+                order,
+                alignment,
+                lookahead,
+                fit,
+                sum_into=mode,
+                demoted=demoted,
+                host_capacity=host_capacity,
+            )
             p.run()
             return p
         except CapacityError:

@@ -95,3 +95,26 @@ def log_rounding(asked: list[int], caps: list[int], alignment: int = ALIGN) -> N
                 c,
                 alignment,
             )
+
+
+def host_capacities(
+    host: int | Sequence[int | None] | Mapping[int, int | None] | None, gpus: int
+) -> list[int | None]:
+    """Host-store budget per GPU from None (unbounded), one int for all, a list or a dict gpu -> bytes
+    (an entry None: that GPU's store unbounded; 0: every offload of that GPU goes to disk)."""
+    if host is None:
+        return [None] * gpus
+    if isinstance(host, Mapping):
+        caps = [host.get(g) for g in range(gpus)]
+    elif isinstance(host, int):
+        caps = [host] * gpus
+    else:
+        caps = list(host)
+        if len(caps) != gpus:
+            raise GraphError(f"host capacity: {len(caps)} values for {gpus} GPUs")
+    out: list[int | None] = []
+    for g, c in enumerate(caps):
+        if c is not None and (isinstance(c, bool) or int(c) < 0):
+            raise GraphError(f"host capacity of gpu {g} must be >= 0, got {c}")
+        out.append(None if c is None else int(c))
+    return out

@@ -1,7 +1,7 @@
 """Symbolic execution of a MemGraph: runs it in random valid orders over arenas of value tags.
 
 Independent of `planner.verify` (it shares no code with it): where the verifier reasons about
-reachability, this simply executes. Each arena (a GPU's, or a GPU's host store) is cut into the
+reachability, this simply executes. Each arena (a GPU's, or a GPU's host store or spill file) is cut into the
 elementary segments between all range boundaries used on it; a segment holds the id of the
 vertex whose write last landed there. A vertex, on start, checks that each read sees its src's
 tag, then marks its output range as being written (a write may land any time while it runs); on
@@ -27,7 +27,7 @@ from typing import cast
 import numpy as np
 
 from disco_ray.graph.errors import VerifyError
-from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind
+from disco_ray.graph.memgraph import INPUT, TIERS, Loc, MemGraph, MemVertex, MKind
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 EMPTY = -1  # nothing written yet
@@ -39,11 +39,12 @@ def busy(i: int) -> int:
 
 
 def _arena(loc: Loc, gpu: int) -> tuple[int, int]:
-    return (gpu, HOST) if loc.device == HOST else (loc.device, 0)
+    """Host stores and spill files are per GPU: HOST and DISK name the vertex's own GPU's."""
+    return (gpu, loc.device) if loc.device in TIERS else (loc.device, 0)
 
 
 def _name(loc: Loc, gpu: int) -> str:
-    dev = f"host(gpu:{gpu})" if loc.device == HOST else f"gpu:{loc.device}"
+    dev = f"{TIERS[loc.device]}(gpu:{gpu})" if loc.device in TIERS else f"gpu:{loc.device}"
     return f"{dev}[{loc.offset}:{loc.end}]"
 
 

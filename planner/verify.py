@@ -29,7 +29,7 @@ from typing import cast
 import numpy as np
 
 from disco_ray.graph.errors import VerifyError
-from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, device_name
+from disco_ray.graph.memgraph import DISK, HOST, INPUT, TIERS, Loc, MemGraph, MemVertex, MKind, device_name
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .overlap import ArenaRaces
@@ -75,14 +75,15 @@ def describe(v: MemVertex) -> str:
 
 
 def where(loc: Loc, gpu: int) -> str:
-    """'gpu:0[0:16384]' or 'host(gpu:1)[0:4096]'."""
-    dev = f"host(gpu:{gpu})" if loc.device == HOST else device_name(loc.device)
+    """'gpu:0[0:16384]', 'host(gpu:1)[0:4096]' or 'disk(gpu:1)[0:4096]'."""
+    dev = f"{TIERS[loc.device]}(gpu:{gpu})" if loc.device in TIERS else device_name(loc.device)
     return f"{dev}[{loc.offset}:{loc.end}]"
 
 
 def _key(loc: Loc, gpu: int) -> tuple[int, int]:
-    """The arena a location lies in: host stores are per GPU (HOST means the vertex's own GPU's)."""
-    return (gpu, HOST) if loc.device == HOST else (loc.device, 0)
+    """The arena a location lies in: host stores and spill files are per GPU (HOST and DISK mean
+    the vertex's own GPU's)."""
+    return (gpu, loc.device) if loc.device in TIERS else (loc.device, 0)
 
 
 def _verify(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
@@ -205,7 +206,7 @@ def _topo(preds: list[list[int]], verts: list[MemVertex], sink: _Sink) -> list[i
 
 def _check_kinds_and_capacity(mg: MemGraph, sink: _Sink) -> None:
     gpus = mg.gpus
-    host_cap = mg.host_capacity
+    tier_cap = {HOST: mg.host_capacity, DISK: mg.disk_capacity}
 
     def in_gpu(v: MemVertex, loc: Loc, what: str) -> None:
         if loc.device >= gpus:
@@ -226,25 +227,30 @@ def _check_kinds_and_capacity(mg: MemGraph, sink: _Sink) -> None:
         in_gpu(v, o, "output")
         for r in v.ins:
             in_gpu(v, r.loc, f"read of {r.value!r} at")
-        if o.device == HOST and v.gpu < len(host_cap) and host_cap[v.gpu] > 0 and o.end > host_cap[v.gpu]:
+        cap = tier_cap.get(o.device)
+        if cap is not None and v.gpu < len(cap) and cap[v.gpu] > 0 and o.end > cap[v.gpu]:
+            what = "host store" if o.device == HOST else "spill file"
             sink.add(
-                f"{describe(v)}: output {where(o, v.gpu)} exceeds the host store capacity "
-                f"{host_cap[v.gpu]} of gpu:{v.gpu}"
+                f"{describe(v)}: output {where(o, v.gpu)} exceeds the {what} capacity "
+                f"{cap[v.gpu]} of gpu:{v.gpu}"
             )
         if o.device == INPUT:
             sink.add(f"{describe(v)}: writes {where(o, v.gpu)}, the caller's read-only input copies")
         if k is MKind.OFFLOAD:
-            if o.device != HOST:
-                sink.add(f"{describe(v)}: an offload must write the host store, writes {where(o, v.gpu)}")
+            if o.device not in TIERS:
+                sink.add(
+                    f"{describe(v)}: an offload must write the host store or the spill file, writes "
+                    f"{where(o, v.gpu)}"
+                )
             if len(v.ins) != 1 or v.ins[0].loc.device != v.gpu:
                 sink.add(
                     f"{describe(v)}: an offload must read one range of its own gpu:{v.gpu}, reads "
                     + ", ".join(where(r.loc, v.gpu) for r in v.ins)
                 )
         elif k is MKind.RELOAD:
-            if len(v.ins) != 1 or v.ins[0].loc.device not in (HOST, INPUT):
+            if len(v.ins) != 1 or v.ins[0].loc.device not in (HOST, DISK, INPUT):
                 sink.add(
-                    f"{describe(v)}: a reload must read one host or input range, reads "
+                    f"{describe(v)}: a reload must read one host, disk or input range, reads "
                     + ", ".join(where(r.loc, v.gpu) for r in v.ins)
                 )
         elif k is MKind.TRANSFER:
@@ -345,7 +351,7 @@ def _read_pairs(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], sink: _Sink) -
                 sink.add(f"{_head(v, n)}: src {r.src} is not a vertex")
                 continue
             s = verts[j]
-            if s.value != r.value or s.out != r.loc or (r.loc.device == HOST and s.gpu != v.gpu):
+            if s.value != r.value or s.out != r.loc or (r.loc.device in TIERS and s.gpu != v.gpu):
                 sink.add(f"{_head(v, n)}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
             pairs.append((j, i, n))
     return np.array(pairs, dtype=np.int64).reshape(-1, 3)

@@ -52,21 +52,22 @@ def execute_random_order(mg: MemGraph, tg: TaskGraph, inputs, seed: int = 0) -> 
     import torch
 
     from disco_ray.graph.dtypes import torch_dtype
-    from disco_ray.graph.memgraph import HOST, INPUT
+    from disco_ray.graph.memgraph import DISK, HOST, INPUT
 
     rng = random.Random(seed)
     gpu_arena = [torch.zeros(max(c, 1), dtype=torch.uint8) for c in mg.capacity]
-    host_size = [0] * mg.gpus
+    tiers = {HOST: [0] * mg.gpus, DISK: [0] * mg.gpus}  # per GPU: its host store, its spill file
     for v in mg.vertices:
-        if v.out.device == HOST:
-            host_size[v.gpu] = max(host_size[v.gpu], v.out.end)
-    host_arena = [torch.zeros(max(s, 1), dtype=torch.uint8) for s in host_size]
+        if v.out.device in tiers:
+            size = tiers[v.out.device]
+            size[v.gpu] = max(size[v.gpu], v.out.end)
+    areas = {t: [torch.zeros(max(s, 1), dtype=torch.uint8) for s in sizes] for t, sizes in tiers.items()}
 
     def view(loc, gpu: int, value: str):
         tv = tg[value]
         if loc.device == INPUT:
             return inputs[value]
-        arena = host_arena[gpu] if loc.device == HOST else gpu_arena[loc.device]
+        arena = areas[loc.device][gpu] if loc.device in areas else gpu_arena[loc.device]
         return arena[loc.offset : loc.offset + tv.nbytes].view(torch_dtype(tv.dtype)).view(tv.shape)
 
     preds = mg.preds()

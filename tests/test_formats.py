@@ -97,8 +97,8 @@ def test_memgraph_equality_ignores_the_index_cache():
 def test_memgraph_document_fields():
     d = sample_memgraph().to_dict()
     assert d["devices"] == [
-        {"device": "gpu:0", "capacity": 65536, "host_capacity": 16384},
-        {"device": "gpu:1", "capacity": 32768, "host_capacity": 0},
+        {"device": "gpu:0", "capacity": 65536, "host_capacity": 16384, "disk_capacity": 0},
+        {"device": "gpu:1", "capacity": 32768, "host_capacity": 0, "disk_capacity": 0},
     ]
     assert all(len(e) == 3 and e[2] in ("data", "mem") for e in d["edges"])
     assert d["stats"] == {"offloads": 1, "note": "x"}

@@ -320,20 +320,26 @@ def test_random_graphs_of_sums_plan_verify_and_compute(seed):
     lo, hi = max(min_capacity(tg)), max(roomy_capacity(tg))
     ins = inputs(tg, seed)
     want = evaluate(tg, ins)
-    modes = set()
-    for cap in sorted({lo, (lo + hi) // 2, hi, 768, 1024}):
-        for order in (None, [v.id for v in tg]):
-            try:
-                mg = build_memgraph(tg, cap, order=order)
-            except CapacityError:
-                continue
-            modes.add(mg.stats["sum_into"])
-            assert verify(tg, mg) == [], (seed, cap)
-            check_random_orders(tg, mg, 8, seed)
-            got = execute_random_order(mg, tg, ins, seed)
-            for k, w in want.items():
-                torch.testing.assert_close(got[k], w, rtol=1e-4, atol=1e-4, msg=f"seed {seed} capacity {cap}")
-    assert modes, seed
+    modes, spilled = set(), False
+    cases = [
+        (cap, order, None) for cap in sorted({lo, (lo + hi) // 2, hi, 768, 1024}) for order in ("p", "l")
+    ]
+    cases.append((lo, "l", 0))  # no host store: every offload goes to the spill file
+    for cap, order, host in cases:
+        try:
+            mg = build_memgraph(
+                tg, cap, order=None if order == "p" else [v.id for v in tg], host_capacity=host
+            )
+        except CapacityError:
+            continue
+        spilled = spilled or mg.stats.get("bytes_offloaded_disk", 0) > 0
+        modes.add(mg.stats["sum_into"])
+        assert verify(tg, mg) == [], (seed, cap)
+        check_random_orders(tg, mg, 8, seed)
+        got = execute_random_order(mg, tg, ins, seed)
+        for k, w in want.items():
+            torch.testing.assert_close(got[k], w, rtol=1e-4, atol=1e-4, msg=f"seed {seed} capacity {cap}")
+    assert modes and spilled, seed
 
 
 def test_the_runtime_runs_a_planned_group_under_pressure_with_random_delays():

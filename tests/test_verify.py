@@ -281,7 +281,7 @@ def test_kind_rules():
     one_of(
         verify(tg, replace_vertex(mg, dataclasses.replace(v, ins=(Read("y", 1, g0(1)),)))),
         "vertex 4",
-        "reload must read one host or input range",
+        "reload must read one host, disk or input range",
     )
     tg2, mg2 = transfer_graph()
     v = mg2.vertices[3]

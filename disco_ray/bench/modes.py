@@ -106,9 +106,18 @@ def in_memory(tg: TaskGraph, alignment: int = 256, order=None) -> MemGraph:
     return mg
 
 
-def plan(tg: TaskGraph, mode: str, capacity, levels=None, alignment: int = 256, order=None) -> MemGraph:
+def plan(
+    tg: TaskGraph,
+    mode: str,
+    capacity,
+    levels=None,
+    alignment: int = 256,
+    order=None,
+    host_capacity=None,
+) -> MemGraph:
     """Plans `tg` with the planner (serial `order`, default the planner's) for `capacity` (None:
-    room for everything) and applies `mode` (one of MODES)."""
+    room for everything; `host_capacity`: the host stores' budget, beyond which offloads go to
+    disk) and applies `mode` (one of MODES)."""
     if mode not in MODES:
         raise UsageError(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
     if mode == "in_memory":
@@ -117,7 +126,7 @@ def plan(tg: TaskGraph, mode: str, capacity, levels=None, alignment: int = 256, 
 
     if capacity is None:  # everything fits
         capacity = roomy_capacity(tg, alignment)
-    mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
+    mg = build_memgraph(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity)
     if mode == "deterministic":
         return deterministic(mg)
     if mode == "levelwise":
@@ -135,6 +144,7 @@ def _with_edges(mg: MemGraph, new: list[tuple[int, int, str]], stats: dict) -> M
         dict(mg.outputs),
         list(mg.host_capacity),
         {**mg.stats, **stats},
+        list(mg.disk_capacity),
     )
 
 
@@ -169,4 +179,12 @@ def _renumber(mg: MemGraph, order: list[int]) -> MemGraph:
     ]
     edges = [(new_id[u], new_id[w], k) for u, w, k in mg.edges]
     outputs = {k: named.get(v, new_id[v]) for k, v in mg.outputs.items()}
-    return MemGraph(list(mg.capacity), verts, edges, outputs, list(mg.host_capacity), dict(mg.stats))
+    return MemGraph(
+        list(mg.capacity),
+        verts,
+        edges,
+        outputs,
+        list(mg.host_capacity),
+        dict(mg.stats),
+        list(mg.disk_capacity),
+    )

@@ -18,9 +18,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-LANES = ("compute", "h2d", "d2h", "peer")
+LANES = ("compute", "h2d", "d2h", "peer", "disk")
 LANE_OF = {"kernel": "compute", "input": "h2d", "reload": "h2d", "offload": "d2h", "transfer": "peer"}
-COLORS = {"compute": "tab:blue", "h2d": "tab:orange", "d2h": "tab:green", "peer": "tab:purple"}
+COLORS = {
+    "compute": "tab:blue",
+    "h2d": "tab:orange",
+    "d2h": "tab:green",
+    "peer": "tab:purple",
+    "disk": "tab:brown",
+}
 OTHER = "tab:gray"
 
 
@@ -73,6 +79,8 @@ def panel(doc: dict, label: str) -> Panel:
         if e["ph"] == "X":
             dur = float(e.get("dur", 0.0)) / 1e3
             lane = LANE_OF.get(str(e.get("cat", "")), threads.get((pid, e.get("tid")), f"tid {e.get('tid')}"))
+            if (e.get("args") or {}).get("tier") == "disk":  # the spill file's lanes
+                lane = "disk"
             order = LANES.index(lane) if lane in LANES else len(LANES)
             lanes.setdefault((str(pid).zfill(6), order, lane, who), []).append((t, t + dur))
             p.span = max(p.span, t + dur)
@@ -156,6 +164,7 @@ def plot(panels: Sequence[Panel], path: str, title: str, unit: str = "ms") -> No
     order = [k for k in (*LANES, "other") if k in seen]
     names = {"compute": "compute (kernels)", "h2d": "h2d (inputs, reloads)", "d2h": "d2h (offloads)"}
     names["peer"] = "peer (transfers)"
+    names["disk"] = "disk (spill file)"
     fig.legend(
         [Patch(color=seen[k]) for k in order],
         [names.get(k, k) for k in order],

@@ -1,8 +1,9 @@
 """Cost models for the simulator: device profiles (rates of a GPU and its links) and the unit model.
 
 A cost model gives each MemGraph vertex a duration and the lane it occupies on its GPU:
-`compute` (kernels), `h2d` (input loads and reloads), `d2h` (offloads) and `peer` (GPU-to-GPU
-transfers, on the destination GPU). `h100` holds figures measured on the lent H100 (GPU.md);
+`compute` (kernels), `h2d` (input loads and reloads), `d2h` (offloads), `peer` (GPU-to-GPU
+transfers, on the destination GPU), and `disk_w` / `disk_r` (offloads to and reloads from the
+worker's spill file: the disk lanes). `h100` holds figures measured on the lent H100 (GPU.md);
 `a100` and `p100` come from public specifications, derated by `efficiency` for the kernels.
 """
 
@@ -13,10 +14,10 @@ from dataclasses import dataclass, field
 
 from disco_ray.graph import ops
 from disco_ray.graph.errors import UsageError
-from disco_ray.graph.memgraph import MemVertex, MKind
+from disco_ray.graph.memgraph import DISK, MemVertex, MKind
 from disco_ray.graph.taskgraph import Vertex
 
-LANES = ("compute", "h2d", "d2h", "peer")
+LANES = ("compute", "h2d", "d2h", "peer", "disk_w", "disk_r")
 _LANE = {
     MKind.KERNEL: "compute",
     MKind.INPUT: "h2d",
@@ -26,8 +27,17 @@ _LANE = {
 }
 
 
+def on_disk(v: MemVertex) -> bool:
+    """An offload to or a reload from the spill file."""
+    if v.kind is MKind.OFFLOAD:
+        return v.out.device == DISK
+    return v.kind is MKind.RELOAD and bool(v.ins) and v.ins[0].loc.device == DISK
+
+
 def lane(v: MemVertex) -> str:
     """The lane (channel) of its GPU that vertex `v` occupies while it runs."""
+    if on_disk(v):
+        return "disk_w" if v.kind is MKind.OFFLOAD else "disk_r"
     return _LANE[v.kind]
 
 
@@ -54,10 +64,18 @@ class Profile:
     op_speed: Mapping[str, float] = field(
         default_factory=dict
     )  # op -> fraction of the rates its kernel reaches
+    # the spill file's bytes/s (a generic NVMe drive, not measured; benchmarks/bench_tiers.py
+    # measures the disk of the machine it runs on)
+    disk_write: float = 2e9
+    disk_read: float = 3e9
 
     def time(self, v: MemVertex, tv: Vertex | None, in_shapes: list[tuple[int, ...]]) -> float:
         """Seconds vertex `v` occupies its lane (`tv`: its TaskGraph vertex, for kernels)."""
         nb = v.out.nbytes
+        if on_disk(v):  # the device copy and the file I/O, one after the other
+            if v.kind is MKind.OFFLOAD:
+                return self.launch + nb / self.d2h + nb / self.disk_write
+            return self.launch + nb / self.disk_read + nb / self.h2d
         if v.kind in (MKind.INPUT, MKind.RELOAD):
             return self.launch + nb / self.h2d
         if v.kind is MKind.OFFLOAD:

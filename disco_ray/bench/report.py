@@ -78,6 +78,7 @@ def sim_summary(mg: MemGraph, result: SimResult) -> dict:
             "busy_h2d": round(b["h2d"], 4),
             "busy_d2h": round(b["d2h"], 4),
             "busy_transfer": round(b["peer"], 4),
+            "busy_disk": round(max(b["disk_w"], b["disk_r"]), 4),
         }
         for g, b in enumerate(result.busy)
     ]

@@ -201,6 +201,41 @@ def capacities(
     return caps
 
 
+def disk_dir_arg(text: str) -> str:
+    """argparse type for `--disk DIR`: a directory, or a path one can be made at."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: not a directory")
+    return str(path)
+
+
+def add_tier_args(p: argparse.ArgumentParser, disk: bool = True) -> None:
+    """`--host-capacity SIZE[,SIZE...]` (the host store's budget per GPU, beyond which offloads go
+    to disk) and, on commands that run, `--disk DIR` (where the spill files go)."""
+    p.add_argument(
+        "--host-capacity",
+        type=capacity_arg,
+        metavar="SIZE[,SIZE...]",
+        help="host-store bytes of every GPU's worker, or one per GPU; offloads beyond it go to "
+        "disk (default: unbounded)",
+    )
+    if disk:
+        p.add_argument(
+            "--disk",
+            type=disk_dir_arg,
+            metavar="DIR",
+            help="directory of the workers' spill files (default: a temporary one, removed at the end)",
+        )
+
+
+def host_capacity_of(args: argparse.Namespace, gpus: int) -> int | list[int] | None:
+    """The planner's host_capacity from `--host-capacity` (None: unbounded)."""
+    cap = getattr(args, "host_capacity", None)
+    if isinstance(cap, list) and len(cap) != gpus:
+        raise UsageError(f"--host-capacity gives {len(cap)} sizes for {gpus} GPU(s)")
+    return cap
+
+
 def read_order(path: str) -> list[str]:
     """A vertex order: a JSON list of TaskGraph ids (.json), or a text file with one id per line."""
     try:

@@ -46,7 +46,7 @@ log = logging.getLogger("disco_ray")
 def add_bench(sub) -> None:
     from disco_ray.driver.placement import add_cluster_args
 
-    from .app import add_capacity_args
+    from .app import add_capacity_args, add_tier_args
     from .run import add_engine_args
     from .target import add_target_args
 
@@ -58,6 +58,7 @@ def add_bench(sub) -> None:
     )
     add_target_args(p)  # TARGET [key=value ...] --inputs --seed
     add_capacity_args(p, default="everything fits")
+    add_tier_args(p)  # --host-capacity, --disk
     p.add_argument(
         "--modes",
         help="comma-separated modes: dynamic, deterministic, levelwise, in_memory, torch_naive, "
@@ -113,7 +114,7 @@ def _modes(args, w, simulated: bool) -> list[str]:
 def cmd_bench(args) -> int:
     from disco_ray.bench import report as bench
 
-    from .app import capacity_of
+    from .app import capacity_of, host_capacity_of
     from .run import engine_kwargs
     from .target import load_target
 
@@ -135,6 +136,7 @@ def cmd_bench(args) -> int:
             raise UsageError(str(e)) from None
     w = load_target(args, materialize=cost is None)
     args.capacity = capacity_of(args, w.taskgraph.gpus)
+    args.host_capacity = host_capacity_of(args, w.taskgraph.gpus)
     modes = _modes(args, w, cost is not None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +220,9 @@ def _simulated(args, w, modes, cost) -> dict:
         if mode in bench.TORCH_MODES:
             rows.append(bench.row(mode, None, None, None, "not simulated"))
             continue
-        mg = M.plan(tg, mode, args.capacity, levels=w.levels, order=_order(args, w))
+        mg = M.plan(
+            tg, mode, args.capacity, levels=w.levels, order=_order(args, w), host_capacity=args.host_capacity
+        )
         r = simulate(mg, tg, cost, streams=args.streams)
         rows.append(bench.row(mode, r.makespan, bench.sim_summary(mg, r), None, "simulated, not checked"))
         rows[-1]["summary"] = {**bench.sim_summary(mg, r), "plan": mg.statistics()}
@@ -330,8 +334,15 @@ def _measured(args, w, modes) -> dict:
             if mode in bench.TORCH_MODES:
                 rows.append(_baseline(mode, w, tdev, ref, args.warmup, args.repeat))
                 continue
-            mg = M.plan(tg, mode, args.capacity, levels=w.levels, order=_order(args, w))
-            prog = Program(tg, mg, **engine_kwargs(args), **kw)
+            mg = M.plan(
+                tg,
+                mode,
+                args.capacity,
+                levels=w.levels,
+                order=_order(args, w),
+                host_capacity=args.host_capacity,
+            )
+            prog = Program(tg, mg, **engine_kwargs(args), disk_dir=args.disk, **kw)
             with prog:
                 best = recs = outs = None
                 for r in range(args.warmup + args.repeat):  # warm-up: allocator, cuBLAS, actors

@@ -21,7 +21,7 @@ from pathlib import Path
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, capacity_of
+from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of
 from .run import add_engine_args, engine_kwargs
 
 
@@ -51,6 +51,7 @@ def add_finetune(sub) -> None:
     p.add_argument("--batch", type=int, metavar="B", help="sequences per step (default: all)")
     p.add_argument("--gpus", type=int, default=1, metavar="G")
     add_capacity_args(p)
+    add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="row tile, in tokens (64)")
     p.add_argument("--seed", type=int, default=0, help="of a new adapter's initial A")
@@ -107,6 +108,8 @@ def cmd_finetune(args) -> int:
     optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)
     kw = engine_kwargs(args)
     kw["weights"] = args.weights
+    kw["host_capacity"] = host_capacity_of(args, args.gpus)
+    kw["disk_dir"] = args.disk
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     with LoraTrainer(

@@ -22,7 +22,7 @@ from pathlib import Path
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, capacity_of
+from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of
 from .run import add_engine_args, engine_kwargs
 
 
@@ -53,6 +53,7 @@ def add_generate(sub) -> None:
         "--gpus", type=int, default=1, metavar="G", help="GPUs to split the model over (default 1)"
     )
     add_capacity_args(p)
+    add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block, in tokens (64)")
     p.add_argument("--tile", type=int, metavar="N", help="prefill row tile, a multiple of --block (4 blocks)")
@@ -116,6 +117,8 @@ def cmd_generate(args) -> int:
     ids = tok.encode(args.prompt).ids if tok is not None else args.prompt_ids
     kw = engine_kwargs(args)
     kw["weights"] = args.weights
+    kw["host_capacity"] = host_capacity_of(args, args.gpus)
+    kw["disk_dir"] = args.disk
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     with LlamaModel(

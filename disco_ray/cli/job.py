@@ -53,7 +53,7 @@ def run_job(args: argparse.Namespace) -> int:
     from disco_ray.graph import formats
     from disco_ray.graph.trace import format_summary
 
-    from .app import capacity_of
+    from .app import capacity_of, host_capacity_of
     from .npz import save_npz
     from .target import load_target
 
@@ -62,10 +62,11 @@ def run_job(args: argparse.Namespace) -> int:
     w = load_target(args)  # a TaskGraph file (and its inputs) or a workload by name
     tg, inputs = w.taskgraph, w.inputs
     kw = {"engine": "ray", "backend": args.backend, "streams": args.streams, **cluster_kwargs(args)}
+    kw["disk_dir"] = args.disk
     prog = (
         Program(tg, formats.load_memgraph(args.plan), **kw)
         if args.plan
-        else compile(tg, capacity_of(args, tg.gpus), **kw)
+        else compile(tg, capacity_of(args, tg.gpus), host_capacity=host_capacity_of(args, tg.gpus), **kw)
     )
     status = 0
     with prog:

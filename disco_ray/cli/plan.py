@@ -8,11 +8,21 @@ import sys
 
 from disco_ray.graph import formats
 from disco_ray.graph.errors import DiscoError, UsageError
-from disco_ray.graph.memgraph import MemGraph, MKind
+from disco_ray.graph.memgraph import DISK, MemGraph, MKind
 from disco_ray.graph.sizes import format_size
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .app import PROG, add_capacity_args, capacity_of, output_path, positive_int, power_of_two, read_order
+from .app import (
+    PROG,
+    add_capacity_args,
+    add_tier_args,
+    capacity_of,
+    host_capacity_of,
+    output_path,
+    positive_int,
+    power_of_two,
+    read_order,
+)
 
 log = logging.getLogger("disco_ray")
 
@@ -37,6 +47,12 @@ def memgraph_stats(mg: MemGraph) -> dict:
     st = mg.statistics()
     st["bytes_offloaded"] = sum(v.out.nbytes for v in mg if v.kind is MKind.OFFLOAD)
     st["bytes_reloaded"] = sum(v.out.nbytes for v in mg if v.kind is MKind.RELOAD)
+    st["bytes_offloaded_disk"] = sum(
+        v.out.nbytes for v in mg if v.kind is MKind.OFFLOAD and v.out.device == DISK
+    )
+    st["bytes_reloaded_disk"] = sum(
+        v.out.nbytes for v in mg if v.kind is MKind.RELOAD and v.ins and v.ins[0].loc.device == DISK
+    )
     high = [0] * mg.gpus
     for v in mg:
         if 0 <= v.out.device < mg.gpus:
@@ -76,8 +92,33 @@ def summary_lines(st: dict, what: str) -> list[str]:
     ):
         if isinstance(st.get(key), list):
             lines.append(f"{label}: {_sizes(st[key])}")
+    if any(st.get("disk_capacity") or ()) or st.get("bytes_offloaded_disk"):
+        host, disk = st["bytes_offloaded"] - st["bytes_offloaded_disk"], st["bytes_offloaded_disk"]
+        lines.append(
+            f"tiers: host offloaded {format_size(host)}, reloaded "
+            f"{format_size(st['bytes_reloaded'] - st['bytes_reloaded_disk'])}; disk offloaded "
+            f"{format_size(disk)}, reloaded {format_size(st['bytes_reloaded_disk'])}"
+        )
+        if isinstance(st.get("peak_disk_bytes"), list):
+            lines.append(f"peak spill file bytes: {_sizes(st['peak_disk_bytes'])}")
+        lines.append(f"spill file size: {_sizes(st['disk_capacity'])}")
+    budget = st.get("host_budget")
+    if isinstance(budget, list) and any(b is not None for b in budget):
+        lines.append(
+            "host budget: "
+            + ", ".join(
+                f"gpu:{g} {'unbounded' if b is None else format_size(b)}" for g, b in enumerate(budget)
+            )
+        )
     known = {"vertices", "by_kind", "edges", "data_edges", "mem_edges", "capacity", "host_capacity"}
     known |= {"bytes_offloaded", "bytes_reloaded", "arena_high_water", "peak_gpu_bytes", "peak_host_bytes"}
+    known |= {
+        "disk_capacity",
+        "bytes_offloaded_disk",
+        "bytes_reloaded_disk",
+        "peak_disk_bytes",
+        "host_budget",
+    }
     extra = {k: v for k, v in st.items() if k not in known and isinstance(v, (int, float, str))}
     if extra:
         lines.append("planner: " + ", ".join(f"{k} {v}" for k, v in extra.items()))
@@ -93,6 +134,7 @@ def add_plan(sub) -> None:
     )
     p.add_argument("taskgraph", metavar="TASKGRAPH", help="TaskGraph file (.json or .msgpack)")
     add_capacity_args(p, required=True)
+    add_tier_args(p, disk=False)
     p.add_argument(
         "--order",
         metavar="FILE",
@@ -122,7 +164,9 @@ def cmd_plan(args) -> int:
     from planner import build_memgraph
 
     try:
-        mg = build_memgraph(tg, caps, order=order, alignment=args.alignment)
+        mg = build_memgraph(
+            tg, caps, order=order, alignment=args.alignment, host_capacity=host_capacity_of(args, tg.gpus)
+        )
     except DiscoError as e:
         raise type(e)(f"{args.taskgraph}: {e}") from None
     try:

@@ -38,7 +38,7 @@ def delay_arg(text: str) -> tuple[float, float]:
 
 
 def add_run(sub) -> None:
-    from .app import add_capacity_args
+    from .app import add_capacity_args, add_tier_args
     from .target import add_target_args
 
     p = sub.add_parser(
@@ -49,6 +49,7 @@ def add_run(sub) -> None:
     )
     add_target_args(p)  # TARGET [key=value ...] --inputs --seed
     add_capacity_args(p, default="everything fits")
+    add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--plan", metavar="MEMGRAPH", help="run this MemGraph instead of planning")
     p.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
     add_engine_args(p)
@@ -117,7 +118,7 @@ def cmd_run(args) -> int:
     from disco_ray.graph import formats
     from disco_ray.graph.trace import format_summary
 
-    from .app import _error, capacity_of
+    from .app import _error, capacity_of, host_capacity_of
     from .target import load_target
 
     if not str(args.out).endswith(".npz"):
@@ -126,15 +127,17 @@ def cmd_run(args) -> int:
     w = load_target(args)  # inputs checked here: refused before anything is planned or started
     tg = w.taskgraph
     capacity = capacity_of(args, tg.gpus)
+    host_capacity = host_capacity_of(args, tg.gpus)
+    kw["disk_dir"] = args.disk
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     if args.plan:
-        if capacity is not None:
-            raise UsageError("--plan runs a given MemGraph: --capacity does not apply")
+        if capacity is not None or host_capacity is not None:
+            raise UsageError("--plan runs a given MemGraph: --capacity and --host-capacity do not apply")
         prog = Program(tg, formats.load_memgraph(args.plan), **kw)
     else:
         try:
-            prog = compile(tg, capacity, **kw)
+            prog = compile(tg, capacity, host_capacity=host_capacity, **kw)
         except DiscoError as e:  # name the graph, as `plan` does
             raise type(e)(f"{args.target}: {e}") from None
     with prog:

@@ -86,6 +86,9 @@ class Program:
         address: connect to this Ray cluster ("auto", "HOST:PORT") instead of starting a local one.
         sources: inputs read from files (`source`): "host" keeps each in the worker's host memory
             after the first read; "disk" reads it from its file at each load (actors/diskio.py).
+        disk_dir: the directory of the workers' spill files, where a plan offloads to disk (a
+            host budget, `compile(host_capacity=...)`); None: a temporary directory each, removed
+            when the engine closes.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class Program:
         placement: object | None = None,
         address: str | None = None,
         sources: str = "host",
+        disk_dir: str | None = None,
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
@@ -125,7 +129,7 @@ class Program:
         self.tg, self.mg = tg, mg
         self.engine_name, self.backend, self.streams = engine, backend, streams
         self._kw = {
-            "config": WorkerConfig(backend, streams, ahead, flush_s, sources=sources),
+            "config": WorkerConfig(backend, streams, ahead, flush_s, sources=sources, disk_dir=disk_dir),
             "op_modules": tuple(op_modules),
             "num_cpus": num_cpus,
             "pool": pool,
@@ -137,6 +141,7 @@ class Program:
         self._plans: dict[tuple[int, ...], MemGraph] = {}  # capacity -> plan (resize)
         self._order: Sequence[str] | None = None  # what compile planned with
         self._alignment = 256
+        self._host_capacity: object = None  # what compile planned with (resize keeps it)
         self._runs = 0  # runs on the current engine (the first is cold)
         self.last_summary: dict | None = None
         self.last_records: list[list] | None = None
@@ -206,6 +211,8 @@ class Program:
         self.last_summary["cold"] = self._runs == 0  # the engine's first run: arenas, sourced inputs
         self._runs += 1
         self.last_summary["transports"] = dict(getattr(eng, "transports", {}))  # "i-j" -> path
+        if any(self.mg.disk_capacity):  # the spill files' I/O: bytes, seconds, bandwidth per worker
+            self.last_summary["disk"] = disk_summary(eng.statistics()["workers"])
         if getattr(eng, "placement_summary", None) is not None:  # ray engine: node of each worker, paths
             self.last_summary["placement"] = eng.placement_summary
         if trace:
@@ -245,7 +252,11 @@ class Program:
         mg = self._plans.get(caps)
         if mg is None:
             mg = self._plans[caps] = build_memgraph(
-                self.tg, list(caps), order=self._order, alignment=self._alignment
+                self.tg,
+                list(caps),
+                order=self._order,
+                alignment=self._alignment,
+                host_capacity=self._host_capacity,  # type: ignore[arg-type]
             )
         self.mg = mg
         return {"capacity": list(caps), "free_s": t1 - t0, "plan_s": time.perf_counter() - t1}
@@ -262,6 +273,20 @@ class Program:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def disk_summary(workers: Sequence[dict]) -> dict:
+    """The run's spill-file I/O from the workers' statistics: per worker and in all (GB/s: bytes
+    over the seconds of file I/O, summed over workers)."""
+    per = [{"gpu": w.get("gpu", g), **w["disk"]} for g, w in enumerate(workers) if w.get("disk")]
+    out: dict = {"workers": per}
+    for way, secs in (("written", "write_s"), ("read", "read_s")):
+        b = sum(w[f"bytes_{way}"] for w in per)
+        t = sum(w[secs] for w in per)
+        out[f"bytes_{way}"] = b
+        out[secs] = round(t, 6)
+        out[f"{'write' if way == 'written' else 'read'}_gb_per_s"] = round(b / t / 1e9, 3) if t else None
+    return out
 
 
 def _warn_low_precision(tg: TaskGraph) -> None:
@@ -283,9 +308,13 @@ def compile(
     *,
     order: Sequence[str] | None = None,
     alignment: int = 256,
+    host_capacity: int | str | Sequence[int | None] | None = None,
     **kw,
 ) -> Program:
-    """Plans `tg` with planner.build_memgraph for `capacity` bytes per GPU; `kw` go to Program."""
+    """Plans `tg` with planner.build_memgraph for `capacity` bytes per GPU; `kw` go to Program.
+
+    `host_capacity`: each GPU's host-store budget (the same forms as `capacity`; None: unbounded);
+    offloads beyond it go to the worker's spill file (`disk_dir=`, a Program option)."""
     try:
         from planner import build_memgraph, roomy_capacity  # type: ignore[attr-defined]
     except ImportError:
@@ -296,9 +325,13 @@ def compile(
         from disco_ray.graph.sizes import parse_capacity
 
         capacity = parse_capacity(capacity)
-    mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
+    if isinstance(host_capacity, str):
+        from disco_ray.graph.sizes import parse_capacity
+
+        host_capacity = parse_capacity(host_capacity)
+    mg = build_memgraph(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity)
     prog = Program(tg, mg, **kw)
-    prog._order, prog._alignment = order, alignment
+    prog._order, prog._alignment, prog._host_capacity = order, alignment, host_capacity
     return prog
 
 
@@ -319,9 +352,11 @@ def run(
     *,
     order: Sequence[str] | None = None,
     alignment: int = 256,
+    host_capacity: int | str | Sequence[int | None] | None = None,
     **kw,
 ) -> dict[str, torch.Tensor] | RunResult:
-    """Plans `tg` for `capacity` bytes per GPU (default: everything fits) and runs it once.
+    """Plans `tg` for `capacity` bytes per GPU (default: everything fits; `host_capacity`: the host
+    stores' budget, beyond which offloads go to disk) and runs it once.
 
     `kw`: Program's options (engine, backend, streams, ...) and `Program.run`'s (trace, details,
     check, delay, seed, timeout, progress). Inputs are checked before planning, so a bad input
@@ -329,5 +364,5 @@ def run(
     """
     check_inputs(tg, inputs)
     run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
-    with compile(tg, capacity, order=order, alignment=alignment, **kw) as prog:
+    with compile(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity, **kw) as prog:
         return prog.run(inputs, **run_kw)

@@ -1,7 +1,7 @@
 """MemGraph: the dependency DAG the planner hands out (FORMATS.md, "disco-memgraph").
 
-Every vertex writes one location (a byte range of a GPU arena, or of the host store of the GPU it
-runs on) and reads values at known locations; edges are data and memory dependencies. Any order
+Every vertex writes one location (a byte range of a GPU arena, or of the host store or the spill
+file of the GPU it runs on) and reads values at known locations; edges are data and memory dependencies. Any order
 that respects the edges computes the same result.
 """
 
@@ -17,6 +17,8 @@ FORMAT = "disco-memgraph"
 VERSION = 1
 HOST = -1  # the host store of the GPU the vertex runs on
 INPUT = -2  # the caller's own host copy of a graph input (a reload with "src": null)
+DISK = -3  # the spill file of the GPU the vertex runs on (offloads when its host store is full)
+TIERS = {HOST: "host", DISK: "disk"}  # where an offload writes
 
 
 class MKind(str, Enum):
@@ -28,7 +30,7 @@ class MKind(str, Enum):
 
 
 def device_name(d: int) -> str:
-    return "host" if d == HOST else "input" if d == INPUT else f"gpu:{d}"
+    return "host" if d == HOST else "input" if d == INPUT else "disk" if d == DISK else f"gpu:{d}"
 
 
 def parse_device(s: object, where: str) -> int:
@@ -36,14 +38,16 @@ def parse_device(s: object, where: str) -> int:
         return HOST
     if s == "input":
         return INPUT
+    if s == "disk":
+        return DISK
     if isinstance(s, str) and s.startswith("gpu:") and s[4:].isdigit():
         return int(s[4:])
-    raise FormatError(f"{where}: bad device {s!r} (gpu:N, host or input)")
+    raise FormatError(f"{where}: bad device {s!r} (gpu:N, host, disk or input)")
 
 
 @dataclass(frozen=True, slots=True)
 class Loc:
-    device: int  # GPU index, HOST or INPUT
+    device: int  # GPU index, HOST, DISK or INPUT
     offset: int
     nbytes: int
 
@@ -101,7 +105,12 @@ class MemGraph:
     outputs: dict[str, int]  # TaskGraph output id -> vertex holding its final value
     host_capacity: list[int] = field(default_factory=list)  # host store bytes per GPU
     stats: dict = field(default_factory=dict)
+    disk_capacity: list[int] = field(default_factory=list)  # spill-file bytes per GPU
     _index: dict[int, int] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.disk_capacity) < len(self.capacity):  # none given: no spill file
+            self.disk_capacity = [*self.disk_capacity, *[0] * (len(self.capacity) - len(self.disk_capacity))]
 
     @property
     def gpus(self) -> int:
@@ -149,6 +158,7 @@ class MemGraph:
             "mem_edges": len(self.edges) - data,
             "capacity": list(self.capacity),
             "host_capacity": list(self.host_capacity),
+            "disk_capacity": list(self.disk_capacity),
         }
 
     def to_dict(self) -> dict:
@@ -160,6 +170,7 @@ class MemGraph:
                     "device": f"gpu:{g}",
                     "capacity": c,
                     "host_capacity": self.host_capacity[g] if g < len(self.host_capacity) else 0,
+                    "disk_capacity": self.disk_capacity[g] if g < len(self.disk_capacity) else 0,
                 }
                 for g, c in enumerate(self.capacity)
             ],
@@ -181,12 +192,14 @@ class MemGraph:
             devs = doc["devices"]
             cap = [0] * len(devs)
             host = [0] * len(devs)
+            disk = [0] * len(devs)
             for n, d in enumerate(devs):
                 g = parse_device(d["device"], f"devices[{n}]")
                 if g < 0 or g >= len(devs):
                     raise FormatError(f"devices[{n}]: device {d['device']!r} out of range")
                 cap[g] = int(d["capacity"])
                 host[g] = int(d.get("host_capacity", 0))
+                disk[g] = int(d.get("disk_capacity", 0))
             verts = []
             seen: set[int] = set()
             for n, r in enumerate(doc["vertices"]):
@@ -242,7 +255,7 @@ class MemGraph:
         stats = doc.get("stats") or {}
         if not isinstance(stats, dict):
             raise FormatError('memgraph: "stats" must be an object')
-        return cls(cap, verts, edges, outputs, host, dict(stats))
+        return cls(cap, verts, edges, outputs, host, dict(stats), disk)
 
 
 def _loc(d: dict, where: str) -> Loc:

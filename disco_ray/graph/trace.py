@@ -6,7 +6,7 @@ GPU and tid the stream; each vertex is a complete event ("ph": "X", ts/dur in us
 whose args give the vertex id, kind, value and bytes written. Besides (Chrome/Perfetto
 trace-event format):
 
-- counter events ("ph": "C") per GPU, "arena bytes" and "host store bytes": the bytes the plan
+- counter events ("ph": "C") per GPU, "arena bytes", "host store bytes" and "spill file bytes": the bytes the plan
   holds in use over time, each range from the start of the vertex writing it to the end of its
   last reader (outputs to the end of the run);
 - flow events ("ph": "s" / "f", one id per transfer): an arrow from the vertex on the source GPU
@@ -24,13 +24,13 @@ import json
 from collections.abc import Sequence
 
 from disco_ray.graph.formats import write_doc
-from disco_ray.graph.memgraph import HOST, MemGraph, MKind
+from disco_ray.graph.memgraph import DISK, HOST, MemGraph, MKind
 
 Record = tuple[int, int, int, int]
 CLASS = {"kernel": "compute", "input": "h2d", "reload": "h2d", "offload": "d2h", "transfer": "transfer"}
 
 
-COUNTERS = ("arena bytes", "host store bytes")
+COUNTERS = ("arena bytes", "host store bytes", "spill file bytes")
 
 
 def occupancy(
@@ -52,10 +52,10 @@ def occupancy(
     kept = set(mg.outputs.values())
     steps: dict[tuple[int, str], list[tuple[int, int]]] = {}
     for v in mg.vertices:
-        if v.id not in when or v.out.device not in (v.gpu, HOST):
+        if v.id not in when or v.out.device not in (v.gpu, HOST, DISK):
             continue
         g, a, b = when[v.id]
-        name = COUNTERS[0] if v.out.device == v.gpu else COUNTERS[1]
+        name = COUNTERS[0] if v.out.device == v.gpu else COUNTERS[1] if v.out.device == HOST else COUNTERS[2]
         stop = end if v.id in kept else last.get(v.id, b)
         steps.setdefault((g, name), []).extend([(a, v.out.nbytes), (max(stop, a), -v.out.nbytes)])
     out = {}
@@ -110,7 +110,13 @@ def chrome_trace(mg: MemGraph, records: Sequence[Sequence[Record]]) -> dict:
                     "tid": s,
                     "ts": (a - t0) / 1e3,
                     "dur": (b - a) / 1e3,
-                    "args": {"vertex": vid, "kind": v.kind.value, "value": v.value, "bytes": v.out.nbytes},
+                    "args": {
+                        "vertex": vid,
+                        "kind": v.kind.value,
+                        "value": v.value,
+                        "bytes": v.out.nbytes,
+                        **({"tier": "disk"} if _on_disk(v) else {}),
+                    },
                 }
             )
     for (g, name), curve in sorted(occupancy(mg, records).items()):
@@ -134,6 +140,13 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+def _on_disk(v) -> bool:
+    """An offload to or a reload from the spill file (the disk lanes)."""
+    if v.kind is MKind.OFFLOAD:
+        return v.out.device == DISK
+    return v.kind is MKind.RELOAD and bool(v.ins) and v.ins[0].loc.device == DISK
+
+
 def summarize(mg: MemGraph, records: Sequence[Sequence[Record]], wall_s: float | None = None) -> dict:
     """Makespan, per-GPU busy fractions by class, bytes moved by kind, vertices per second."""
     flat = [r for recs in records for r in recs]
@@ -152,12 +165,18 @@ def summarize(mg: MemGraph, records: Sequence[Sequence[Record]], wall_s: float |
     moved: dict[str, int] = {}
     gpus = []
     for g, recs in enumerate(records):
-        by_class: dict[str, list[tuple[int, int]]] = {c: [] for c in ("compute", "h2d", "d2h", "transfer")}
+        by_class: dict[str, list[tuple[int, int]]] = {
+            c: [] for c in ("compute", "h2d", "d2h", "transfer", "disk")
+        }
         for vid, _, a, b in recs:
             v = mg.vertex(vid)
-            by_class[CLASS[v.kind.value]].append((a, b))
+            disk = _on_disk(v)
+            by_class["disk" if disk else CLASS[v.kind.value]].append((a, b))
             if v.kind.value != "kernel":
                 moved[v.kind.value] = moved.get(v.kind.value, 0) + v.out.nbytes
+            if disk:  # also counted in "offload" / "reload" above
+                key = f"{v.kind.value}_disk"
+                moved[key] = moved.get(key, 0) + v.out.nbytes
         gpus.append(
             {
                 "gpu": g,
@@ -200,9 +219,20 @@ def format_summary(s: dict) -> str:
         lines.append(
             f"  gpu:{g['gpu']}: {g['vertices']} vertices, busy compute {g['busy_compute']:.0%} "
             f"h2d {g['busy_h2d']:.0%} d2h {g['busy_d2h']:.0%} transfer {g['busy_transfer']:.0%}"
+            + (f" disk {g['busy_disk']:.0%}" if g.get("busy_disk") else "")
         )
     if s["bytes"]:
         lines.append("  bytes moved: " + ", ".join(f"{k} {v}" for k, v in sorted(s["bytes"].items())))
+    d = s.get("disk")
+    if d:
+        for w in d["workers"]:
+            lines.append(
+                f"  disk gpu:{w['gpu']}: wrote {w['bytes_written']} B in {w['write_s'] * 1e3:.1f} ms, read "
+                f"{w['bytes_read']} B in {w['read_s'] * 1e3:.1f} ms ({'O_DIRECT' if w['direct'] else 'buffered'})"
+            )
+        lines.append(
+            f"  disk bandwidth: write {d['write_gb_per_s'] or 0:.3f} GB/s, read {d['read_gb_per_s'] or 0:.3f} GB/s"
+        )
     if s.get("placement"):
         lines.extend(format_placement(s["placement"]))
     return "\n".join(lines)

@@ -43,8 +43,8 @@ class LoraTrainer(Programs):
         seed: of a new adapter's A matrices (B starts at zero, as PEFT does).
         grad_sum: how a weight gradient's partials are summed ("sum_into", the default: sum-into
             kernels, each adding one partial as soon as it exists; "add": one n-ary add; "chain").
-        capacity, gpus, dtype, block, engine, backend, streams, ahead, weights, pool, check: as for
-            `disco_ray.models.LlamaModel`.
+        capacity, host_capacity, disk_dir, gpus, dtype, block, engine, backend, streams, ahead,
+            weights, pool, check: as for `disco_ray.models.LlamaModel`.
     """
 
     def __init__(
@@ -67,6 +67,8 @@ class LoraTrainer(Programs):
         ahead: int | None = None,
         pool: object | None = None,
         check: bool = False,
+        host_capacity: int | str | Sequence[int | None] | None = None,
+        disk_dir: str | None = None,
         **cluster: object,
     ):
         if engine not in ENGINES:
@@ -79,6 +81,9 @@ class LoraTrainer(Programs):
         self.dtype = dtype or self.config.dtype
         self.gpus, self.block, self.grad_sum, self.check = gpus, block, grad_sum, check
         self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
+        self.host_capacity = (
+            parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity
+        )
         self.optim = optim or OptimSpec()
         self.optim.check()
         dims = {m: module_dims(self.config, m) for m in TARGETS}
@@ -89,7 +94,14 @@ class LoraTrainer(Programs):
             self.lora.check()
             self._start = adapter.init(self.lora, self.config.layers, dims, seed)
         super().__init__(
-            engine, pool, cluster, backend=backend, streams=streams, ahead=ahead, sources=weights
+            engine,
+            pool,
+            cluster,
+            backend=backend,
+            streams=streams,
+            ahead=ahead,
+            sources=weights,
+            disk_dir=disk_dir,
         )
         self._written = False  # the adapter's initial states are on the workers
         self.steps_done = 0
@@ -106,7 +118,7 @@ class LoraTrainer(Programs):
             self.ck, self.gpus, batch, seq, self.block, self.lora, self.optim, self.dtype, self.grad_sum
         )
         tg = tgraph.taskgraph
-        mg = build_memgraph(tg, self.capacity, order=list(tg.vertices))
+        mg = build_memgraph(tg, self.capacity, order=list(tg.vertices), host_capacity=self.host_capacity)
         self.plans.append(
             {
                 "graph": f"train/{batch}x{seq}",
@@ -116,6 +128,7 @@ class LoraTrainer(Programs):
                 "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
                 "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
                 "sum_into": mg.stats.get("sum_into"),
+                "bytes_offloaded_disk": mg.stats.get("bytes_offloaded_disk", 0),
             }
         )
         prog = Program(tg, mg, **self._prog_kw)

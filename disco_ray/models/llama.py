@@ -74,6 +74,8 @@ class LlamaModel(Programs):
         gpus: GPUs (workers) to split the model over (tensor-parallel; heads, key/value heads and
             intermediate_size must divide by it).
         capacity: arena bytes per GPU: an int, a list per GPU, or "64MiB" / "64MiB,32MiB".
+        host_capacity: each worker's host-store budget (the same forms; None: unbounded): offloads
+            beyond it go to the worker's spill file in `disk_dir` (None: a temporary directory).
         dtype: compute dtype (default: the checkpoint's); weights are converted when read.
         block: KV cache block (tokens); prompts are padded to a multiple of it.
         tile: prefill row tile (tokens, a multiple of `block`; default 4 blocks): larger tiles make
@@ -105,6 +107,8 @@ class LlamaModel(Programs):
         placement: object | None = None,
         check: bool = False,
         pool: object | None = None,
+        host_capacity: int | str | Sequence[int | None] | None = None,
+        disk_dir: str | None = None,
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
@@ -124,10 +128,20 @@ class LlamaModel(Programs):
         self.dtype = dtype or self.config.dtype
         self.gpus, self.block, self.check = gpus, block, check
         self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
+        self.host_capacity = (
+            parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity
+        )
         self.engine, self.backend = engine, backend
         cluster = dict(num_cpus=num_cpus, placement=placement, address=address)
         super().__init__(
-            engine, pool, cluster, backend=backend, streams=streams, ahead=ahead, sources=weights
+            engine,
+            pool,
+            cluster,
+            backend=backend,
+            streams=streams,
+            ahead=ahead,
+            sources=weights,
+            disk_dir=disk_dir,
         )
         self._plans: dict[tuple, tuple[ModelGraph, MemGraph]] = {}  # (key, capacity) -> plan
         self.clamped = 0  # plans made at a vertex's minimum because the capacity was below it
@@ -168,7 +182,7 @@ class LlamaModel(Programs):
                 self.clamped += 1
                 caps = [max(c, n) for c, n in zip(caps, need)]
             # the builder's order: layer by layer, each tile's vertices together
-            mg = build_memgraph(tg, caps, order=list(tg.vertices))
+            mg = build_memgraph(tg, caps, order=list(tg.vertices), host_capacity=self.host_capacity)
             dt = time.perf_counter() - t
             self.planning_s += dt
             self.plans.append(
@@ -180,6 +194,7 @@ class LlamaModel(Programs):
                     "planning_s": round(dt, 4),
                     "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
                     "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
+                    "bytes_offloaded_disk": mg.stats.get("bytes_offloaded_disk", 0),
                 }
             )
             planned = self._plans[(key, tuple(self._caps()))] = (mgraph, mg)
