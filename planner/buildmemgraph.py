@@ -513,4 +513,5 @@ def build_memgraph(
             gc.enable()
     mg.stats["order"] = p.order_name if order is not None else f"default ({p.order_name})"
     mg.stats["fit"] = fit
+    mg._planned_for = id(tg)  # this process's own plan of tg: Program runs it unverified
     return mg

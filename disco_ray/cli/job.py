@@ -49,12 +49,12 @@ def run_job(args: argparse.Namespace) -> int:
 
     from disco_ray.driver.cluster import measure_links
     from disco_ray.driver.placement import cluster_kwargs
-    from disco_ray.driver.program import Program, compile
-    from disco_ray.graph import formats
+    from disco_ray.driver.program import compile
     from disco_ray.graph.trace import format_summary
 
     from .app import capacity_of
     from .npz import save_npz
+    from .run import given_plan
     from .target import load_target
 
     if args.out and not str(args.out).endswith(".npz"):
@@ -62,11 +62,7 @@ def run_job(args: argparse.Namespace) -> int:
     w = load_target(args)  # a TaskGraph file (and its inputs) or a workload by name
     tg, inputs = w.taskgraph, w.inputs
     kw = {"engine": "ray", "backend": args.backend, "streams": args.streams, **cluster_kwargs(args)}
-    prog = (
-        Program(tg, formats.load_memgraph(args.plan), **kw)
-        if args.plan
-        else compile(tg, capacity_of(args, tg.gpus), **kw)
-    )
+    prog = given_plan(args, tg, kw) if args.plan else compile(tg, capacity_of(args, tg.gpus), **kw)
     status = 0
     with prog:
         outs = prog.run(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,13 @@ class PlacementConfig:
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
             raise UsageError(f"unknown placement {self.strategy!r} (one of {', '.join(STRATEGIES)})")
-        if self.gpus_per_worker is not None and self.gpus_per_worker <= 0:
-            raise UsageError(f"gpus_per_worker must be > 0, got {self.gpus_per_worker}")
-        if self.cpus_per_worker < 0:
-            raise UsageError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker}")
+        g, c = self.gpus_per_worker, self.cpus_per_worker
+        if g is not None and not (math.isfinite(g) and g > 0):
+            raise UsageError(f"gpus_per_worker (--gpus-per-worker) must be > 0, got {g}")
+        if not (math.isfinite(c) and c >= 0):
+            raise UsageError(f"cpus_per_worker (--cpus-per-worker) must be >= 0, got {c}")
+        if not (math.isfinite(self.ready_timeout_s) and self.ready_timeout_s > 0):
+            raise UsageError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
 
 
 def gpu_share(have: float, n: int, backend: str, requested: float | None = None) -> float:

@@ -86,6 +86,11 @@ class Program:
         address: connect to this Ray cluster ("auto", "HOST:PORT") instead of starting a local one.
         sources: inputs read from files (`source`): "host" keeps each in the worker's host memory
             after the first read; "disk" reads it from its file at each load (actors/diskio.py).
+        trusted: run a plan that did not come from this process's planner without verifying it
+            against `tg` first (`planner.verify`); a cycle is refused even then.
+
+    Raises:
+        VerifyError: `mg` is not a correct plan of `tg` (the first violations named).
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class Program:
         placement: object | None = None,
         address: str | None = None,
         sources: str = "host",
+        trusted: bool = False,
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
@@ -112,6 +118,8 @@ class Program:
         missing = [o for o in tg.kept if o not in mg.outputs]
         if missing:
             raise GraphError(f"the MemGraph holds no final vertex for outputs {missing}")
+        if mg._planned_for != id(tg):  # a foreign plan: a file, a hand-made or an edited one
+            check_plan(tg, mg, trusted)
         missing = missing_kernels(v.op for v in tg if v.op is not None)
         if missing:
             raise UsageError(
@@ -262,6 +270,16 @@ class Program:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_plan(tg: TaskGraph, mg: MemGraph, trusted: bool = False) -> None:
+    """Refuses (VerifyError) a plan that is not correct for `tg`, before anything starts: a cycle
+    always (the runtime would wait for ever), every other FORMATS.md condition unless `trusted`."""
+    from planner.verify import check, check_acyclic
+
+    check_acyclic(mg)
+    if not trusted:
+        check(tg, mg, limit=3)
 
 
 def _warn_low_precision(tg: TaskGraph) -> None:

@@ -102,6 +102,9 @@ class MemGraph:
     host_capacity: list[int] = field(default_factory=list)  # host store bytes per GPU
     stats: dict = field(default_factory=dict)
     _index: dict[int, int] | None = field(default=None, compare=False, repr=False)
+    # id() of the TaskGraph this process's planner built it from (never saved): a Program trusts
+    # such a plan; any other (a file, a hand-made or edited one) is verified first
+    _planned_for: int | None = field(default=None, compare=False, repr=False)
 
     @property
     def gpus(self) -> int:
