@@ -75,7 +75,7 @@ def test_sanitizer_checks_transfer_reads_on_the_source_worker(pool):  # noqa: F8
             # the edges still come from the real source, so the transfer runs after it and the
             # source worker's shadow names the real writer
             with (
-                Program(tg, bad, engine="ray", pool=pool) as prog,
+                Program(tg, bad, engine="ray", pool=pool, trusted=True) as prog,  # verify refuses it
                 pytest.raises(RunError, match=rf"sanitizer: vertex {v.id} \(transfer"),
             ):
                 prog.run(random_inputs(tg, 0), check=True, timeout=120)

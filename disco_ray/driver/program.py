@@ -278,8 +278,13 @@ def check_plan(tg: TaskGraph, mg: MemGraph, trusted: bool = False) -> None:
     from planner.verify import check, check_acyclic
 
     check_acyclic(mg)
-    if not trusted:
-        check(tg, mg, limit=3)
+    if trusted:
+        return
+    if any(v.acc is not None for v in mg.vertices):
+        # planner.verify knows no sum-into groups yet (the planner makes none; hand-made plans do)
+        log.warning("the plan has sum-into kernels, which the verifier cannot check yet: checked acyclic only")
+        return
+    check(tg, mg, limit=3)
 
 
 def _warn_low_precision(tg: TaskGraph) -> None:

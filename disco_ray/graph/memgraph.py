@@ -104,7 +104,7 @@ class MemGraph:
     _index: dict[int, int] | None = field(default=None, compare=False, repr=False)
     # id() of the TaskGraph this process's planner built it from (never saved): a Program trusts
     # such a plan; any other (a file, a hand-made or edited one) is verified first
-    _planned_for: int | None = field(default=None, compare=False, repr=False)
+    _planned_for: int | None = field(default=None, init=False, compare=False, repr=False)  # not copied
 
     @property
     def gpus(self) -> int:
