@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import copy
 import json
-import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from disco_ray.cli import main
 from tests.conftest import ROOT, run_cli
@@ -587,5 +587,107 @@ def test_a_trusted_plan_runs_unverified_but_a_correct_one_verified_runs(tmp_path
         (tmp_path / "out.npz").unlink()
 
 
-def test_finite_nan_is_not_a_timeout():
-    assert math.isnan(NAN) and os.sep  # (keeps the imports of the fault tests below honest)
+# ---- fuzz: mutated TaskGraphs and MemGraphs are refused cleanly or computed right -----------------
+FUZZ_VALUES = st.one_of(
+    st.integers(-3, 3),
+    st.sampled_from(
+        [0, -1, 2**40, 2**70, 1.5, NAN, INF, -INF, True, False, None, "", "x", "float32", [], [0], [8, 8], {}]
+    ),
+)
+
+
+def _fuzz_graph():
+    from tests.runtime_helpers import random_taskgraph
+
+    return random_taskgraph(5, n=12, gpus=2)
+
+
+def _run_or_refuse(tg, mg=None) -> str:
+    """Runs `tg` (with plan `mg`, else a tight plan of its own) on the local engine: "refused" for
+    a DiscoError before or during the run, "ran" when the outputs equal the reference's."""
+    import torch
+
+    from disco_ray.driver.program import Program
+    from disco_ray.graph.errors import DiscoError
+    from disco_ray.graph.reference import evaluate, random_inputs
+    from tests.runtime_helpers import tight_capacity
+
+    try:
+        if mg is None:
+            from planner import build_memgraph
+
+            mg = build_memgraph(tg, tight_capacity(tg))
+        inputs = random_inputs(tg, 0)
+        with Program(tg, mg, engine="local", streams=2) as prog:
+            out = prog.run(inputs, timeout=30)
+    except DiscoError:
+        return "refused"
+    want = evaluate(tg, inputs)
+    assert set(out) == set(want)
+    for k in want:
+        torch.testing.assert_close(out[k], want[k], equal_nan=True)
+    return "ran"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_mutated_taskgraphs(data):
+    from disco_ray.graph.errors import DiscoError
+    from disco_ray.graph.taskgraph import TaskGraph
+
+    doc = _fuzz_graph().to_dict()
+    v = data.draw(st.sampled_from(doc["vertices"]), label="vertex")
+    key = data.draw(
+        st.sampled_from(["shape", "dtype", "gpu", "inputs", "op", "attrs", "kind", "id"]), label="field"
+    )
+    if key == "attrs":
+        v["attrs"] = {data.draw(st.sampled_from(["factor", "eps", "axis", "scale"])): data.draw(FUZZ_VALUES)}
+    elif key == "shape" and isinstance(v.get("shape"), list) and v["shape"]:
+        v["shape"][data.draw(st.integers(0, len(v["shape"]) - 1))] = data.draw(FUZZ_VALUES)
+    elif key == "inputs" and v.get("inputs"):
+        v["inputs"][0] = data.draw(st.sampled_from([x["id"] for x in doc["vertices"]] + ["nope"]))
+    else:
+        v[key] = data.draw(FUZZ_VALUES)
+    try:
+        tg = TaskGraph.from_dict(doc)
+    except DiscoError:
+        return
+    _run_or_refuse(tg)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_mutated_memgraphs(data):
+    from disco_ray.graph.errors import DiscoError
+    from disco_ray.graph.memgraph import MemGraph
+    from planner import build_memgraph
+    from tests.runtime_helpers import tight_capacity
+
+    tg = _fuzz_graph()
+    doc = build_memgraph(tg, tight_capacity(tg)).to_dict()
+    what = data.draw(st.sampled_from(["drop-edge", "flip-edge", "src", "offset", "output", "value", "field"]))
+    verts = doc["vertices"]
+    if what in ("drop-edge", "flip-edge"):
+        n = data.draw(st.integers(0, len(doc["edges"]) - 1))
+        e = doc["edges"].pop(n)
+        if what == "flip-edge":
+            doc["edges"].append([e[1], e[0], e[2]])
+    elif what in ("src", "offset", "value"):
+        reader = data.draw(st.sampled_from([v for v in verts if v["ins"]]))
+        r = reader["ins"][data.draw(st.integers(0, len(reader["ins"]) - 1))]
+        if what == "src":
+            r["src"] = data.draw(st.sampled_from([v["id"] for v in verts] + [None, -1]))
+        elif what == "offset":
+            r["loc"]["offset"] = data.draw(st.sampled_from([0, 256, 512, 1024, r["loc"]["offset"] + 256]))
+        else:
+            r["value"] = data.draw(st.sampled_from([v["value"] for v in verts]))
+    elif what == "output":
+        doc["outputs"][0]["vertex"] = data.draw(st.sampled_from([v["id"] for v in verts]))
+    else:
+        v = data.draw(st.sampled_from(verts))
+        v[data.draw(st.sampled_from(["kind", "device", "out", "id", "value"]))] = data.draw(FUZZ_VALUES)
+    try:
+        mg = MemGraph.from_dict(doc)
+    except DiscoError:
+        return
+    _run_or_refuse(tg, mg)

@@ -19,8 +19,10 @@ import importlib
 import json
 import logging
 import math
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from disco_ray.graph import formats
@@ -65,8 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt: the same clean-up runs
+    (Programs close their actors, a private Ray is shut down) and one line is printed."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit status (the console script's entry point)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # kept across ray.init
+    try:
+        return _main(argv)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         setup_logging(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
@@ -76,8 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         _error(str(e))
     except OSError as e:  # an unwritable output directory, a full disk: the user's to fix
         _error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+    except Terminated:
+        _error("terminated (SIGTERM): the run was stopped and its workers shut down")
+        return 143
     except KeyboardInterrupt:
+        _error("interrupted (Ctrl-C): the run was stopped and its workers shut down")
         return 130
+    except RecursionError:  # a structure too deep for any reader: the input's, not ours
+        _error("input nested too deeply to be read")
     return 2
 
 

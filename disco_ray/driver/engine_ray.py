@@ -19,6 +19,8 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -106,18 +108,14 @@ class RayPool:
                     "using the running Ray cluster at %s (DISCO_RAY_ADDRESS=local starts a private one)",
                     address,
                 )
-            connect(address)
+            with keep_sigterm():
+                connect(address)
             self.started_ray = True  # close() then only disconnects: the cluster is not ours to stop
         elif not ray.is_initialized():
             self.coord, self.workers = None, []
             log.info("starting a private Ray (a running cluster, e.g. `ray start --head`, is reused)")
-            ray.init(
-                address="local",
-                num_cpus=self.num_cpus or os.cpu_count(),
-                num_gpus=gpus,
-                include_dashboard=False,
-                logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
-            )
+            with keep_sigterm():
+                start_private_ray(self.num_cpus or os.cpu_count(), gpus)
             self.started_ray = True
         mods = tuple(dict.fromkeys((*self.op_modules, *op_modules)))
         if len(self.workers) < gpus or mods != self.op_modules:
@@ -417,6 +415,47 @@ class RayEngine:
             )
         except Exception:
             self.pool.discard()
+
+
+@contextlib.contextmanager
+def keep_sigterm():
+    """ray.init installs its own SIGTERM handlers (an exit with a stack dump from the node's): one
+    the caller set (the CLI's, which ends the run like Ctrl-C with one line) is put back after."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(before):
+            signal.signal(signal.SIGTERM, before)
+
+
+class _QuietTokenNotice(logging.Filter):
+    """Drops Ray's "Token authentication is enabled for this Ray cluster" notice: token auth is
+    what a private Ray should have (Ray 2.60's default for a new local cluster), and the line
+    would come before every run's own output or error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+def start_private_ray(num_cpus: int | None, gpus: int) -> None:
+    """A Ray of this process only, with token authentication unless RAY_AUTH_MODE says otherwise
+    (Ray 2.60's default for a new local cluster): its ports cannot be bound to loopback (Ray turns
+    `_node_ip_address="127.0.0.1"` into the host's reachable address,
+    `ray._private.services.resolve_ip_for_localhost`), so the token is what keeps others out."""
+    import ray
+
+    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _QuietTokenNotice) for f in quiet.filters):
+        quiet.addFilter(_QuietTokenNotice())
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=gpus,
+        include_dashboard=False,
+        logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
+    )
 
 
 def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:

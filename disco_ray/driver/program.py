@@ -282,7 +282,9 @@ def check_plan(tg: TaskGraph, mg: MemGraph, trusted: bool = False) -> None:
         return
     if any(v.acc is not None for v in mg.vertices):
         # planner.verify knows no sum-into groups yet (the planner makes none; hand-made plans do)
-        log.warning("the plan has sum-into kernels, which the verifier cannot check yet: checked acyclic only")
+        log.warning(
+            "the plan has sum-into kernels, which the verifier cannot check yet: checked acyclic only"
+        )
         return
     check(tg, mg, limit=3)
 

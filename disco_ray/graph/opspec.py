@@ -54,7 +54,7 @@ class OpSpec:
                 out[k] = default
             bad = check_attr(self.name, k, out[k], default)
             if bad:
-                raise ValueError(f"op {self.name}: attribute {k!r} must be {bad}, got {out[k]!r}")
+                raise ValueError(f"op {self.name}: attribute {k} must be {bad}, got {out[k]!r}")
         return out
 
 
@@ -71,7 +71,8 @@ def _ints(x: object) -> bool:
     return isinstance(x, (list, tuple)) and all(_is_int(d) for d in x)
 
 
-# attribute name -> (test, what it must be) for the built-in ops' attributes; (op, name) first
+# attribute name -> (test, what it must be) for the built-in ops' attributes; (op, name) first.
+# The optimizer steps' lr, betas and weight decay are range-checked by their own inference.
 ATTR_TYPES: dict[object, tuple[Callable[[object], bool], str]] = {
     "axis": (_is_int, "an integer"),
     "start": (_is_int, "an integer"),
@@ -79,18 +80,14 @@ ATTR_TYPES: dict[object, tuple[Callable[[object], bool], str]] = {
     "offset": (_is_int, "an integer"),
     "q_offset": (_is_int, "an integer"),
     "k_offset": (_is_int, "an integer"),
-    "heads": (lambda x: _is_int(x) and x >= 1, "a positive integer"),
-    "rows": (lambda x: _is_int(x) and x >= 1, "a positive integer"),
-    "kv_heads": (lambda x: x is None or (_is_int(x) and x >= 1), "null or a positive integer"),
+    "heads": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "rows": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "kv_heads": (lambda x: x is None or (_is_int(x) and x >= 1), "null or an integer >= 1"),
     "scale": (_is_real, "a finite number"),
     ("sdpa", "scale"): (lambda x: x is None or _is_real(x), "null or a finite number"),
     "factor": (_is_real, "a finite number"),
     "value": (_is_real, "a finite number"),
-    "lr": (_is_real, "a finite number"),
     "eps": (lambda x: _is_real(x) and x >= 0, "a finite number >= 0"),
-    "weight_decay": (lambda x: _is_real(x) and x >= 0, "a finite number >= 0"),
-    "beta1": (lambda x: _is_real(x) and 0 <= x < 1, "a number in [0, 1)"),
-    "beta2": (lambda x: _is_real(x) and 0 <= x < 1, "a number in [0, 1)"),
     "causal": (lambda x: isinstance(x, bool), "true or false"),
     "keepdim": (lambda x: isinstance(x, bool), "true or false"),
     "inverse": (lambda x: isinstance(x, bool), "true or false"),
