@@ -421,6 +421,16 @@ OPTION_CASES = [
     Case("gpus-per-worker-zero", _run("--gpus-per-worker", "0"), ("gpus",)),
     Case("gpus-per-worker-nan", _run("--gpus-per-worker", "nan"), ("gpus",)),
     Case("cpus-per-worker-nan", _run("--cpus-per-worker", "nan"), ("cpus",)),
+    Case(
+        "address-dead",
+        _run("--address", "127.0.0.1:1", "--engine", "ray"),
+        ("127.0.0.1:1", "nothing answers"),
+    ),
+    Case(
+        "address-unresolvable",
+        _run("--address", "no-such-host.invalid:6379", "--engine", "ray"),
+        ("no-such-host",),
+    ),
     Case("plan-and-capacity", _run("--plan", "{dir}/x.json", "--capacity", "1MiB"), ("--plan",)),
     Case(
         "missing-taskgraph",

@@ -35,6 +35,11 @@ from .cluster import connect, running_cluster
 from .placement import Placed, PlacementConfig, describe, place, remove
 
 POLL_S = 0.2
+READY_S = 120.0  # the actors' first answer (their process start, imports)
+HEARTBEAT_S = 1.0  # how often the driver pings every actor of a running graph
+# an actor that has not answered a ping for this long is stopped or hung (SIGSTOP, a deadlock): the
+# run ends naming it, --timeout or not; a computing actor answers (its pings run on another thread)
+STALL_S = float(os.environ.get("DISCO_RAY_STALL_S", "30"))
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
 log = logging.getLogger("disco_ray")
 _SHARED: RayPool | None = None
@@ -86,6 +91,7 @@ class RayPool:
         self.workers: list = []
         self.placed: Placed | None = None
         self.generation = 0  # counts discards: an engine loaded before the last one must reload
+        self.pids: list[int] = []  # of the coordinator, then of each worker
         self._keys = 0
 
     def new_key(self) -> str:
@@ -134,6 +140,8 @@ class RayPool:
                 max_concurrency=MAX_CONCURRENCY,
             )
             self.coord, self.workers = self.placed.coord, self.placed.workers
+            # process ids, to name an actor that stops answering (a stopped process cannot say)
+            self.pids = ray.get([a.pid.remote() for a in (self.coord, *self.workers)], timeout=READY_S)
             if backend == "cuda":
                 share_devices(self.workers)
         return self.coord, self.workers[:gpus]
@@ -301,10 +309,18 @@ class RayEngine:
         pending = [done_ref, *serving]
         progress, timeout = opts.progress, opts.timeout
         t_end = None if timeout is None else time.monotonic() + timeout
+        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
         while True:
             ready, _ = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            silent = dog.check()
+            if silent is not None and done_ref not in ready:
+                who, quiet = silent
+                raise RunError(
+                    f"{self._name(who)} has not answered for {quiet:.0f} s (stopped or hung); the run "
+                    f"is abandoned after {self._progress()} of {len(self.mg)} vertices"
+                )
             if progress is not None:
-                progress(ray.get(self.coord.progress.remote()))
+                progress(self._progress())
             if done_ref in ready:
                 try:
                     _, err = ray.get(done_ref)
@@ -325,8 +341,7 @@ class RayEngine:
                 pending.remove(r)
             if t_end is not None and time.monotonic() > t_end:
                 raise RunError(
-                    f"run did not finish within {timeout} s "
-                    f"({ray.get(self.coord.progress.remote())} of {len(self.mg)} vertices done)"
+                    f"run did not finish within {timeout} s ({self._progress()} of {len(self.mg)} vertices done)"
                 )
         by_gpu: dict[int, list[tuple[str, int]]] = {}
         for value in self.tg.outputs:  # carried values stay on their workers
@@ -336,6 +351,24 @@ class RayEngine:
         for part in self._gather({self.workers[g].outputs.remote(w): g for g, w in by_gpu.items()}):
             outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
         return outs, self._gather({w.trace.remote(): g for g, w in enumerate(self.workers)})
+
+    def _progress(self) -> int | str:
+        """Vertices done so far, as the coordinator counts them ("?" when it does not answer)."""
+        import ray
+
+        try:
+            return ray.get(self.coord.progress.remote(), timeout=min(STALL_S, 5.0))
+        except Exception:  # stopped, dead or slow: the watchdog names it
+            return "?"
+
+    def _name(self, who: int) -> str:
+        """'gpu:1 worker (actor 3f2a..., pid 1234, on node ...)' or 'the coordinator (actor ..., pid ...)'."""
+        actor = self.coord if who < 0 else self.workers[who]
+        pids = self.pool.pids
+        pid = pids[who + 1] if who + 1 < len(pids) else "?"
+        what = "the coordinator" if who < 0 else f"gpu:{who} worker"
+        node = "" if who < 0 else self._node_of(who)
+        return f"{what} (actor {actor._actor_id.hex()[:12]}, pid {pid}){node}"
 
     def _gather(self, refs: dict) -> list:
         """ray.get of each ref (ref -> gpu) after the run; a dead worker is named."""
@@ -408,6 +441,9 @@ class RayEngine:
             return
         if not ray.is_initialized() or self.pool.generation != self.generation:
             return  # the actors this engine loaded into are gone already
+        if self.broken:  # a failed run: its actors may be stopped or dead, so no unload to wait on
+            self.pool.discard()
+            return
         try:
             ray.get(
                 [w.unload.remote(self.key) for w in self.workers] + [self.coord.unload.remote(self.key)],
@@ -456,6 +492,37 @@ def start_private_ray(num_cpus: int | None, gpus: int) -> None:
         include_dashboard=False,
         logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
     )
+
+
+class Watchdog:
+    """Heartbeats through Ray: pings each actor every `every` s, and says which one (its key) has
+    left a ping unanswered for more than `stall` s. An actor answers pings on a thread of its own
+    (threaded actors) while its streams compute, so only a stopped or hung process goes quiet."""
+
+    def __init__(self, actors: Mapping[int, object], every: float, stall: float):
+        self.actors, self.every, self.stall = dict(actors), every, stall
+        self.out: dict[int, tuple[object, float]] = {}  # key -> (unanswered ping, when sent)
+        self.next = 0.0
+
+    def check(self) -> tuple[int, float] | None:
+        """(key, seconds quiet) of an actor silent too long, else None; sends the next pings."""
+        import ray
+
+        now = time.monotonic()
+        if self.out:
+            refs = [r for r, _ in self.out.values()]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            for key, (ref, sent) in list(self.out.items()):
+                if ref in ready:  # answered (or died: the run's serve refs tell that)
+                    del self.out[key]
+                elif now - sent > self.stall:
+                    return key, now - sent
+        if now >= self.next:
+            for key, actor in self.actors.items():
+                if key not in self.out:
+                    self.out[key] = (actor.ping.remote(), now)  # type: ignore[attr-defined]
+            self.next = now + self.every
+        return None
 
 
 def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:
