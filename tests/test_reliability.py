@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -701,3 +706,64 @@ def test_fuzz_mutated_memgraphs(data):
     except DiscoError:
         return
     _run_or_refuse(tg, mg)
+
+
+# ---- faults of a whole CLI run: SIGTERM and SIGINT as a user's shell or a scheduler sends them ----
+def _session_processes(sid: int) -> list[str]:
+    """Command lines of the processes left in session `sid` (the run's, with its Ray)."""
+    left = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getsid(int(d.name)) == sid:
+                    left.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+            except (OSError, ValueError):
+                continue
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("sig", "rc", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_signal_ends_a_ray_run_with_one_line_and_nothing_left(sig, rc, word, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    args = [
+        "run",
+        "random_dag",
+        "n=40",
+        "--out",
+        str(tmp_path / "out.npz"),
+        "--progress",
+        "--delay",
+        "0.1,0.1",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disco_ray", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its own session: what it leaves behind is found by session id
+    )
+    lines = []
+    t0 = time.monotonic()
+    for line in proc.stderr:  # the run is under way once the first progress line comes
+        lines.append(line)
+        if line.startswith("run: ") or time.monotonic() - t0 > 120:
+            break
+    t = time.monotonic()
+    proc.send_signal(sig)
+    err = "".join(lines) + proc.stderr.read()
+    got = proc.wait(timeout=60)
+    took = time.monotonic() - t
+    errors = [ln for ln in err.splitlines() if ln.startswith("disco-ray: error:")]
+    assert got == rc, err[-3000:]
+    assert len(errors) == 1 and word in errors[0] and "Traceback" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1] == errors[0], err[-3000:]
+    assert took < 20, took
+    assert not (tmp_path / "out.npz").exists()
+    deadline = time.monotonic() + 15
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _session_processes(proc.pid)

@@ -67,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt: the same clean-up runs
-    (Programs close their actors, a private Ray is shut down) and one line is printed."""
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the same clean-up
+    runs (Programs close their actors, a private Ray is shut down) and one line is printed. Not a
+    KeyboardInterrupt: Ray's calls turn one of those into a plain KeyboardInterrupt."""
 
 
 def _on_sigterm(signum, frame) -> None:
