@@ -436,6 +436,19 @@ OPTION_CASES = [
         _run("--address", "no-such-host.invalid:6379", "--engine", "ray"),
         ("no-such-host",),
     ),
+    Case(
+        "bench-timeout-nan",
+        lambda d: ["bench", str(CHAIN), "--timeout", "nan", "--out", str(d / "b")],
+        ("--timeout",),
+        ("b",),
+    ),
+    Case("generate-timeout-negative", lambda d: ["generate", str(d), "--timeout", "-1"], ("--timeout",), ()),
+    Case(
+        "finetune-seed-2**64",
+        lambda d: ["finetune", str(d), "--seed", str(2**64), "--out", str(d / "a")],
+        ("--seed",),
+        ("a",),
+    ),
     Case("plan-and-capacity", _run("--plan", "{dir}/x.json", "--capacity", "1MiB"), ("--plan",)),
     Case(
         "missing-taskgraph",
