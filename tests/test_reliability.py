@@ -735,10 +735,26 @@ def _session_processes(sid: int) -> list[str]:
     return left
 
 
+def _kill_gcs(proc) -> None:
+    """SIGKILL to the GCS server of the run `proc` started (in its session)."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getsid(int(d.name)) == proc.pid and b"gcs_server" in (d / "cmdline").read_bytes():
+                    os.kill(int(d.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize(
-    ("sig", "rc", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+    ("sig", "rc", "word"),
+    [
+        (signal.SIGTERM, 143, "terminated"),
+        (signal.SIGINT, 130, "interrupted"),
+        ("gcs", 2, "GCS"),  # Ray's GCS killed: the heartbeat notices, the run ends naming it
+    ],
 )
 def test_a_signal_ends_a_ray_run_with_one_line_and_nothing_left(sig, rc, word, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -766,7 +782,10 @@ def test_a_signal_ends_a_ray_run_with_one_line_and_nothing_left(sig, rc, word, t
         if line.startswith("run: ") or time.monotonic() - t0 > 120:
             break
     t = time.monotonic()
-    proc.send_signal(sig)
+    if sig == "gcs":
+        _kill_gcs(proc)
+    else:
+        proc.send_signal(sig)
     err = "".join(lines) + proc.stderr.read()
     got = proc.wait(timeout=60)
     took = time.monotonic() - t

@@ -20,6 +20,8 @@ import contextlib
 import logging
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -92,6 +94,7 @@ class RayPool:
         self.placed: Placed | None = None
         self.generation = 0  # counts discards: an engine loaded before the last one must reload
         self.pids: list[int] = []  # of the coordinator, then of each worker
+        self.private = False  # this pool started a private Ray (its processes are the driver's)
         self._keys = 0
 
     def new_key(self) -> str:
@@ -122,7 +125,7 @@ class RayPool:
             log.info("starting a private Ray (a running cluster, e.g. `ray start --head`, is reused)")
             with keep_sigterm():
                 start_private_ray(self.num_cpus or os.cpu_count(), gpus)
-            self.started_ray = True
+            self.started_ray = self.private = True
         mods = tuple(dict.fromkeys((*self.op_modules, *op_modules)))
         if len(self.workers) < gpus or mods != self.op_modules:
             self.discard()
@@ -188,7 +191,7 @@ class RayPool:
         self.discard()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
-        self.started_ray = False
+        self.started_ray = self.private = False
 
 
 class RayEngine:
@@ -282,8 +285,6 @@ class RayEngine:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        from actors.plans import as_tensor
-
         wants: list[list[str]] = [[] for _ in self.workers]
         for v in self.tg.caller_inputs():  # sourced inputs and states are the workers' own
             wants[v.gpu].append(v.id)
@@ -307,9 +308,19 @@ class RayEngine:
         done_ref = self.coord.wait.remote()
         serving = {w.serve.remote(): g for g, w in enumerate(self.workers)}
         pending = [done_ref, *serving]
+        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
+        with GcsMonitor(gcs_address(), private=self.pool.private):
+            return self._wait(opts, done_ref, serving, pending, dog)
+
+    def _wait(self, opts: RunOptions, done_ref, serving: dict, pending: list, dog: Watchdog):
+        """The driver's loop of a run: the end, a failure, a silent actor, the timeout."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from actors.plans import as_tensor
+
         progress, timeout = opts.progress, opts.timeout
         t_end = None if timeout is None else time.monotonic() + timeout
-        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
         while True:
             ready, _ = ray.wait(pending, num_returns=1, timeout=POLL_S)
             silent = dog.check()
@@ -522,6 +533,89 @@ class Watchdog:
                 if key not in self.out:
                     self.out[key] = (actor.ping.remote(), now)  # type: ignore[attr-defined]
             self.next = now + self.every
+        return None
+
+
+GCS_LOST_EXITS = False  # the CLI sets it: a lost GCS ends the process with one line (see GcsMonitor)
+
+
+class GcsMonitor:
+    """A thread that tries the GCS port once a HEARTBEAT_S during a run. Once the GCS is gone the
+    driver's Ray blocks in its next call and, after a minute of retries, exits with Ray's message
+    only; so the monitor acts from its own thread: in the CLI (`GCS_LOST_EXITS`) it prints the
+    one error line, kills the processes of a private Ray (all the driver's descendants: raylet,
+    agents, actors) and exits with status 2; in a library it interrupts the main thread."""
+
+    def __init__(self, address: str | None, private: bool):
+        self.address, self.private = address, private
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="gcs-monitor")
+
+    def __enter__(self) -> GcsMonitor:
+        if self.address:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+
+    def _watch(self) -> None:
+        host, _, port = (self.address or "").rpartition(":")
+        misses = 0
+        while not self.stop.wait(HEARTBEAT_S):
+            try:
+                with socket.create_connection((host, int(port)), timeout=2.0):
+                    misses = 0
+                    continue
+            except (OSError, ValueError) as e:
+                misses += 1
+                why = e.strerror or type(e).__name__
+            if misses >= 2 and not self.stop.is_set():  # twice: not one dropped connection
+                self._lost(f"the Ray cluster's GCS at {self.address} is gone ({why}): the run is abandoned")
+                return
+
+    def _lost(self, msg: str) -> None:
+        log.debug(msg)
+        if not GCS_LOST_EXITS:
+            import _thread
+
+            _thread.interrupt_main()  # KeyboardInterrupt where the main thread next runs Python
+            return
+        print(f"disco-ray: error: {msg}", file=sys.stderr, flush=True)
+        if self.private:
+            kill_descendants(os.getpid())
+        os._exit(2)
+
+
+def kill_descendants(pid: int) -> None:
+    """SIGKILL to every process below `pid` (a private Ray: raylet, agents, workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    todo, seen = list(children.get(pid, [])), set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        todo += children.get(p, [])
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+
+
+def gcs_address() -> str | None:
+    """HOST:PORT of the connected cluster's GCS (None where Ray does not say)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # an older or newer Ray without it: no GCS check
         return None
 
 
