@@ -614,6 +614,8 @@ def gcs_address() -> str | None:
     import ray
 
     try:
+        if ray.util.client.ray.is_connected():  # Ray Client: the GCS is the server's to reach, not ours
+            return None
         return ray.get_runtime_context().gcs_address
     except Exception:  # an older or newer Ray without it: no GCS check
         return None
