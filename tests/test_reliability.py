@@ -290,6 +290,30 @@ GRAPH_CASES += [_nested_case(k) for k in ("taskgraph", "memgraph", "info")]
 GRAPH_CASES.append(_huge_run_case())
 
 
+def _huge_intermediate_case() -> Case:
+    # small inputs, a 16 GiB product: the arenas of a run on the cpu backend are refused up front
+    doc = {
+        "format": "disco-taskgraph",
+        "version": 1,
+        "gpus": 1,
+        "vertices": [
+            {"id": "a", "kind": "input", "gpu": 0, "shape": [2**17, 1], "dtype": "float32"},
+            {"id": "b", "kind": "input", "gpu": 0, "shape": [1, 2**17], "dtype": "float32"},
+            {"id": "c", "kind": "kernel", "gpu": 0, "op": "matmul", "inputs": ["a", "b"]},
+            {"id": "d", "kind": "kernel", "gpu": 0, "op": "matmul", "inputs": ["c", "c"]},
+        ],
+        "outputs": ["d"],
+    }
+
+    def make(d: Path) -> list[str]:
+        return ["run", _write_json(d / "g.json", doc), "--out", str(d / "out.npz"), "--engine", "local"]
+
+    return Case("run-huge-intermediate", make, ("g.json", "host memory"))
+
+
+GRAPH_CASES.append(_huge_intermediate_case())
+
+
 # ---- 3. input files of `run` ------------------------------------------------------------------------
 def _chain_inputs() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
@@ -408,6 +432,7 @@ OPTION_CASES = [
         ("--capacity-gpu",),
     ),
     Case("capacity-tiny", _run("--capacity", "1KiB"), ("chain.json", "vertex")),
+    Case("capacity-beyond-memory", _run("--capacity", "1000TiB"), ("chain.json", "host memory")),
     Case("capacity-gpu-out-of-range", _run("--capacity", "64KiB", "--capacity-gpu", "5=64KiB"), ("gpu 5",)),
     Case("timeout-negative", _run("--timeout", "-1"), ("--timeout", "-1")),
     Case("timeout-nan", _run("--timeout", "nan"), ("--timeout", "nan")),

@@ -121,6 +121,21 @@ def progress_arg(enabled: bool, total: int) -> bool | Callable[[int], None] | No
     return report
 
 
+def check_arenas_fit(mg, where: str) -> None:
+    """UsageError, before any actor starts, when a run on this machine's cpu backend could not
+    allocate its arenas (they are host memory there): one allocation failure per worker otherwise."""
+    from workloads import available_memory
+
+    need = sum(mg.capacity) + sum(mg.host_capacity)
+    free = available_memory()
+    if free is not None and need > free:
+        raise UsageError(
+            f"{where}: the plan's arenas and host stores need {need} bytes of host memory on the cpu "
+            f"backend (capacity {max(mg.capacity)} bytes per GPU), more than the {free} bytes free; "
+            "give a smaller --capacity"
+        )
+
+
 def given_plan(args: argparse.Namespace, tg, kw: dict):
     """The Program of `--plan`, verified against the TaskGraph unless `--trusted-plan`: an error
     names the plan file (a plan that is not this TaskGraph's never starts anything)."""
@@ -166,6 +181,8 @@ def cmd_run(args) -> int:
             prog = compile(tg, capacity, **kw)
         except DiscoError as e:  # name the graph, as `plan` does
             raise type(e)(f"{args.target}: {e}") from None
+    if args.backend == "cpu" and not getattr(args, "address", None):
+        check_arenas_fit(prog.mg, args.plan or args.target)
     with prog:
         outs = prog.run(
             w.inputs,
