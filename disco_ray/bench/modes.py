@@ -119,11 +119,12 @@ def plan(tg: TaskGraph, mode: str, capacity, levels=None, alignment: int = 256, 
         capacity = roomy_capacity(tg, alignment)
     mg = build_memgraph(tg, capacity, order=order, alignment=alignment)
     if mode == "deterministic":
-        return deterministic(mg)
-    if mode == "levelwise":
+        mg = deterministic(mg)
+    elif mode == "levelwise":
         if levels is None:
             raise UsageError("mode levelwise needs the workload's levels")
-        return levelwise(mg, tg, levels)
+        mg = levelwise(mg, tg, levels)
+    mg._planned_for = id(tg)  # the planner's plan plus edges: a Program need not verify it again
     return mg
 
 

@@ -67,19 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the same clean-up
-    runs (Programs close their actors, a private Ray is shut down) and one line is printed. Not a
-    KeyboardInterrupt: Ray's calls turn one of those into a plain KeyboardInterrupt."""
+_SIGTERM: list[bool] = []  # set when SIGTERM came: the KeyboardInterrupt it raised means "terminated"
 
 
 def _on_sigterm(signum, frame) -> None:
-    raise Terminated
+    """SIGTERM, raised in the main thread as Ctrl-C is: a KeyboardInterrupt (the only exception
+    Ray's blocking calls let through), so the same clean-up runs (Programs close their actors, a
+    private Ray is shut down); the flag tells main which one line to print."""
+    _SIGTERM.append(True)
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit status (the console script's entry point)."""
     main_thread = threading.current_thread() is threading.main_thread()
+    _SIGTERM.clear()
     before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # kept across ray.init
     try:
         return _main(argv)
@@ -98,10 +100,10 @@ def _main(argv: list[str] | None) -> int:
         _error(str(e))
     except OSError as e:  # an unwritable output directory, a full disk: the user's to fix
         _error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
-    except Terminated:
-        _error("terminated (SIGTERM): the run was stopped and its workers shut down")
-        return 143
     except KeyboardInterrupt:
+        if _SIGTERM:
+            _error("terminated (SIGTERM): the run was stopped and its workers shut down")
+            return 143
         _error("interrupted (Ctrl-C): the run was stopped and its workers shut down")
         return 130
     except RecursionError:  # a structure too deep for any reader: the input's, not ours
