@@ -513,7 +513,7 @@ class Watchdog:
     def __init__(self, actors: Mapping[int, object], every: float, stall: float):
         self.actors, self.every, self.stall = dict(actors), every, stall
         self.out: dict[int, tuple[object, float]] = {}  # key -> (unanswered ping, when sent)
-        self.next = 0.0
+        self.next = time.monotonic() + every  # a run shorter than a heartbeat sends no ping
 
     def check(self) -> tuple[int, float] | None:
         """(key, seconds quiet) of an actor silent too long, else None; sends the next pings."""
