@@ -154,6 +154,11 @@ def _plan_mutations() -> list[tuple[str, dict, tuple[str, ...]]]:
         d = copy.deepcopy(PLAN)
         d["edges"].append([w, u, "mem"])
         out.append((f"cycle-{w}-{u}", d, ("cycle",)))
+    # a sum-into mark forged onto a kernel of no `accumulate` vertex (to dodge the verifier), an edge removed
+    d = copy.deepcopy(PLAN)
+    d["vertices"][3]["accumulate"] = {"part": 0, "parts": 1}
+    d["edges"] = [e for e in d["edges"] if e[:2] != [2, 3]]
+    out.append(("vertex-forged-accumulate", d, ("vertex 3",)))
     # a device more than the TaskGraph has GPUs
     d = copy.deepcopy(PLAN)
     d["devices"].append({"device": "gpu:2", "capacity": 49152, "host_capacity": 0})
