@@ -150,3 +150,24 @@ def test_a_placement_no_node_can_hold_is_refused_at_once(pool):  # noqa: F811
     with pytest.raises(RunError, match=r"can never place 2 workers of \{CPU: 1000.* need 2000 CPU, it has 2"):
         place(2, "cpu", PlacementConfig(cpus_per_worker=1000), GpuWorker, Coordinator)
     assert time.monotonic() - t < 5
+
+
+def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op, monkeypatch):  # noqa: F811
+    import os
+    import signal
+
+    from disco_ray.driver import engine_ray
+
+    monkeypatch.setattr(engine_ray, "STALL_S", 3.0)
+    tg = noop_graph(gpus=2, n=8)
+    with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
+        prog.engine  # noqa: B018
+        pid = pool.pids[1]  # gpu:0
+        os.kill(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        try:
+            with pytest.raises(RunError, match=rf"gpu:0 worker \(actor \w+, pid {pid}\).* as the run starts"):
+                prog.run({})
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert time.monotonic() - t < 3.0 + 8

@@ -282,14 +282,14 @@ class RayEngine:
     def _run(
         self, inputs: Mapping[str, torch.Tensor], opts: RunOptions
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
-        import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         wants: list[list[str]] = [[] for _ in self.workers]
         for v in self.tg.caller_inputs():  # sourced inputs and states are the workers' own
             wants[v.gpu].append(v.id)
+        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
         try:
-            ray.get(
+            self._get_watched(
                 [
                     w.begin.remote(
                         self.key,
@@ -299,16 +299,16 @@ class RayEngine:
                         opts.seed,
                     )
                     for g, w in enumerate(self.workers)
-                ]
+                ],
+                dog,
             )
-            ray.get(self.coord.start.remote(self.key))
+            self._get_watched([self.coord.start.remote(self.key)], dog)
         except (RayActorError, RayTaskError) as e:
             pings = {w.ping.remote(): g for g, w in enumerate(self.workers)}
             raise RunError(self._dead_worker(pings) or f"starting the run failed: {_cause(e)}") from None
         done_ref = self.coord.wait.remote()
         serving = {w.serve.remote(): g for g, w in enumerate(self.workers)}
         pending = [done_ref, *serving]
-        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
         with GcsMonitor(gcs_address(), private=self.pool.private):
             return self._wait(opts, done_ref, serving, pending, dog)
 
@@ -362,6 +362,22 @@ class RayEngine:
         for part in self._gather({self.workers[g].outputs.remote(w): g for g, w in by_gpu.items()}):
             outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
         return outs, self._gather({w.trace.remote(): g for g, w in enumerate(self.workers)})
+
+    def _get_watched(self, refs: list, dog: Watchdog) -> list:
+        """ray.get(refs) while the watchdog listens: an actor stopped before the run starts (handing
+        over inputs) is named as one stopped during it would be."""
+        import ray
+
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
+            if len(ready) == len(refs):
+                return ray.get(refs)
+            silent = dog.check()
+            if silent is not None:
+                who, quiet = silent
+                raise RunError(
+                    f"{self._name(who)} has not answered for {quiet:.0f} s (stopped or hung) as the run starts"
+                )
 
     def _progress(self) -> int | str:
         """Vertices done so far, as the coordinator counts them ("?" when it does not answer)."""
