@@ -301,10 +301,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def cluster_kwargs(args: argparse.Namespace) -> dict:
     """Program keyword arguments from the options of `add_cluster_args`."""
+    timeout = getattr(args, "timeout", None)  # --timeout bounds the wait for a placement too
     cfg = PlacementConfig(
         strategy=getattr(args, "placement", "pack"),
         gpus_per_worker=getattr(args, "gpus_per_worker", None),
         cpus_per_worker=getattr(args, "cpus_per_worker", 0.0) or 0.0,
+        ready_timeout_s=min(READY_TIMEOUT_S, timeout) if timeout else READY_TIMEOUT_S,
     )
     cfg.validate()
     return {"placement": cfg, "address": getattr(args, "address", None)}
