@@ -10,6 +10,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .dtypes import FLOATS, ITEMSIZE
 
@@ -73,7 +74,7 @@ def _ints(x: object) -> bool:
 
 # attribute name -> (test, what it must be) for the built-in ops' attributes; (op, name) first.
 # The optimizer steps' lr, betas and weight decay are range-checked by their own inference.
-ATTR_TYPES: dict[object, tuple[Callable[[object], bool], str]] = {
+ATTR_TYPES: dict[object, tuple[Callable[[Any], bool], str]] = {
     "axis": (_is_int, "an integer"),
     "start": (_is_int, "an integer"),
     "stop": (_is_int, "an integer"),
