@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from disco_ray.graph.errors import RunError
 from disco_ray.graph.kernels import IMPLS
 
 from .backend import LAUNCH, Done, Work
@@ -40,7 +41,14 @@ class CpuBackend:
         self._finished: dict[int, threading.Event] = {}
 
     def alloc(self, nbytes: int, host: bool) -> torch.Tensor:
-        return torch.zeros(nbytes, dtype=torch.uint8)
+        try:
+            return torch.zeros(nbytes, dtype=torch.uint8)
+        except (RuntimeError, MemoryError):  # the allocator's own message is a page of C++
+            what = "host store" if host else "arena"
+            raise RunError(
+                f"cannot allocate the {nbytes}-byte {what} in host memory (the cpu backend keeps "
+                "arenas there): a smaller capacity, or a machine with more memory"
+            ) from None
 
     def open(
         self, streams: int, work: Work, done: Done, workspace: int = 0, kernel_streams: int | None = None

@@ -13,6 +13,7 @@ makes one the active graph, whose counters the reports of that run feed.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -50,6 +51,10 @@ class Coordinator:
 
     def ping(self) -> bool:
         return True
+
+    def pid(self) -> int:
+        """This actor's process id (the driver names a stalled actor by it)."""
+        return os.getpid()
 
     def load(self, key: str, mg: MemGraph, workers: Sequence[Any]) -> None:
         """Adds graph `key` (replacing one of that key); `workers[g]` is the actor of GPU g."""

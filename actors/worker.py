@@ -54,6 +54,10 @@ class GpuWorker:
     def ping(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        """This actor's process id (the driver names a stalled actor by it)."""
+        return os.getpid()
+
     def install_ops(self, pickled: Mapping[str, bytes]) -> list[str]:
         """Registers the ops of one's own that a graph uses: name -> (spec, kernel, temporaries)
         of `disco_ray.graph.kernels.own_ops`, each pickled by value where the driver defined it

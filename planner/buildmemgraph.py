@@ -702,6 +702,7 @@ def build_memgraph(
         mg.stats["sum_into_demoted"] = {
             m: sum(1 for x in p.demoted.values() if x == m) for m in ("deferred", "off")
         }
+    mg._planned_for = id(tg)  # this process's own plan of tg: Program runs it unverified
     return mg
 
 

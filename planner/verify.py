@@ -67,6 +67,22 @@ def check(tg: TaskGraph, mg: MemGraph, limit: int = 5) -> None:
         raise VerifyError(f"MemGraph is incorrect{more}: " + "; ".join(msgs))
 
 
+def check_acyclic(mg: MemGraph) -> None:
+    """Raises VerifyError naming a cycle (by vertex ids) or an edge to an unknown vertex: the one
+    check even a trusted plan gets, since a cycle would leave the runtime waiting for ever."""
+    pos = {v.id: i for i, v in enumerate(mg.vertices)}
+    preds: list[list[int]] = [[] for _ in mg.vertices]
+    for e in mg.edges:
+        if e[0] not in pos or e[1] not in pos:
+            raise VerifyError(f"MemGraph is incorrect: edge {e[0]} -> {e[1]} names an unknown vertex")
+        preds[pos[e[1]]].append(pos[e[0]])
+    sink = _Sink(1)
+    with contextlib.suppress(_Full):
+        _topo(preds, mg.vertices, sink)
+    if sink.msgs:
+        raise VerifyError(f"MemGraph is incorrect: {sink.msgs[0]}")
+
+
 def describe(v: MemVertex) -> str:
     """'vertex 7 (kernel m1 on gpu:0)', 'vertex 9 (sum-into 2/4 of g on gpu:0)'."""
     if v.acc is not None:
@@ -87,6 +103,8 @@ def _key(loc: Loc, gpu: int) -> tuple[int, int]:
 
 
 def _verify(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
+    if mg.gpus != tg.gpus:  # run refuses it too: a plan is for exactly the TaskGraph's GPUs
+        sink.add(f"the MemGraph has {mg.gpus} devices, the TaskGraph {tg.gpus} GPU(s)")
     verts = mg.vertices
     n = len(verts)
     pos: dict[int, int] = {}
@@ -200,7 +218,7 @@ def _topo(preds: list[list[int]], verts: list[MemVertex], sink: _Sink) -> list[i
         path.append(v)
         v = next(u for u in preds[v] if indeg[u] > 0)
     cycle = [*path[seen[v] :], v][::-1]
-    sink.add("cycle: " + " -> ".join(str(verts[i].id) for i in cycle))
+    sink.add("cycle through vertices " + " -> ".join(str(verts[i].id) for i in cycle))
     return None
 
 

@@ -157,8 +157,8 @@ def test_bench_mismatch_fails_naming_the_mode(capsys, tmp_path, monkeypatch):
         ([*CHAIN, "--simulate", "tpu"], "unknown device profile 'tpu'"),
         (["random_dag", "--modes", "torch_naive"], "no torch baseline for workload random_dag"),
         ([*CHAIN, "--repeat", "0"], "--repeat must be >= 1"),
-        ([*CHAIN, "--streams", "0"], "--streams must be >= 1, got 0"),
-        ([*CHAIN, "--ahead", "-1"], "--ahead must be >= 0, got -1"),
+        ([*CHAIN, "--streams", "0"], "--streams must be in 1..256, got 0"),
+        ([*CHAIN, "--ahead", "-1"], "--ahead must be in 0..1024, got -1"),
     ],
 )
 def test_bench_usage_errors(capsys, tmp_path, args, fragment):

@@ -59,5 +59,19 @@ def test_gpu_workers_install_the_project_with_its_gpu_extra(config):
     project_at = next(i for i, c in enumerate(setup) if "disco-ray[gpu]" in c)
     assert torch_at < project_at
     assert "." in config["file_mounts"].values()
-    assert any("--dashboard-host=0.0.0.0" in c for c in config["head_start_ray_commands"])
+    assert any("--dashboard-host=127.0.0.1" in c for c in config["head_start_ray_commands"])
     assert ".venv" in config["rsync_exclude"]
+
+
+def test_image_is_pinned_to_the_ray_version_and_nothing_listens_on_every_interface(config):
+    """Issue 15: no `latest` image (cluster and driver must agree on Ray), token auth on every
+    node, the dashboard only on the head's loopback (reached by port forwarding)."""
+    import re
+
+    pin = re.search(r'"ray\[default\]>=([0-9.]+),<', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert config["docker"]["image"].startswith(f"rayproject/ray:{pin}.0-"), config["docker"]["image"]
+    text = (ROOT / "cluster.yaml").read_text()
+    assert "0.0.0.0" not in text and "latest-" not in config["docker"]["image"]
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c)
+    assert "~/.ray/auth_token" in config["file_mounts"]

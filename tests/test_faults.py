@@ -97,3 +97,77 @@ def test_bad_inputs_are_refused_before_anything_runs(pool):  # noqa: F811
     with pytest.raises(RunError, match=f"input {name!r} has dtype"):
         prog.run({**good, name: good[name].half()})
     assert prog._engine is None
+
+
+# ---- issue 15: a silent worker, a dead coordinator, a placement that can never be granted ---------
+def test_stopped_worker_is_named_within_the_stall_bound(pool, noop_op, monkeypatch):  # noqa: F811
+    """SIGSTOP: the worker neither dies nor answers; the heartbeat names it (gpu, actor, pid)
+    within STALL_S plus a heartbeat, without any --timeout."""
+    import os
+    import signal
+
+    from disco_ray.driver import engine_ray
+
+    monkeypatch.setattr(engine_ray, "STALL_S", 3.0)
+    tg = noop_graph(gpus=2, n=60)
+    with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
+        prog.engine  # noqa: B018  (actors and their pids first)
+        pid = pool.pids[2]  # [coordinator, gpu:0, gpu:1]
+        timer = threading.Timer(0.5, os.kill, [pid, signal.SIGSTOP])
+        timer.start()
+        t = time.monotonic()
+        try:
+            with pytest.raises(
+                RunError, match=rf"gpu:1 worker \(actor \w+, pid {pid}\).* has not answered for"
+            ):
+                prog.run({}, delay=(0.02, 0.03))  # ~2 s of work, no timeout
+        finally:
+            timer.join()
+            os.kill(pid, signal.SIGCONT)  # let Ray's kill (on close) finish it
+        assert time.monotonic() - t < 3.0 + 8  # the bound: STALL_S, a heartbeat, polling slack
+
+
+def test_killed_coordinator_stops_the_run_naming_it(pool, noop_op):  # noqa: F811
+    tg = noop_graph(gpus=2, n=60)
+    with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
+        timer = threading.Timer(0.5, ray.kill, [prog.engine.coord])
+        timer.start()
+        t = time.monotonic()
+        try:
+            with pytest.raises(RunError, match="coordinator"):
+                prog.run({}, delay=(0.02, 0.03), timeout=60)
+        finally:
+            timer.join()
+        assert time.monotonic() - t < 30
+
+
+def test_a_placement_no_node_can_hold_is_refused_at_once(pool):  # noqa: F811
+    from actors.coordinator import Coordinator
+    from actors.worker import GpuWorker
+    from disco_ray.driver.placement import PlacementConfig, place
+
+    t = time.monotonic()
+    with pytest.raises(RunError, match=r"can never place 2 workers of \{CPU: 1000.* need 2000 CPU, it has 2"):
+        place(2, "cpu", PlacementConfig(cpus_per_worker=1000), GpuWorker, Coordinator)
+    assert time.monotonic() - t < 5
+
+
+def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op, monkeypatch):  # noqa: F811
+    import os
+    import signal
+
+    from disco_ray.driver import engine_ray
+
+    monkeypatch.setattr(engine_ray, "STALL_S", 3.0)
+    tg = noop_graph(gpus=2, n=8)
+    with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
+        prog.engine  # noqa: B018
+        pid = pool.pids[1]  # gpu:0
+        os.kill(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        try:
+            with pytest.raises(RunError, match=rf"gpu:0 worker \(actor \w+, pid {pid}\).* as the run starts"):
+                prog.run({})
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert time.monotonic() - t < 3.0 + 8

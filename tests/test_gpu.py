@@ -250,7 +250,7 @@ def test_sanitizer_fires_on_cuda(gpu_pool):
             bad = dataclasses.replace(mg, vertices=vs, _index=None)
             break
     with (
-        Program(tg, bad, engine="ray", backend="cuda", pool=gpu_pool) as prog,
+        Program(tg, bad, engine="ray", backend="cuda", pool=gpu_pool, trusted=True) as prog,
         pytest.raises(RunError, match=f"vertex {v.id}"),
     ):
         prog.run(random_inputs(tg, 0), check=True, timeout=180)

@@ -127,7 +127,7 @@ def test_bad_shapes_and_attrs_are_refused():
     k = g.input("k", (4, 12))
     with pytest.raises(GraphError, match="kv_heads 3 must divide heads 4"):
         g.kernel("attention", q, k, k, heads=4, kv_heads=3, scale=1.0)
-    with pytest.raises(GraphError, match="scale must be a number"):
+    with pytest.raises(GraphError, match="attribute scale must be a finite number"):
         g.kernel("attention", q, q, q, heads=4, scale="1")
     pos = g.input("pos", (2,), "int64")
     with pytest.raises(GraphError, match="pos must be an integer tensor of shape"):

@@ -64,7 +64,7 @@ def test_unary_ops_match_torch(case, dtype):
 def test_the_two_gelu_forms_differ():
     x = torch.linspace(-4, 4, 101)
     assert not torch.equal(_run("gelu", [x]), _run("gelu", [x], approximate="tanh"))
-    with pytest.raises(ValueError, match="approximate must be one of"):
+    with pytest.raises(ValueError, match="attribute approximate must be"):
         _run("gelu", [x], approximate="erf")
 
 
@@ -153,7 +153,7 @@ def test_a_bias_add_in_a_graph_needs_no_materialised_bias():
         ("sum", [(2, 3)], {"axes": [2]}, "axis 2 out of range for rank 2"),
         ("mean", [(2, 3)], {"axes": [1, -1]}, "name one axis twice"),
         ("sdpa", [(2, 4, 8), (2, 5, 7), (2, 5, 8)], {}, "equal leading dims"),
-        ("cast", [(2,)], {"dtype": "float64"}, "unknown dtype 'float64'"),
+        ("cast", [(2,)], {"dtype": "float64"}, "attribute dtype must be one of .*got 'float64'"),
         ("softmax", [(2, 3)], {"axis": 2}, "axis 2 out of range"),
     ],
 )

@@ -75,7 +75,7 @@ def test_sanitizer_checks_transfer_reads_on_the_source_worker(pool):  # noqa: F8
             # the edges still come from the real source, so the transfer runs after it and the
             # source worker's shadow names the real writer
             with (
-                Program(tg, bad, engine="ray", pool=pool) as prog,
+                Program(tg, bad, engine="ray", pool=pool, trusted=True) as prog,  # verify refuses it
                 pytest.raises(RunError, match=rf"sanitizer: vertex {v.id} \(transfer"),
             ):
                 prog.run(random_inputs(tg, 0), check=True, timeout=120)
@@ -89,7 +89,10 @@ def test_sanitizer_on_a_kernel_read_under_ray(pool):  # noqa: F811
     bad, reader = _corrupt_read(
         mg, lambda mg, v: Read(v.ins[0].value, 0 if v.ins[0].src else 1, v.ins[0].loc)
     )
-    with Program(tg, bad, engine="ray", pool=pool) as prog, pytest.raises(RunError, match=f"vertex {reader}"):
+    with (
+        Program(tg, bad, engine="ray", pool=pool, trusted=True) as prog,
+        pytest.raises(RunError, match=f"vertex {reader}"),
+    ):
         prog.run(random_inputs(tg, 0), check=True, timeout=120)
 
 

@@ -104,7 +104,7 @@ def test_vertices_in_any_order_parse():
             r"has no attribute\(s\) \['bias'\]",
         ),
         (lambda g: g.input("x", (2,), dtype="float8"), "unknown dtype 'float8'"),
-        (lambda g: g.input("x", (2, -1)), "negative dimension"),
+        (lambda g: g.input("x", (2, -1)), "dimension < 1"),
         (lambda g: g.input("x", (2.5,)), "shape must be a list of integers"),
         (lambda g: g.input("", (2,)), "non-empty string"),
         (lambda g: g.output("nope"), "output 'nope': no such vertex"),

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import os
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from disco_ray.graph.errors import UsageError
+from disco_ray.graph.errors import DiscoError, UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 
@@ -99,15 +101,82 @@ def build(name: str, **kwargs) -> Workload:
     return builder(name)(**kwargs)
 
 
+MAX_PARAM = 1 << 20  # a size or count parameter from a command line: beyond it, a typo
+
+
 def build_from_strings(name: str, args: Mapping[str, str]) -> Workload:
-    """Builds workload `name` from string values (`{"n": "8"}`), converted by the builder's types."""
+    """Builds workload `name` from string values (`{"n": "8"}`), converted by the builder's types.
+
+    What a command line gives is checked before anything is built: numbers finite, counts and
+    sizes in 0..MAX_PARAM, probabilities in [0, 1], and the inputs within the memory free (a
+    dry build without tensors first). Any error the builder raises is a UsageError naming the
+    workload and its parameters.
+    """
     known = params(name)
     kwargs = {}
     for k, s in args.items():
         if k not in known:
             raise UsageError(f"workload {name!r} has no parameter {k!r} (it takes {', '.join(known)})")
-        kwargs[k] = parse_value(k, s, known[k][0])
-    return build(name, **kwargs)
+        try:
+            v = kwargs[k] = parse_value(k, s, known[k][0])
+        except UsageError as e:
+            raise UsageError(f"workload {name!r}: {e}") from None
+        bad = _param_range(k, v)
+        if bad:
+            raise UsageError(f"workload {name!r}: parameter {k}={s[:40]} {bad}")
+    said = " ".join(f"{k}={s[:40]}" for k, s in args.items())
+    if kwargs.get("materialize", True) and "materialize" in known:
+        dry = _build(name, said, {**kwargs, "materialize": False})
+        need = sum(v.nbytes for v in dry.taskgraph.caller_inputs())
+        free = available_memory()
+        if free is not None and need > free:
+            raise UsageError(
+                f"workload {name!r} ({said}): its inputs need {need} bytes, more than the {free} "
+                "bytes of memory free"
+            )
+    return _build(name, said, kwargs)
+
+
+def _param_range(key: str, v: object) -> str | None:
+    """Why a parsed command-line parameter value is out of range, or None."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "is not a finite number"
+    if key.endswith("_prob") and isinstance(v, (int, float)) and not 0 <= v <= 1:
+        return "is not a probability in [0, 1]"
+    if isinstance(v, int) and not isinstance(v, bool):
+        hi = 2**63 - 1 if key == "seed" else MAX_PARAM
+        if not 0 <= v <= hi:
+            return f"is out of range 0..{hi}"
+    return None
+
+
+def _build(name: str, said: str, kwargs: dict) -> Workload:
+    """build(name, **kwargs), with whatever the builder raises for bad values as a UsageError."""
+    try:
+        return build(name, **kwargs)
+    except DiscoError as e:
+        msg = str(e)
+        raise UsageError(
+            msg if msg.startswith("workload") else f"workload {name!r} ({said}): {msg}"
+        ) from None
+    except (
+        ValueError,
+        TypeError,
+        ArithmeticError,
+        LookupError,
+        AssertionError,
+        MemoryError,
+        RuntimeError,
+    ) as e:
+        raise UsageError(f"workload {name!r} ({said}): {type(e).__name__}: {e}") from None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine has free now (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def parse_value(key: str, s: str, typ: type) -> object:

@@ -128,11 +128,12 @@ def plan(
         capacity = roomy_capacity(tg, alignment)
     mg = build_memgraph(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity)
     if mode == "deterministic":
-        return deterministic(mg)
-    if mode == "levelwise":
+        mg = deterministic(mg)
+    elif mode == "levelwise":
         if levels is None:
             raise UsageError("mode levelwise needs the workload's levels")
-        return levelwise(mg, tg, levels)
+        mg = levelwise(mg, tg, levels)
+    mg._planned_for = id(tg)  # the planner's plan plus edges: a Program need not verify it again
     return mg
 
 

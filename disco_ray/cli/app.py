@@ -18,7 +18,11 @@ import argparse
 import importlib
 import json
 import logging
+import math
+import signal
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 from disco_ray.graph import formats
@@ -63,8 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SIGTERM: list[bool] = []  # set when SIGTERM came: the KeyboardInterrupt it raised means "terminated"
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM, raised in the main thread as Ctrl-C is: a KeyboardInterrupt (the only exception
+    Ray's blocking calls let through), so the same clean-up runs (Programs close their actors, a
+    private Ray is shut down); the flag tells main which one line to print."""
+    _SIGTERM.append(True)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit status (the console script's entry point)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    _SIGTERM.clear()
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None  # kept across ray.init
+    try:
+        return _main(argv)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         setup_logging(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
@@ -75,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # an unwritable output directory, a full disk: the user's to fix
         _error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
     except KeyboardInterrupt:
+        if _SIGTERM:
+            _error("terminated (SIGTERM): the run was stopped and its workers shut down")
+            return 143
+        _error("interrupted (Ctrl-C): the run was stopped and its workers shut down")
         return 130
+    except RecursionError:  # a structure too deep for any reader: the input's, not ours
+        _error("input nested too deeply to be read")
     return 2
 
 
@@ -119,8 +151,8 @@ def gpu_size_arg(text: str) -> tuple[int, int]:
 
 def power_of_two(text: str) -> int:
     n = positive_int(text)
-    if n & (n - 1):
-        raise argparse.ArgumentTypeError(f"want a power of two, got {text!r}")
+    if n & (n - 1) or n > 1 << 30:
+        raise argparse.ArgumentTypeError(f"want a power of two up to 2**30, got {text[:40]!r}")
     return n
 
 
@@ -132,6 +164,52 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"want a positive integer, got {text!r}")
     return n
+
+
+def bounded_int(lo: int, hi: int):
+    """argparse type for an integer in lo..hi."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"want an integer, got {text[:40]!r}") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"want an integer in {lo}..{hi}, got {text[:40]}")
+        return n
+
+    return parse
+
+
+SEED_MAX = 2**63 - 1  # torch's generators take a 64-bit seed
+seed_arg = bounded_int(0, SEED_MAX)
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type for a time limit: a finite number of seconds > 0."""
+    try:
+        s = float(text)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and s > 0):
+        raise argparse.ArgumentTypeError(f"want a number of seconds > 0, got {text[:40]!r}")
+    return s
+
+
+def check_writable(path: str | Path, flag: str) -> None:
+    """UsageError, before any work, when `path` cannot be written (no such directory, no
+    permission, a directory of that name): found out after a long run otherwise."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: no such directory {str(parent)!r}")
+    try:
+        with tempfile.TemporaryFile(dir=parent):  # what os.access cannot say (root, read-only mounts)
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror})") from None
 
 
 def output_path(text: str) -> Path:
@@ -251,6 +329,8 @@ def read_order(path: str) -> list[str]:
             raise UsageError(
                 f"--order {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}"
             ) from None
+        except RecursionError:
+            raise UsageError(f"--order {path}: nested too deeply to be a list of vertex ids") from None
         if isinstance(order, dict):
             order = order.get("order")
         if not isinstance(order, list) or not all(isinstance(i, str) for i in order):

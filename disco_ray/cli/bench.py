@@ -46,7 +46,7 @@ log = logging.getLogger("disco_ray")
 def add_bench(sub) -> None:
     from disco_ray.driver.placement import add_cluster_args
 
-    from .app import add_capacity_args, add_tier_args
+    from .app import add_capacity_args, add_tier_args, seconds_arg
     from .run import add_engine_args
     from .target import add_target_args
 
@@ -80,7 +80,7 @@ def add_bench(sub) -> None:
         "--warmup", type=int, default=1, help="untimed runs per mode before the timed ones (default 1)"
     )
     p.add_argument("--out", default="bench_out", metavar="DIR", help="output folder (default bench_out)")
-    p.add_argument("--timeout", type=float, metavar="S", help="give up a run after S seconds")
+    p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a run after S seconds")
     add_cluster_args(p)  # --address, --placement, --gpus-per-worker, --cpus-per-worker
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of
+from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of, seconds_arg, seed_arg
 from .run import add_engine_args, engine_kwargs
 
 
@@ -54,7 +54,7 @@ def add_finetune(sub) -> None:
     add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="row tile, in tokens (64)")
-    p.add_argument("--seed", type=int, default=0, help="of a new adapter's initial A")
+    p.add_argument("--seed", type=seed_arg, default=0, help="of a new adapter's initial A")
     p.add_argument(
         "--grad-sum",
         choices=["sum_into", "add", "chain"],
@@ -62,7 +62,7 @@ def add_finetune(sub) -> None:
         help="how gradient partials are summed: sum-into kernels (default), one n-ary add, a chain of adds",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=float, metavar="S", help="give up a step after S seconds")
+    p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a step after S seconds")
     p.add_argument(
         "--weights",
         choices=["host", "disk"],

@@ -22,7 +22,7 @@ from pathlib import Path
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of
+from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of, seconds_arg
 from .run import add_engine_args, engine_kwargs
 
 
@@ -60,7 +60,7 @@ def add_generate(sub) -> None:
     p.add_argument("--logits", metavar="OUT.npz", help="write the prompt's logits as array 'logits'")
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens and statistics")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    p.add_argument("--timeout", type=float, metavar="S", help="give up a run after S seconds")
+    p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a run after S seconds")
     p.add_argument(
         "--budget-file",
         metavar="FILE",

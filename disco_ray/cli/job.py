@@ -49,12 +49,12 @@ def run_job(args: argparse.Namespace) -> int:
 
     from disco_ray.driver.cluster import measure_links
     from disco_ray.driver.placement import cluster_kwargs
-    from disco_ray.driver.program import Program, compile
-    from disco_ray.graph import formats
+    from disco_ray.driver.program import compile
     from disco_ray.graph.trace import format_summary
 
     from .app import capacity_of, host_capacity_of
     from .npz import save_npz
+    from .run import given_plan
     from .target import load_target
 
     if args.out and not str(args.out).endswith(".npz"):
@@ -64,7 +64,7 @@ def run_job(args: argparse.Namespace) -> int:
     kw = {"engine": "ray", "backend": args.backend, "streams": args.streams, **cluster_kwargs(args)}
     kw["disk_dir"] = args.disk
     prog = (
-        Program(tg, formats.load_memgraph(args.plan), **kw)
+        given_plan(args, tg, kw)
         if args.plan
         else compile(tg, capacity_of(args, tg.gpus), host_capacity=host_capacity_of(args, tg.gpus), **kw)
     )

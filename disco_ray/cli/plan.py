@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 from disco_ray.graph import formats
 from disco_ray.graph.errors import DiscoError, UsageError
@@ -158,6 +159,8 @@ def add_plan(sub) -> None:
 
 
 def cmd_plan(args) -> int:
+    if Path(args.output).resolve() == Path(args.taskgraph).resolve():
+        raise UsageError(f"{args.output}: -o names the TaskGraph file itself (it would be overwritten)")
     tg = formats.load_taskgraph(args.taskgraph)
     caps = capacity_of(args, tg.gpus)
     order = read_order(args.order) if args.order else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Callable
 
@@ -25,20 +26,24 @@ from disco_ray.graph.errors import DiscoError, UsageError
 log = logging.getLogger("disco_ray")
 
 
+MAX_STREAMS = 256  # threads (cpu) or CUDA streams per GPU; TURNIP uses 5
+MAX_AHEAD = 1024
+
+
 def delay_arg(text: str) -> tuple[float, float]:
     try:
         lo, hi = (float(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"bad delay {text!r} (want LO,HI in seconds, e.g. 0,0.002)"
+            f"bad delay {text[:40]!r} (want LO,HI in seconds, e.g. 0,0.002)"
         ) from None
-    if not 0 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"bad delay {text!r}: want 0 <= LO <= HI")
+    if not (math.isfinite(hi) and 0 <= lo <= hi <= 60):
+        raise argparse.ArgumentTypeError(f"bad delay {text!r}: want 0 <= LO <= HI <= 60 seconds")
     return lo, hi
 
 
 def add_run(sub) -> None:
-    from .app import add_capacity_args, add_tier_args
+    from .app import add_capacity_args, add_tier_args, seconds_arg
     from .target import add_target_args
 
     p = sub.add_parser(
@@ -51,6 +56,11 @@ def add_run(sub) -> None:
     add_capacity_args(p, default="everything fits")
     add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--plan", metavar="MEMGRAPH", help="run this MemGraph instead of planning")
+    p.add_argument(
+        "--trusted-plan",
+        action="store_true",
+        help="run --plan without verifying it against the TaskGraph first (a cycle is still refused)",
+    )
     p.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
     add_engine_args(p)
     p.add_argument("--check", action="store_true", help="run the sanitizer (slower)")
@@ -66,7 +76,7 @@ def add_run(sub) -> None:
     p.add_argument(
         "--delay", type=delay_arg, metavar="LO,HI", help="debug: sleep uniform(LO, HI) s before each vertex"
     )
-    p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds")
+    p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up after S seconds")
     add_cluster_args(p)  # --address, --placement, --gpus-per-worker, --cpus-per-worker
     p.set_defaults(func=cmd_run)
 
@@ -87,10 +97,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Program keyword arguments from the options of `add_engine_args`, checked."""
-    if args.streams < 1:
-        raise UsageError(f"--streams must be >= 1, got {args.streams}")
-    if args.ahead is not None and args.ahead < 0:
-        raise UsageError(f"--ahead must be >= 0, got {args.ahead}")
+    if not 1 <= args.streams <= MAX_STREAMS:
+        raise UsageError(f"--streams must be in 1..{MAX_STREAMS}, got {args.streams}")
+    if args.ahead is not None and not 0 <= args.ahead <= MAX_AHEAD:
+        raise UsageError(f"--ahead must be in 0..{MAX_AHEAD}, got {args.ahead}")
     return {"engine": args.engine, "backend": args.backend, "streams": args.streams, "ahead": args.ahead}
 
 
@@ -112,34 +122,70 @@ def progress_arg(enabled: bool, total: int) -> bool | Callable[[int], None] | No
     return report
 
 
+def check_arenas_fit(mg, where: str) -> None:
+    """UsageError, before any actor starts, when a run on this machine's cpu backend could not
+    allocate its arenas (they are host memory there): one allocation failure per worker otherwise."""
+    from workloads import available_memory
+
+    need = sum(mg.capacity) + sum(mg.host_capacity)
+    free = available_memory()
+    if free is not None and need > free:
+        raise UsageError(
+            f"{where}: the plan's arenas and host stores need {need} bytes of host memory on the cpu "
+            f"backend (capacity {max(mg.capacity)} bytes per GPU), more than the {free} bytes free; "
+            "give a smaller --capacity"
+        )
+
+
+def given_plan(args: argparse.Namespace, tg, kw: dict):
+    """The Program of `--plan`, verified against the TaskGraph unless `--trusted-plan`: an error
+    names the plan file (a plan that is not this TaskGraph's never starts anything)."""
+    from disco_ray.driver.program import Program
+    from disco_ray.graph import formats
+
+    mg = formats.load_memgraph(args.plan)
+    try:
+        return Program(tg, mg, trusted=args.trusted_plan, **kw)
+    except DiscoError as e:
+        raise type(e)(f"{args.plan}: not a plan of {args.target}: {e}") from None
+
+
 def cmd_run(args) -> int:
     from disco_ray.bench.report import check_outputs
-    from disco_ray.driver.program import Program, compile
-    from disco_ray.graph import formats
+    from disco_ray.driver.program import compile
     from disco_ray.graph.trace import format_summary
 
-    from .app import _error, capacity_of, host_capacity_of
+    from .app import _error, capacity_of, check_writable, host_capacity_of
     from .target import load_target
 
     if not str(args.out).endswith(".npz"):
         raise UsageError(f"--out {args.out}: the outputs are written as .npz")
+    check_writable(args.out, "--out")
+    if args.trace:
+        check_writable(args.trace, "--trace")
     kw = engine_kwargs(args)
     w = load_target(args)  # inputs checked here: refused before anything is planned or started
     tg = w.taskgraph
     capacity = capacity_of(args, tg.gpus)
     host_capacity = host_capacity_of(args, tg.gpus)
     kw["disk_dir"] = args.disk
+    cluster = cluster_kwargs(args)  # checked on every engine: a bad value is refused either way
     if args.engine == "ray":
-        kw.update(cluster_kwargs(args))
+        kw.update(cluster)
+        from disco_ray.driver import engine_ray
+
+        engine_ray.GCS_LOST_EXITS = True  # a lost GCS ends this command with one line, not Ray's minute
     if args.plan:
         if capacity is not None or host_capacity is not None:
             raise UsageError("--plan runs a given MemGraph: --capacity and --host-capacity do not apply")
-        prog = Program(tg, formats.load_memgraph(args.plan), **kw)
+        prog = given_plan(args, tg, kw)
     else:
         try:
             prog = compile(tg, capacity, host_capacity=host_capacity, **kw)
         except DiscoError as e:  # name the graph, as `plan` does
             raise type(e)(f"{args.target}: {e}") from None
+    if args.backend == "cpu" and not getattr(args, "address", None):
+        check_arenas_fit(prog.mg, args.plan or args.target)
     with prog:
         outs = prog.run(
             w.inputs,

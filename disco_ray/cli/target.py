@@ -17,13 +17,15 @@ import logging
 from pathlib import Path
 
 from disco_ray.graph import formats
-from disco_ray.graph.errors import UsageError
+from disco_ray.graph.errors import DiscoError, UsageError
 
 log = logging.getLogger("disco_ray")
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
     """TARGET [key=value ...] --inputs --seed."""
+    from .app import seed_arg
+
     p.add_argument(
         "target",
         metavar="TASKGRAPH|WORKLOAD",
@@ -35,12 +37,37 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         metavar="IN.npz",
         help="input tensors keyed by TaskGraph id (default: a workload's own; random for a file)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of random inputs (and of --delay)")
+    p.add_argument(
+        "--seed", type=seed_arg, default=0, help="seed of random inputs (and of --delay), 0..2**63-1"
+    )
 
 
 def is_file(target: str) -> bool:
     """A path (it exists, or ends in .json/.msgpack) rather than a workload name."""
     return Path(target).suffix.lower() in formats.SUFFIXES or Path(target).exists()
+
+
+def check_fits_memory(tg, target: str, what: str = "random inputs") -> None:
+    """UsageError, naming the file and the largest input, when the caller's inputs alone would not
+    fit in the memory this machine has free (an allocation failure deep in torch otherwise)."""
+    from workloads import available_memory
+
+    need = sum(v.nbytes for v in tg.caller_inputs())
+    free = available_memory()
+    if free is not None and need > free:
+        big = max(tg.caller_inputs(), key=lambda v: v.nbytes)
+        raise UsageError(
+            f"{target}: its {what} need {need} bytes, more than the {free} bytes of memory free "
+            f"(the largest, input {big.id!r} {list(big.shape)} {big.dtype}, {big.nbytes} bytes)"
+        )
+
+
+def checked(fn, *a, where: str):
+    """fn(*a), with a DiscoError's message prefixed by the file it concerns."""
+    try:
+        return fn(*a)
+    except DiscoError as e:
+        raise UsageError(f"{where}: {e}") from None
 
 
 def load_target(args: argparse.Namespace, materialize: bool = True):
@@ -62,13 +89,13 @@ def load_target(args: argparse.Namespace, materialize: bool = True):
         tg = formats.load_taskgraph(args.target)
         if args.inputs:
             inputs = load_npz(args.inputs, tg)
+            checked(check_inputs, tg, inputs, where=args.inputs)
         elif materialize:
+            check_fits_memory(tg, args.target)
             inputs = random_inputs(tg, args.seed)
             log.info("inputs: random, seed %d (--inputs IN.npz gives them)", args.seed)
         else:
             inputs = {}
-        if inputs:
-            check_inputs(tg, inputs)
         return workloads.graph_workload(Path(args.target).name, tg, inputs, {"file": args.target})
     if args.target not in workloads.REGISTRY:
         raise UsageError(
@@ -81,6 +108,6 @@ def load_target(args: argparse.Namespace, materialize: bool = True):
     w = workloads.build_from_strings(args.target, kv)
     if args.inputs:
         inputs = load_npz(args.inputs, w.taskgraph)
-        check_inputs(w.taskgraph, inputs)
+        checked(check_inputs, w.taskgraph, inputs, where=args.inputs)
         w = type(w)(w.name, w.taskgraph, inputs, w.reference, w.levels, w.weights, w.params, w.meta)
     return w

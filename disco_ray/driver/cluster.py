@@ -23,6 +23,7 @@ from disco_ray.graph.errors import RunError
 from .placement import transfer_path
 
 PROBE_BYTES = 4 << 20
+CONNECT_TIMEOUT_S = 5.0  # a GCS that does not accept a TCP connection in this long is not there
 PROBE_REPEATS = 3
 
 
@@ -67,11 +68,46 @@ def connect(address: str, **kw: Any) -> None:
 
     if ray.is_initialized():
         return
+    probe(address)
     try:
         # ray.init takes a level name too (setup_logger converts it); its annotation says int
         ray.init(address=address, logging_level="WARNING", **kw)  # type: ignore[arg-type]
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise RunError(f"cannot connect to the Ray cluster at {address!r}: {e}") from None
+
+
+def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """RunError at once when nothing listens at `address` (ray.init would retry for a minute or
+    more): "HOST:PORT" and "ray://HOST:PORT" are tried with one TCP connection; "auto" is
+    resolved as Ray does ($RAY_ADDRESS, then the address file `ray start` wrote) first."""
+    import socket
+
+    shown = address
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS") or ""
+        if not address:
+            try:
+                from ray._private.utils import read_ray_address
+
+                address = read_ray_address() or ""
+            except Exception:  # Ray's private helper moved: leave it to ray.init
+                return
+        if not address:
+            raise RunError(
+                "--address auto: no Ray cluster runs on this machine (start one: ray start --head)"
+            )
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # not HOST:PORT (a name Ray resolves itself): leave it to ray.init
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise RunError(
+            f"cannot connect to the Ray cluster at {shown!r}: nothing answers at {host}:{port} within "
+            f"{timeout:g} s ({why})"
+        ) from None
 
 
 def nodes() -> list[dict]:

@@ -19,6 +19,10 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
+import socket
+import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -33,6 +37,11 @@ from .cluster import connect, running_cluster
 from .placement import Placed, PlacementConfig, describe, place, remove
 
 POLL_S = 0.2
+READY_S = 120.0  # the actors' first answer (their process start, imports)
+HEARTBEAT_S = 1.0  # how often the driver pings every actor of a running graph
+# an actor that has not answered a ping for this long is stopped or hung (SIGSTOP, a deadlock): the
+# run ends naming it, --timeout or not; a computing actor answers (its pings run on another thread)
+STALL_S = float(os.environ.get("DISCO_RAY_STALL_S", "30"))
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
 log = logging.getLogger("disco_ray")
 _SHARED: RayPool | None = None
@@ -84,6 +93,8 @@ class RayPool:
         self.workers: list = []
         self.placed: Placed | None = None
         self.generation = 0  # counts discards: an engine loaded before the last one must reload
+        self.pids: list[int] = []  # of the coordinator, then of each worker
+        self.private = False  # this pool started a private Ray (its processes are the driver's)
         self._keys = 0
 
     def new_key(self) -> str:
@@ -106,19 +117,15 @@ class RayPool:
                     "using the running Ray cluster at %s (DISCO_RAY_ADDRESS=local starts a private one)",
                     address,
                 )
-            connect(address)
+            with keep_sigterm():
+                connect(address)
             self.started_ray = True  # close() then only disconnects: the cluster is not ours to stop
         elif not ray.is_initialized():
             self.coord, self.workers = None, []
             log.info("starting a private Ray (a running cluster, e.g. `ray start --head`, is reused)")
-            ray.init(
-                address="local",
-                num_cpus=self.num_cpus or os.cpu_count(),
-                num_gpus=gpus,
-                include_dashboard=False,
-                logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
-            )
-            self.started_ray = True
+            with keep_sigterm():
+                start_private_ray(self.num_cpus or os.cpu_count(), gpus)
+            self.started_ray = self.private = True
         mods = tuple(dict.fromkeys((*self.op_modules, *op_modules)))
         if len(self.workers) < gpus or mods != self.op_modules:
             self.discard()
@@ -136,6 +143,8 @@ class RayPool:
                 max_concurrency=MAX_CONCURRENCY,
             )
             self.coord, self.workers = self.placed.coord, self.placed.workers
+            # process ids, to name an actor that stops answering (a stopped process cannot say)
+            self.pids = ray.get([a.pid.remote() for a in (self.coord, *self.workers)], timeout=READY_S)
             if backend == "cuda":
                 share_devices(self.workers)
         return self.coord, self.workers[:gpus]
@@ -182,7 +191,7 @@ class RayPool:
         self.discard()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
-        self.started_ray = False
+        self.started_ray = self.private = False
 
 
 class RayEngine:
@@ -273,16 +282,14 @@ class RayEngine:
     def _run(
         self, inputs: Mapping[str, torch.Tensor], opts: RunOptions
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
-        import ray
         from ray.exceptions import RayActorError, RayTaskError
-
-        from actors.plans import as_tensor
 
         wants: list[list[str]] = [[] for _ in self.workers]
         for v in self.tg.caller_inputs():  # sourced inputs and states are the workers' own
             wants[v.gpu].append(v.id)
+        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
         try:
-            ray.get(
+            self._get_watched(
                 [
                     w.begin.remote(
                         self.key,
@@ -292,21 +299,39 @@ class RayEngine:
                         opts.seed,
                     )
                     for g, w in enumerate(self.workers)
-                ]
+                ],
+                dog,
             )
-            ray.get(self.coord.start.remote(self.key))
+            self._get_watched([self.coord.start.remote(self.key)], dog)
         except (RayActorError, RayTaskError) as e:
             pings = {w.ping.remote(): g for g, w in enumerate(self.workers)}
             raise RunError(self._dead_worker(pings) or f"starting the run failed: {_cause(e)}") from None
         done_ref = self.coord.wait.remote()
         serving = {w.serve.remote(): g for g, w in enumerate(self.workers)}
         pending = [done_ref, *serving]
+        with GcsMonitor(gcs_address(), private=self.pool.private):
+            return self._wait(opts, done_ref, serving, pending, dog)
+
+    def _wait(self, opts: RunOptions, done_ref, serving: dict, pending: list, dog: Watchdog):
+        """The driver's loop of a run: the end, a failure, a silent actor, the timeout."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from actors.plans import as_tensor
+
         progress, timeout = opts.progress, opts.timeout
         t_end = None if timeout is None else time.monotonic() + timeout
         while True:
             ready, _ = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            silent = dog.check()
+            if silent is not None and done_ref not in ready:
+                who, quiet = silent
+                raise RunError(
+                    f"{self._name(who)} has not answered for {quiet:.0f} s (stopped or hung); the run "
+                    f"is abandoned after {self._progress()} of {len(self.mg)} vertices"
+                )
             if progress is not None:
-                progress(ray.get(self.coord.progress.remote()))
+                progress(self._progress())
             if done_ref in ready:
                 try:
                     _, err = ray.get(done_ref)
@@ -327,8 +352,7 @@ class RayEngine:
                 pending.remove(r)
             if t_end is not None and time.monotonic() > t_end:
                 raise RunError(
-                    f"run did not finish within {timeout} s "
-                    f"({ray.get(self.coord.progress.remote())} of {len(self.mg)} vertices done)"
+                    f"run did not finish within {timeout} s ({self._progress()} of {len(self.mg)} vertices done)"
                 )
         by_gpu: dict[int, list[tuple[str, int]]] = {}
         for value in self.tg.outputs:  # carried values stay on their workers
@@ -338,6 +362,40 @@ class RayEngine:
         for part in self._gather({self.workers[g].outputs.remote(w): g for g, w in by_gpu.items()}):
             outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
         return outs, self._gather({w.trace.remote(): g for g, w in enumerate(self.workers)})
+
+    def _get_watched(self, refs: list, dog: Watchdog) -> list:
+        """ray.get(refs) while the watchdog listens: an actor stopped before the run starts (handing
+        over inputs) is named as one stopped during it would be."""
+        import ray
+
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
+            if len(ready) == len(refs):
+                return ray.get(refs)
+            silent = dog.check()
+            if silent is not None:
+                who, quiet = silent
+                raise RunError(
+                    f"{self._name(who)} has not answered for {quiet:.0f} s (stopped or hung) as the run starts"
+                )
+
+    def _progress(self) -> int | str:
+        """Vertices done so far, as the coordinator counts them ("?" when it does not answer)."""
+        import ray
+
+        try:
+            return ray.get(self.coord.progress.remote(), timeout=min(STALL_S, 5.0))
+        except Exception:  # stopped, dead or slow: the watchdog names it
+            return "?"
+
+    def _name(self, who: int) -> str:
+        """'gpu:1 worker (actor 3f2a..., pid 1234, on node ...)' or 'the coordinator (actor ..., pid ...)'."""
+        actor = self.coord if who < 0 else self.workers[who]
+        pids = self.pool.pids
+        pid = pids[who + 1] if who + 1 < len(pids) else "?"
+        what = "the coordinator" if who < 0 else f"gpu:{who} worker"
+        node = "" if who < 0 else self._node_of(who)
+        return f"{what} (actor {actor._actor_id.hex()[:12]}, pid {pid}){node}"
 
     def _gather(self, refs: dict) -> list:
         """ray.get of each ref (ref -> gpu) after the run; a dead worker is named."""
@@ -410,6 +468,9 @@ class RayEngine:
             return
         if not ray.is_initialized() or self.pool.generation != self.generation:
             return  # the actors this engine loaded into are gone already
+        if self.broken:  # a failed run: its actors may be stopped or dead, so no unload to wait on
+            self.pool.discard()
+            return
         try:
             ray.get(
                 [w.unload.remote(self.key) for w in self.workers] + [self.coord.unload.remote(self.key)],
@@ -417,6 +478,163 @@ class RayEngine:
             )
         except Exception:
             self.pool.discard()
+
+
+@contextlib.contextmanager
+def keep_sigterm():
+    """ray.init installs its own SIGTERM handlers (an exit with a stack dump from the node's): one
+    the caller set (the CLI's, which ends the run like Ctrl-C with one line) is put back after."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(before):
+            signal.signal(signal.SIGTERM, before)
+
+
+class _QuietTokenNotice(logging.Filter):
+    """Drops Ray's "Token authentication is enabled for this Ray cluster" notice: token auth is
+    what a private Ray should have (Ray 2.60's default for a new local cluster), and the line
+    would come before every run's own output or error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+def start_private_ray(num_cpus: int | None, gpus: int) -> None:
+    """A Ray of this process only, with token authentication unless RAY_AUTH_MODE says otherwise
+    (Ray 2.60's default for a new local cluster): its ports cannot be bound to loopback (Ray turns
+    `_node_ip_address="127.0.0.1"` into the host's reachable address,
+    `ray._private.services.resolve_ip_for_localhost`), so the token is what keeps others out."""
+    import ray
+
+    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _QuietTokenNotice) for f in quiet.filters):
+        quiet.addFilter(_QuietTokenNotice())
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=gpus,
+        include_dashboard=False,
+        logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
+    )
+
+
+class Watchdog:
+    """Heartbeats through Ray: pings each actor every `every` s, and says which one (its key) has
+    left a ping unanswered for more than `stall` s. An actor answers pings on a thread of its own
+    (threaded actors) while its streams compute, so only a stopped or hung process goes quiet."""
+
+    def __init__(self, actors: Mapping[int, object], every: float, stall: float):
+        self.actors, self.every, self.stall = dict(actors), every, stall
+        self.out: dict[int, tuple[object, float]] = {}  # key -> (unanswered ping, when sent)
+        self.next = time.monotonic() + every  # a run shorter than a heartbeat sends no ping
+
+    def check(self) -> tuple[int, float] | None:
+        """(key, seconds quiet) of an actor silent too long, else None; sends the next pings."""
+        import ray
+
+        now = time.monotonic()
+        if self.out:
+            refs = [r for r, _ in self.out.values()]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            for key, (ref, sent) in list(self.out.items()):
+                if ref in ready:  # answered (or died: the run's serve refs tell that)
+                    del self.out[key]
+                elif now - sent > self.stall:
+                    return key, now - sent
+        if now >= self.next:
+            for key, actor in self.actors.items():
+                if key not in self.out:
+                    self.out[key] = (actor.ping.remote(), now)  # type: ignore[attr-defined]
+            self.next = now + self.every
+        return None
+
+
+GCS_LOST_EXITS = False  # the CLI sets it: a lost GCS ends the process with one line (see GcsMonitor)
+
+
+class GcsMonitor:
+    """A thread that tries the GCS port once a HEARTBEAT_S during a run. Once the GCS is gone the
+    driver's Ray blocks in its next call and, after a minute of retries, exits with Ray's message
+    only; so the monitor acts from its own thread: in the CLI (`GCS_LOST_EXITS`) it prints the
+    one error line, kills the processes of a private Ray (all the driver's descendants: raylet,
+    agents, actors) and exits with status 2; in a library it interrupts the main thread."""
+
+    def __init__(self, address: str | None, private: bool):
+        self.address, self.private = address, private
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="gcs-monitor")
+
+    def __enter__(self) -> GcsMonitor:
+        if self.address:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+
+    def _watch(self) -> None:
+        host, _, port = (self.address or "").rpartition(":")
+        misses = 0
+        while not self.stop.wait(HEARTBEAT_S):
+            try:
+                with socket.create_connection((host, int(port)), timeout=2.0):
+                    misses = 0
+                    continue
+            except (OSError, ValueError) as e:
+                misses += 1
+                why = e.strerror or type(e).__name__
+            if misses >= 2 and not self.stop.is_set():  # twice: not one dropped connection
+                self._lost(f"the Ray cluster's GCS at {self.address} is gone ({why}): the run is abandoned")
+                return
+
+    def _lost(self, msg: str) -> None:
+        log.debug(msg)
+        if not GCS_LOST_EXITS:
+            import _thread
+
+            _thread.interrupt_main()  # KeyboardInterrupt where the main thread next runs Python
+            return
+        print(f"disco-ray: error: {msg}", file=sys.stderr, flush=True)
+        if self.private:
+            kill_descendants(os.getpid())
+        os._exit(2)
+
+
+def kill_descendants(pid: int) -> None:
+    """SIGKILL to every process below `pid` (a private Ray: raylet, agents, workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    todo, seen = list(children.get(pid, [])), set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        todo += children.get(p, [])
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+
+
+def gcs_address() -> str | None:
+    """HOST:PORT of the connected cluster's GCS (None where Ray does not say)."""
+    import ray
+
+    try:
+        if ray.util.client.ray.is_connected():  # Ray Client: the GCS is the server's to reach, not ours
+            return None
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # an older or newer Ray without it: no GCS check
+        return None
 
 
 def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,13 @@ class PlacementConfig:
     def validate(self) -> None:
         if self.strategy not in STRATEGIES:
             raise UsageError(f"unknown placement {self.strategy!r} (one of {', '.join(STRATEGIES)})")
-        if self.gpus_per_worker is not None and self.gpus_per_worker <= 0:
-            raise UsageError(f"gpus_per_worker must be > 0, got {self.gpus_per_worker}")
-        if self.cpus_per_worker < 0:
-            raise UsageError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker}")
+        g, c = self.gpus_per_worker, self.cpus_per_worker
+        if g is not None and not (math.isfinite(g) and g > 0):
+            raise UsageError(f"gpus_per_worker must be > 0 (--gpus-per-worker), got {g}")
+        if not (math.isfinite(c) and c >= 0):
+            raise UsageError(f"cpus_per_worker must be >= 0 (--cpus-per-worker), got {c}")
+        if not (math.isfinite(self.ready_timeout_s) and self.ready_timeout_s > 0):
+            raise UsageError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
 
 
 def gpu_share(have: float, n: int, backend: str, requested: float | None = None) -> float:
@@ -82,6 +86,35 @@ def bundles(n: int, gpu: float, cpu: float = 0.0) -> list[dict[str, float]]:
     if cpu > 0 or not b:
         b["CPU"] = cpu if cpu > 0 else NO_GPU_CPU
     return [dict(b) for _ in range(n)]
+
+
+def infeasible(
+    bs: Sequence[dict[str, float]], nodes: Sequence[dict[str, float]], strategy: str
+) -> str | None:
+    """Why the cluster's nodes (their total resources) can never hold the bundles, or None: a
+    bundle no node is big enough for, or more of a resource than the whole cluster has. (A
+    feasible group may still wait for resources in use; `place` bounds that wait.)"""
+    need: dict[str, float] = {}
+    for b in bs:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    have = {k: sum(nd.get(k, 0.0) for nd in nodes) for k in need}
+    asked = f"{len(bs)} workers of {_fmt(bs[0])} ({strategy})" if bs else "no workers"
+    for k, v in need.items():
+        if v > have[k] + 1e-9:
+            return f"the Ray cluster can never place {asked}: they need {v:g} {k}, it has {have[k]:g} in all"
+    for b in bs:
+        if not any(all(nd.get(k, 0.0) + 1e-9 >= v for k, v in b.items()) for nd in nodes):
+            biggest = max(nodes, key=lambda nd: nd.get("CPU", 0.0), default={})
+            return (
+                f"the Ray cluster can never place {asked}: no node holds one worker's {_fmt(b)} "
+                f"(the largest has {_fmt({k: biggest.get(k, 0.0) for k in b})})"
+            )
+    return None
+
+
+def _fmt(b: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(b.items())) + "}"
 
 
 def transfer_path(
@@ -179,13 +212,18 @@ def place(
     cfg.validate()
     share = gpu_share(ray.cluster_resources().get("GPU", 0), n, backend, cfg.gpus_per_worker)
     bs = bundles(n, share, cfg.cpus_per_worker)
+    nodes = [dict(nd["Resources"]) for nd in ray.nodes() if nd.get("Alive")]
+    bad = infeasible(bs, nodes, cfg.strategy)
+    if bad:
+        raise RunError(bad)
     pg = placement_group(bs, strategy=STRATEGIES[cfg.strategy])
     ready, _ = ray.wait([pg.ready()], timeout=cfg.ready_timeout_s)
     if not ready:
         remove_placement_group(pg)
+        free = {k: round(v, 3) for k, v in ray.available_resources().items() if k in bs[0]}
         raise RunError(
-            f"the Ray cluster could not place {n} workers of {bs[0]} ({cfg.strategy}) within "
-            f"{cfg.ready_timeout_s:g} s; it has {ray.available_resources()}"
+            f"the Ray cluster could not place {n} workers of {_fmt(bs[0])} ({cfg.strategy}) within "
+            f"{cfg.ready_timeout_s:g} s; free now: {_fmt(free)} (others hold the rest)"
         )
     driver_node = ray.get_runtime_context().get_node_id()
     coord = (
@@ -263,10 +301,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def cluster_kwargs(args: argparse.Namespace) -> dict:
     """Program keyword arguments from the options of `add_cluster_args`."""
+    timeout = getattr(args, "timeout", None)  # --timeout bounds the wait for a placement too
     cfg = PlacementConfig(
         strategy=getattr(args, "placement", "pack"),
         gpus_per_worker=getattr(args, "gpus_per_worker", None),
         cpus_per_worker=getattr(args, "cpus_per_worker", 0.0) or 0.0,
+        ready_timeout_s=min(READY_TIMEOUT_S, timeout) if timeout else READY_TIMEOUT_S,
     )
     cfg.validate()
     return {"placement": cfg, "address": getattr(args, "address", None)}

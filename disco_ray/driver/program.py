@@ -89,6 +89,11 @@ class Program:
         disk_dir: the directory of the workers' spill files, where a plan offloads to disk (a
             host budget, `compile(host_capacity=...)`); None: a temporary directory each, removed
             when the engine closes.
+        trusted: run a plan that did not come from this process's planner without verifying it
+            against `tg` first (`planner.verify`); a cycle is refused even then.
+
+    Raises:
+        VerifyError: `mg` is not a correct plan of `tg` (the first violations named).
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class Program:
         address: str | None = None,
         sources: str = "host",
         disk_dir: str | None = None,
+        trusted: bool = False,
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
@@ -116,6 +122,8 @@ class Program:
         missing = [o for o in tg.kept if o not in mg.outputs]
         if missing:
             raise GraphError(f"the MemGraph holds no final vertex for outputs {missing}")
+        if mg._planned_for != id(tg):  # a foreign plan: a file, a hand-made or an edited one
+            check_plan(tg, mg, trusted)
         missing = missing_kernels(v.op for v in tg if v.op is not None)
         if missing:
             raise UsageError(
@@ -287,6 +295,17 @@ def disk_summary(workers: Sequence[dict]) -> dict:
         out[secs] = round(t, 6)
         out[f"{'write' if way == 'written' else 'read'}_gb_per_s"] = round(b / t / 1e9, 3) if t else None
     return out
+
+
+def check_plan(tg: TaskGraph, mg: MemGraph, trusted: bool = False) -> None:
+    """Refuses (VerifyError) a plan that is not correct for `tg`, before anything starts: a cycle
+    always (the runtime would wait for ever), every other FORMATS.md condition (sum-into groups
+    included) unless `trusted`."""
+    from planner.verify import check, check_acyclic
+
+    check_acyclic(mg)
+    if not trusted:
+        check(tg, mg, limit=3)
 
 
 def _warn_low_precision(tg: TaskGraph) -> None:

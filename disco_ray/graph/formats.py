@@ -36,6 +36,10 @@ def read_doc(path: str | os.PathLike) -> object:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except json.JSONDecodeError as e:
         raise FormatError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise FormatError(f"{path}: nested too deeply to be a {s[1:]} graph document") from None
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
         raise FormatError(f"{path}: malformed msgpack: {e}") from None
 

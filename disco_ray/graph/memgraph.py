@@ -107,6 +107,9 @@ class MemGraph:
     stats: dict = field(default_factory=dict)
     disk_capacity: list[int] = field(default_factory=list)  # spill-file bytes per GPU
     _index: dict[int, int] | None = field(default=None, compare=False, repr=False)
+    # id() of the TaskGraph this process's planner built it from (never saved): a Program trusts
+    # such a plan; any other (a file, a hand-made or edited one) is verified first
+    _planned_for: int | None = field(default=None, init=False, compare=False, repr=False)  # not copied
 
     def __post_init__(self) -> None:
         if len(self.disk_capacity) < len(self.capacity):  # none given: no spill file

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from . import ops_llm, ops_nn, ops_train
 from .ops_llm import attention_pairs
-from .opspec import OPS, REQUIRED, OpSpec, Shape, _broadcast, _same_dtype, get, numel, register
+from .opspec import BUILTIN, OPS, REQUIRED, OpSpec, Shape, _broadcast, _same_dtype, get, numel, register
 
 __all__ = [
     "OPS",
@@ -194,3 +194,5 @@ register(
         "time (TURNIP appendix A)",
     )
 )
+
+BUILTIN.update(OPS)  # every op registered so far is built in: its attributes follow ATTR_TYPES

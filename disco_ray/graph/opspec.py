@@ -7,10 +7,12 @@ The ops themselves are registered by `disco_ray.graph.ops` (and the transformer 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from .dtypes import FLOATS
+from .dtypes import FLOATS, ITEMSIZE
 
 Shape = tuple[int, ...]
 Infer = Callable[[list[Shape], list[str], Mapping], tuple[Shape, str]]
@@ -51,7 +53,69 @@ class OpSpec:
                 raise ValueError(f"op {self.name} needs attribute {k!r}")
             else:
                 out[k] = default
+            bad = check_attr(self.name, k, out[k], default)
+            if bad:
+                raise ValueError(f"op {self.name}: attribute {k} must be {bad}, got {out[k]!r}")
         return out
+
+
+# ---- attribute types: checked when a graph is built or read, so no kernel ever sees a bad one ----
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _ints(x: object) -> bool:
+    return isinstance(x, (list, tuple)) and all(_is_int(d) for d in x)
+
+
+# attribute name -> (test, what it must be) for the built-in ops' attributes; (op, name) first.
+# The optimizer steps' lr, betas and weight decay are range-checked by their own inference.
+ATTR_TYPES: dict[object, tuple[Callable[[Any], bool], str]] = {
+    "axis": (_is_int, "an integer"),
+    "start": (_is_int, "an integer"),
+    "stop": (_is_int, "an integer"),
+    "offset": (_is_int, "an integer"),
+    "q_offset": (_is_int, "an integer"),
+    "k_offset": (_is_int, "an integer"),
+    "heads": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "rows": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "kv_heads": (lambda x: x is None or (_is_int(x) and x >= 1), "null or an integer >= 1"),
+    "scale": (_is_real, "a finite number"),
+    ("sdpa", "scale"): (lambda x: x is None or _is_real(x), "null or a finite number"),
+    "factor": (_is_real, "a finite number"),
+    "value": (_is_real, "a finite number"),
+    "eps": (lambda x: _is_real(x) and x >= 0, "a finite number >= 0"),
+    "causal": (lambda x: isinstance(x, bool), "true or false"),
+    "keepdim": (lambda x: isinstance(x, bool), "true or false"),
+    "inverse": (lambda x: isinstance(x, bool), "true or false"),
+    "approximate": (lambda x: x in ("none", "tanh"), '"none" or "tanh"'),
+    "dtype": (lambda x: isinstance(x, str) and x in ITEMSIZE, f"one of {', '.join(ITEMSIZE)}"),
+    "axes": (_ints, "a list of integers"),
+    "dims": (_ints, "a list of integers"),
+    "shape": (lambda x: _ints(x) and all(d >= 1 for d in x), "a list of positive integers"),
+}
+BUILTIN: set[str] = set()  # the ops ATTR_TYPES describes (an op of one's own may reuse a name)
+
+
+def check_attr(op: str, name: str, value: object, default: object) -> str | None:
+    """What attribute `name` of `op` must be when `value` is not that, else None. A built-in op's
+    attribute follows ATTR_TYPES; an op of one's own's, the type of its default."""
+    rule = ATTR_TYPES.get((op, name)) or ATTR_TYPES.get(name) if op in BUILTIN else None
+    if rule is None:
+        if isinstance(default, bool):
+            rule = (lambda x: isinstance(x, bool), "true or false")
+        elif isinstance(default, int):
+            rule = (_is_int, "an integer")
+        elif isinstance(default, float):
+            rule = (_is_real, "a finite number")
+        else:
+            return None
+    test, want = rule
+    return None if test(value) else want
 
 
 class _Required:

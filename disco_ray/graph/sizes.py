@@ -21,6 +21,7 @@ UNITS: dict[str, int] = {
     "gb": 10**9,
     "tb": 10**12,
 }
+MAX_SIZE = 1 << 60  # 1 EiB: any larger size is a typo
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
 
 
@@ -33,14 +34,25 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise UsageError(f"bad size {text!r}: negative")
+        if text > MAX_SIZE:
+            raise UsageError(f"bad size {_short(str(text))}: more than {MAX_SIZE} bytes (1 EiB)")
         return text
     m = _SIZE.fullmatch(str(text))
     if not m or m.group(2).lower() not in UNITS:
-        raise UsageError(f"bad size {text!r} (examples: 123, 64KiB, 1.5GiB, 2GB, 10kB)")
+        raise UsageError(f"bad size {_short(str(text))!r} (examples: 123, 64KiB, 1.5GiB, 2GB, 10kB)")
+    if len(m.group(1)) > 30:  # Decimal would take it, but no arena is 10**30 bytes
+        raise UsageError(f"bad size {_short(str(text))!r}: more than {MAX_SIZE} bytes (1 EiB)")
     n = Decimal(m.group(1)) * UNITS[m.group(2).lower()]
     if n != n.to_integral_value():
         raise UsageError(f"bad size {text!r}: {n} is not a whole number of bytes")
+    if n > MAX_SIZE:
+        raise UsageError(f"bad size {text!r}: more than {MAX_SIZE} bytes (1 EiB)")
     return int(n)
+
+
+def _short(text: str) -> str:
+    """`text`, cut to 40 characters for a message (a 4,400-digit number is not worth printing)."""
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]} ({len(text)} characters)"
 
 
 def format_size(n: int) -> str:

@@ -29,6 +29,7 @@ from .sources import Source
 
 FORMAT = "disco-taskgraph"
 VERSION = 1
+MAX_TENSOR_BYTES = 1 << 48  # 256 TiB: far beyond any GPU or host, still exact in a float64
 
 
 class Kind(str, Enum):
@@ -251,11 +252,13 @@ class TaskGraph(OpMethods):
                 raise GraphError(f"{where}: unknown input {i!r}")
         if shape is not None:
             try:
+                if isinstance(shape, (str, bytes)) or any(isinstance(d, bool) for d in shape):
+                    raise TypeError(shape)
                 shape = tuple(operator.index(d) for d in shape)  # refuses 1.5, accepts numpy ints
             except (TypeError, ValueError):
                 raise GraphError(f"{where}: shape must be a list of integers, got {shape!r}") from None
-            if any(d < 0 for d in shape):
-                raise GraphError(f"{where}: negative dimension in shape {list(shape)}")
+            if any(d < 1 for d in shape):
+                raise GraphError(f"{where}: shape {list(shape)} has a dimension < 1 (no empty tensors)")
         if dtype is not None and (not isinstance(dtype, str) or dtype not in ITEMSIZE):
             raise GraphError(f"{where}: unknown dtype {dtype!r} (one of {', '.join(ITEMSIZE)})")
         if kind is Kind.INPUT:
@@ -263,6 +266,7 @@ class TaskGraph(OpMethods):
                 raise GraphError(f"{where}: an input vertex has no inputs")
             if shape is None or dtype is None:
                 raise GraphError(f"{where}: an input needs shape and dtype")
+            _check_size(where, shape, dtype)
             return Vertex(id, kind, gpu, shape, dtype)
         ins = [self.vertices[i] for i in inputs]
         if kind is Kind.TRANSFER:
@@ -292,6 +296,7 @@ class TaskGraph(OpMethods):
                 out_shape, out_dtype = spec.infer([x.shape for x in ins], [x.dtype for x in ins], attrs)
             except ValueError as e:
                 raise GraphError(f"{where}: {e}") from None
+        _check_size(where, out_shape, out_dtype)
         if shape is not None and tuple(shape) != tuple(out_shape):
             raise GraphError(f"{where}: stated shape {list(shape)} but {kind.value} gives {list(out_shape)}")
         if dtype is not None and dtype != out_dtype:
@@ -373,6 +378,17 @@ class TaskGraph(OpMethods):
         for value, key in carry.items():
             g.save_state(value, key)
         return g
+
+
+def _check_size(where: str, shape: Sequence[int], dtype: str) -> None:
+    """Refuses an empty tensor (every dimension >= 1) and one of more than MAX_TENSOR_BYTES."""
+    if any(d < 1 for d in shape):
+        raise GraphError(f"{where}: shape {list(shape)} has a dimension < 1 (no empty tensors)")
+    if nbytes(tuple(shape), dtype) > MAX_TENSOR_BYTES:
+        raise GraphError(
+            f"{where}: shape {list(shape)} {dtype} needs {nbytes(tuple(shape), dtype)} bytes, more than "
+            f"the {MAX_TENSOR_BYTES} bytes any tensor may have"
+        )
 
 
 def _topo_ids(by_id: dict[str, dict]) -> list[str]:
