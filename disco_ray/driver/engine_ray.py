@@ -358,10 +358,12 @@ class RayEngine:
         for value in self.tg.outputs:  # carried values stay on their workers
             vid = self.mg.outputs[value]
             by_gpu.setdefault(self.mg.vertex(vid).gpu, []).append((value, vid))
+        # outputs and trace records in one call per worker: one round trip at the end, not two
+        ends = self._gather({w.finish.remote(by_gpu.get(g, [])): g for g, w in enumerate(self.workers)})
         outs: dict[str, torch.Tensor] = {}
-        for part in self._gather({self.workers[g].outputs.remote(w): g for g, w in by_gpu.items()}):
+        for part, _ in ends:
             outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
-        return outs, self._gather({w.trace.remote(): g for g, w in enumerate(self.workers)})
+        return outs, [trace for _, trace in ends]
 
     def _get_watched(self, refs: list, dog: Watchdog) -> list:
         """ray.get(refs) while the watchdog listens: an actor stopped before the run starts (handing
