@@ -393,7 +393,8 @@ class Executor:
                 self.slots.landed(vid, s)
             self._fail(vid, exc)
             return
-        self.trace.append((vid, s, t0, t1))
+        # a load skipped because the arena still holds the input moved nothing: a record of no length
+        self.trace.append((vid, s, t0, t0 if vid in self._skip else t1))
         if vid in self._watched and self._completed_hook is not None:  # an NCCL send's source
             self._completed_hook(vid)
         with self._lock:

@@ -132,6 +132,10 @@ def test_sourced_weights_run_and_later_runs_skip_loads_the_arena_still_holds(wei
             skipped = sum(ex.statistics()["loads_skipped"] for ex in prog.engine.execs)
             if mode == "roomy":  # every weight stays in the arena after the first run
                 assert skipped == (0 if seed == 0 else 4 * gpus)
+                # the run summary counts only the loads that moved bytes: weights first, then none
+                moved = prog.last_summary["bytes"].get("input", 0)
+                caller = sum(v.nbytes for v in tg.caller_inputs())
+                assert moved == (caller + 4 * 16 * 8 * 4 if seed == 0 else caller)
         reads = sum(s.bytes_read for s in prog.engine.pool.stores.values())
         assert reads == 4 * 16 * 8 * 4  # each worker read its own shards, once
 

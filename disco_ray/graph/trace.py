@@ -172,6 +172,8 @@ def summarize(mg: MemGraph, records: Sequence[Sequence[Record]], wall_s: float |
             v = mg.vertex(vid)
             disk = _on_disk(v)
             by_class["disk" if disk else CLASS[v.kind.value]].append((a, b))
+            if v.kind.value == "input" and a == b:
+                continue  # kept in the arena from an earlier run (a skipped load): nothing moved
             if v.kind.value != "kernel":
                 moved[v.kind.value] = moved.get(v.kind.value, 0) + v.out.nbytes
             if disk:  # also counted in "offload" / "reload" above
