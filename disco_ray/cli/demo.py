@@ -62,7 +62,9 @@ def cmd_demo(args) -> int:
     weights = [0] * tg.gpus
     for i in w.weights:
         weights[tg[i].gpu] += tg[i].nbytes
-    cap = [max(int(b * fraction), m) for b, m in zip(weights, min_capacity(tg))]
+    cap = [
+        max(int(b * fraction) // 256 * 256, m) for b, m in zip(weights, min_capacity(tg))
+    ]  # aligned: no rounding
     say(
         f"taskgraph: {len(tg)} vertices on {tg.gpus} GPU(s); weights per GPU "
         f"{', '.join(format_size(b) for b in weights)}; arena per GPU {', '.join(format_size(c) for c in cap)}"
