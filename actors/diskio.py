@@ -250,9 +250,15 @@ class SpillFile:
     ):
         self.tmp = tempfile.mkdtemp(prefix="disco-spill-") if directory is None else None
         directory = self.tmp or str(directory)
-        os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"spill-gpu{gpu}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
         self.nbytes = -(-nbytes // ALIGN) * ALIGN
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise RunError(
+                f"gpu:{gpu}: cannot make its spill file in {directory} (the disk directory): {e.strerror}"
+            ) from None
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []  # handed to the writer, not in the file yet (FIFO)
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
@@ -260,7 +266,7 @@ class SpillFile:
         self._writer: threading.Thread | None = None
         self._retired: list[int] = []  # O_DIRECT descriptors given up on (closed with the file)
         self.dfd: int | None = None
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd = fd
         try:
             try:
                 os.posix_fallocate(self.fd, 0, self.nbytes)

@@ -19,6 +19,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import tempfile
@@ -284,6 +285,11 @@ def disk_dir_arg(text: str) -> str:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: not a directory")
+    base = path.absolute()
+    while not base.exists():  # the directory that would hold it, made when a plan spills
+        base = base.parent
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {base} is not a writable directory")
     return str(path)
 
 
