@@ -18,11 +18,11 @@ import os
 import sys
 from pathlib import Path
 
-from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
+from disco_ray.driver.placement import cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
 from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of, seconds_arg, seed_arg
-from .run import add_engine_args, engine_kwargs
+from .run import add_model_run_args, engine_kwargs
 
 
 def add_finetune(sub) -> None:
@@ -63,15 +63,7 @@ def add_finetune(sub) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a step after S seconds")
-    p.add_argument(
-        "--weights",
-        choices=["host", "disk"],
-        default="host",
-        help="keep each worker's weight shards in host memory after one read (host), or read them "
-        "from the checkpoint at each load (disk: no host copy)",
-    )
-    add_engine_args(p)
-    add_cluster_args(p)
+    add_model_run_args(p)  # --weights, the engine's and the cluster's options
 
 
 def _tokens(path: str):

@@ -19,11 +19,11 @@ import os
 import sys
 from pathlib import Path
 
-from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
+from disco_ray.driver.placement import cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
 from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of, seconds_arg
-from .run import add_engine_args, engine_kwargs
+from .run import add_model_run_args, engine_kwargs
 
 
 def token_ids(text: str) -> list[int]:
@@ -67,15 +67,7 @@ def add_generate(sub) -> None:
         help="a file holding the arena bytes per GPU (e.g. 4GiB), re-read between decode steps: "
         "the run frees or grows its arenas to follow it (elastic capacity)",
     )
-    p.add_argument(
-        "--weights",
-        choices=["host", "disk"],
-        default="host",
-        help="keep each worker's weight shards in host memory after one read (host), or read them "
-        "from the checkpoint at each load (disk: no host copy)",
-    )
-    add_engine_args(p)
-    add_cluster_args(p)
+    add_model_run_args(p)  # --weights, the engine's and the cluster's options
 
 
 def _tokenizer(model: str):

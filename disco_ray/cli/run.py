@@ -81,6 +81,22 @@ def add_run(sub) -> None:
     p.set_defaults(func=cmd_run)
 
 
+def add_model_run_args(p: argparse.ArgumentParser) -> None:
+    """What a checkpoint's commands (generate, finetune) run with: --weights, the engine's options
+    and the cluster's."""
+    from disco_ray.driver.placement import add_cluster_args
+
+    p.add_argument(
+        "--weights",
+        choices=["host", "disk"],
+        default="host",
+        help="keep each worker's weight shards in host memory after one read (host), or read them "
+        "from the checkpoint at each load (disk: no host copy)",
+    )
+    add_engine_args(p)
+    add_cluster_args(p)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """--engine, --backend, --streams, --ahead (for `disco-ray run` and bench)."""
     p.add_argument("--engine", choices=["ray", "local"], default="ray")
