@@ -20,7 +20,7 @@ Streams of a worker: 0..S-1 compute; then the lanes: host-to-device (inputs, rel
 device-to-host (offloads), one per peer this GPU receives transfers from, one for deferred
 transfers (NCCL: one communicator, its operations in one order, `actors.nccl_channel`), and,
 when the plan spills, two disk lanes (offloads to and reloads from the worker's spill file,
-`actors.diskio.SpillFile`, which writes behind; reloads read ahead, `actors.diskio.ReadAhead`):
+`actors.spill.SpillFile`, which writes behind; reloads read ahead, `actors.spill.ReadAhead`):
 disk I/O waits on the host, so it gets lanes of its own and never holds back a host copy; it
 runs aside (BLOCKING) on cuda.
 """
@@ -44,7 +44,6 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .backend import BLOCKING, DEFERRED, LAUNCH, Backend
 from .backend_cpu import CpuBackend
-from .diskio import ReadAhead, SpillFile
 from .loads import Loads
 from .plans import (
     K_COPY,
@@ -61,6 +60,7 @@ from .plans import (
 )
 from .reporter import ReportThread
 from .sanitizer import Sanitizer, granule_for
+from .spill import ReadAhead, SpillFile
 from .store import WorkerStore
 from .transport import Transport
 from .worker_core import StreamSlots, WorkerCore

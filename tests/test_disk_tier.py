@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.diskio import ALIGN, SpillFile
+from actors.diskio import ALIGN
+from actors.spill import SpillFile
 from disco_ray.driver.program import compile
 from disco_ray.graph.errors import GraphError, VerifyError
 from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
