@@ -188,9 +188,9 @@ def cmd_run(args) -> int:
     cluster = cluster_kwargs(args)  # checked on every engine: a bad value is refused either way
     if args.engine == "ray":
         kw.update(cluster)
-        from disco_ray.driver import engine_ray
+        from disco_ray.driver import watch
 
-        engine_ray.GCS_LOST_EXITS = True  # a lost GCS ends this command with one line, not Ray's minute
+        watch.GCS_LOST_EXITS = True  # a lost GCS ends this command with one line, not Ray's minute
     if args.plan:
         if capacity is not None or host_capacity is not None:
             raise UsageError("--plan runs a given MemGraph: --capacity and --host-capacity do not apply")
