@@ -18,11 +18,10 @@ import os
 import sys
 from pathlib import Path
 
-from disco_ray.driver.placement import cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of, seconds_arg, seed_arg
-from .run import add_model_run_args, engine_kwargs
+from .app import add_capacity_args, add_tier_args, capacity_of, seconds_arg, seed_arg
+from .run import add_model_run_args, model_run_kwargs
 
 
 def add_finetune(sub) -> None:
@@ -98,12 +97,7 @@ def cmd_finetune(args) -> int:
     data = _tokens(args.data)
     spec = LoraSpec(args.lora_rank, args.lora_alpha, tuple(x for x in args.lora_targets.split(",") if x))
     optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)
-    kw = engine_kwargs(args)
-    kw["weights"] = args.weights
-    kw["host_capacity"] = host_capacity_of(args, args.gpus)
-    kw["disk_dir"] = args.disk
-    if args.engine == "ray":
-        kw.update(cluster_kwargs(args))
+    kw = model_run_kwargs(args, args.gpus)
     with LoraTrainer(
         args.model,
         gpus=args.gpus,

@@ -19,11 +19,10 @@ import os
 import sys
 from pathlib import Path
 
-from disco_ray.driver.placement import cluster_kwargs
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, add_tier_args, capacity_of, host_capacity_of, seconds_arg
-from .run import add_model_run_args, engine_kwargs
+from .app import add_capacity_args, add_tier_args, capacity_of, seconds_arg
+from .run import add_model_run_args, model_run_kwargs
 
 
 def token_ids(text: str) -> list[int]:
@@ -107,12 +106,7 @@ def cmd_generate(args) -> int:
             raise UsageError(f"--logits {args.logits}: its directory is not writable")
     tok = _tokenizer(args.model) if args.prompt is not None else None
     ids = tok.encode(args.prompt).ids if tok is not None else args.prompt_ids
-    kw = engine_kwargs(args)
-    kw["weights"] = args.weights
-    kw["host_capacity"] = host_capacity_of(args, args.gpus)
-    kw["disk_dir"] = args.disk
-    if args.engine == "ray":
-        kw.update(cluster_kwargs(args))
+    kw = model_run_kwargs(args, args.gpus)
     with LlamaModel(
         args.model,
         gpus=args.gpus,

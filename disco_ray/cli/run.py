@@ -120,6 +120,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {"engine": args.engine, "backend": args.backend, "streams": args.streams, "ahead": args.ahead}
 
 
+def model_run_kwargs(args: argparse.Namespace, gpus: int) -> dict:
+    """LlamaModel / LoraTrainer keyword arguments from the options of `add_model_run_args` and
+    `add_tier_args`, checked."""
+    from disco_ray.driver.placement import cluster_kwargs
+
+    from .app import host_capacity_of
+
+    kw = engine_kwargs(args)
+    kw.update(weights=args.weights, host_capacity=host_capacity_of(args, gpus), disk_dir=args.disk)
+    if args.engine == "ray":
+        kw.update(cluster_kwargs(args))
+    return kw
+
+
 def progress_arg(enabled: bool, total: int) -> bool | Callable[[int], None] | None:
     """What Program.run's `progress` gets: a bar on a terminal; with `enabled` and no terminal, a
     log line each tenth of the `total` vertices; else nothing."""

@@ -23,7 +23,6 @@ import torch
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
-from disco_ray.graph.sizes import parse_capacity
 from planner import build_memgraph
 from workloads.checkpoint import Checkpoint
 from workloads.llama_train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
@@ -80,10 +79,6 @@ class LoraTrainer(Programs):
             raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
         self.dtype = dtype or self.config.dtype
         self.gpus, self.block, self.grad_sum, self.check = gpus, block, grad_sum, check
-        self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
-        self.host_capacity = (
-            parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity
-        )
         self.optim = optim or OptimSpec()
         self.optim.check()
         dims = {m: module_dims(self.config, m) for m in TARGETS}
@@ -97,6 +92,8 @@ class LoraTrainer(Programs):
             engine,
             pool,
             cluster,
+            capacity,
+            host_capacity,
             backend=backend,
             streams=streams,
             ahead=ahead,

@@ -127,16 +127,14 @@ class LlamaModel(Programs):
             raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
         self.dtype = dtype or self.config.dtype
         self.gpus, self.block, self.check = gpus, block, check
-        self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
-        self.host_capacity = (
-            parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity
-        )
         self.engine, self.backend = engine, backend
         cluster = dict(num_cpus=num_cpus, placement=placement, address=address)
         super().__init__(
             engine,
             pool,
             cluster,
+            capacity,
+            host_capacity,
             backend=backend,
             streams=streams,
             ahead=ahead,

@@ -6,13 +6,27 @@ from typing import Any
 
 from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import Program
+from disco_ray.graph.sizes import parse_capacity
 
 
 class Programs:
     """A pool of workers (given, or started here for `engine`) and the Programs run on it, keyed
     by graph; closing ends the Programs and a pool started here."""
 
-    def __init__(self, engine: str, pool: object | None, cluster: dict[str, Any], **program_kw: Any):
+    def __init__(
+        self,
+        engine: str,
+        pool: object | None,
+        cluster: dict[str, Any],
+        capacity,
+        host_capacity,
+        **program_kw: Any,
+    ):
+        """`capacity`, `host_capacity`: as `disco_ray.compile` takes them ("64MiB" strings too)."""
+        self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
+        self.host_capacity = (
+            parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity
+        )
         self.own_pool = pool is None
         if pool is not None:
             self.pool: object = pool
