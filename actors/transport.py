@@ -17,7 +17,7 @@ transports (`actors.transport_cuda`: CUDA IPC peer copies, NCCL) go behind the s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +33,13 @@ class Transport(Protocol):
     def mode(self, src_gpu: int) -> int:
         """How a pull from `src_gpu` behaves: LAUNCH, BLOCKING or DEFERRED (actors.backend)."""
         ...
+
+
+@runtime_checkable
+class Attaching(Protocol):
+    """A transport that is handed its own worker's executor once both are made (the CUDA ones)."""
+
+    def attach(self, executor: Any) -> None: ...
 
 
 class LocalTransport:

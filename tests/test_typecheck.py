@@ -1,4 +1,4 @@
-"""mypy over planner/ and actors/ (configured in pyproject.toml) reports no errors."""
+"""mypy over planner/, actors/, disco_ray/ and workloads/ (configured in pyproject.toml) reports no errors."""
 
 from __future__ import annotations
 

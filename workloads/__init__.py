@@ -216,7 +216,16 @@ def random_dag_workload(
     from disco_ray.graph.reference import random_inputs
 
     kw = dict(transfer_prob=transfer_prob, max_inputs=max_inputs, far_prob=far_prob, input_prob=input_prob)
-    tg = random_dag(n, gpus, seed, outputs=outputs, **kw)
+    tg = random_dag(
+        n,
+        gpus,
+        seed,
+        outputs=outputs,
+        transfer_prob=transfer_prob,
+        max_inputs=max_inputs,
+        far_prob=far_prob,
+        input_prob=input_prob,
+    )
     inputs = random_inputs(tg, seed) if materialize else {}
     return graph_workload("random_dag", tg, inputs, dict(n=n, gpus=gpus, seed=seed, outputs=outputs, **kw))
 
@@ -233,8 +242,8 @@ def graph_workload(
     for v in tg:
         depth[v.id] = 1 + max((depth[i] for i in v.inputs), default=-1)
     levels: list[list[str]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
-    for v, d in depth.items():
-        levels[d].append(v)
+    for vid, d in depth.items():
+        levels[d].append(vid)
 
     def reference(ins: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return evaluate(tg, ins)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -33,18 +34,21 @@ class BaselineResult:
     outputs: dict[str, torch.Tensor]
 
 
+S = TypeVar("S")  # a baseline's state between levels (the activations, and what they carry)
+
+
 @dataclass(frozen=True, slots=True)
-class _Program:
+class _Program(Generic[S]):
     """A workload as levels of host weights and a step run per level."""
 
     weights: list[dict[str, torch.Tensor]]
     act: torch.Tensor  # the first level's activations, in host memory
-    init: Callable[[str, torch.Tensor], object]  # (device, activations there) -> state
-    step: Callable[[object, dict[str, torch.Tensor]], object]
-    finish: Callable[[object], dict[str, torch.Tensor]]
+    init: Callable[[str, torch.Tensor], S]  # (device, activations there) -> state
+    step: Callable[[S, dict[str, torch.Tensor]], S]
+    finish: Callable[[S], dict[str, torch.Tensor]]
 
 
-def _program(w: Workload) -> _Program:
+def _program(w: Workload) -> _Program[Any]:
     if not w.inputs:
         raise UsageError(f"baseline of {w.name}: the workload was built without inputs (materialize=False)")
     ins = w.inputs
@@ -52,13 +56,15 @@ def _program(w: Workload) -> _Program:
         n, gpus = w.params["n"], w.params["gpus"]
         out = w.taskgraph.outputs[0]
         levels = [{"y": torch.cat([ins[f"y{i}_g{j}"] for j in range(gpus)], dim=1)} for i in range(n)]
-        return _Program(
+        # typed by the annotation: _Program[...](...) would set __orig_class__ on a frozen slots class
+        chain: _Program[torch.Tensor] = _Program(
             levels,
             ins["x0_g0"],
             lambda dev, x: x,
             lambda x, wt: x @ wt["y"],
             lambda x: {out: x.cpu()},
         )
+        return chain
     if w.name == "llama_prefill":
         p = w.params
         tiles = p["seq"] // p["tile"]
@@ -86,7 +92,7 @@ def _device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _host(prog: _Program, dev: str) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+def _host(prog: _Program[Any], dev: str) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
     """The weights and first activations in host memory, pinned when the device is a GPU."""
     if not dev.startswith("cuda"):
         return prog.weights, prog.act
@@ -134,7 +140,7 @@ def torch_prefetch(w: Workload, device: str | None = None) -> BaselineResult:
 
     def load(i: int) -> None:
         b = bufs[i % 2]
-        if cuda:
+        if side is not None:  # cuda
             side.wait_event(freed[i % 2])  # the level that last used this buffer has computed
             with torch.cuda.stream(side):
                 for k, t in host[i].items():

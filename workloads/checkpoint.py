@@ -45,7 +45,12 @@ class LlamaConfig:
     def from_dict(cls, cfg: dict, where: str, gen: dict | None = None) -> LlamaConfig:
         """Parses a config.json object; UsageError naming `where` and the field for what is unsupported."""
 
-        def field(name: str, typ: type | tuple = int, default: object = ..., positive: bool = True):
+        def field(
+            name: str,
+            typ: type[int] | tuple[type[int], type[float]] = int,
+            default: object = ...,
+            positive: bool = True,
+        ):
             if name not in cfg or cfg[name] is None:
                 if default is ...:
                     raise UsageError(f"{where}: missing {name!r}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ def llama_prefill(
     if preset not in PRESETS:
         raise UsageError(f"unknown llama preset {preset!r} (one of {', '.join(PRESETS)})")
     given = dict(layers=layers, gpus=gpus, seq=seq, dim=dim, heads=heads, ffn=ffn, tile=tile, dtype=dtype)
-    p = {k: PRESETS[preset][k] if v is None else v for k, v in given.items()}
+    p: dict[str, Any] = {k: PRESETS[preset][k] if v is None else v for k, v in given.items()}
     _check(p)
     if lookahead < 0:
         raise UsageError(f"llama_prefill: lookahead must be >= 0, got {lookahead}")
@@ -99,7 +100,17 @@ def _check(p: dict) -> None:
         raise UsageError(f"llama_prefill: seq {p['seq']} is not a multiple of tile {p['tile']}")
 
 
-def _graph(layers, gpus, seq, dim, heads, ffn, tile, dtype, lookahead=0):
+def _graph(
+    layers: int,
+    gpus: int,
+    seq: int,
+    dim: int,
+    heads: int,
+    ffn: int,
+    tile: int,
+    dtype: str,
+    lookahead: int = 0,
+) -> tuple[TaskGraph, list[list[str]], list[str], list[dict[str, list[str]]], list[str]]:
     """The TaskGraph, its levels (one per layer), weight ids, per-layer weight ids and output ids."""
     G = gpus
     g = TaskGraph(G)

@@ -67,8 +67,9 @@ def levelwise(mg: MemGraph, tg: TaskGraph, levels: Sequence[Sequence[str]] | Map
     lv = [0] * len(vs)
     nxt = max(level.values(), default=0)
     for p in range(len(vs) - 1, -1, -1):
-        if named[p] is not None:
-            nxt = named[p]
+        n = named[p]
+        if n is not None:
+            nxt = n
         lv[p] = nxt
     phase = [2 * lv[p] + (0 if vs[p].kind in _LOADS else 1) for p in range(len(vs))]
     preds = mg.preds()

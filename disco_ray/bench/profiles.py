@@ -43,6 +43,7 @@ def lane(v: MemVertex) -> str:
 
 def kernel_work(tv: Vertex, in_shapes: list[tuple[int, ...]]) -> float:
     """Floating-point operations of TaskGraph kernel `tv` (0 when its op states none)."""
+    assert tv.op is not None, f"{tv.id} is an input, not a kernel"
     spec = ops.OPS[tv.op]
     return float(spec.flops(in_shapes, tv.shape, spec.full_attrs(tv.attrs))) if spec.flops else 0.0
 
@@ -82,7 +83,7 @@ class Profile:
             return self.launch + nb / self.d2h
         if v.kind is MKind.TRANSFER:
             return self.launch + nb / self.peer
-        assert tv is not None
+        assert tv is not None and tv.op is not None  # a kernel: its TaskGraph vertex computes
         speed = self.op_speed.get(tv.op, 1.0)
         rate = self.flops.get(tv.dtype, self.flops["float32"]) * self.efficiency * speed
         moved = nb + sum(r.loc.nbytes for r in v.ins)
@@ -123,7 +124,7 @@ class UnitCost:
         elif v.kind is MKind.TRANSFER:
             base = self.transfer
         else:
-            assert tv is not None
+            assert tv is not None and tv.op is not None
             base = self.kernel.get(tv.op, 0.0)
         return self.launch + base
 

@@ -70,7 +70,8 @@ def simulate(mg: MemGraph, tg: TaskGraph, cost: Profile | UnitCost, streams: int
     for ss in succs:
         for w in ss:
             indeg[w] += 1
-    ready = [[[] for _ in LANES] for _ in range(gpus)]  # per GPU and lane: heap of (id, position)
+    # per GPU and lane: heap of (id, position)
+    ready: list[list[list[tuple[int, int]]]] = [[[] for _ in LANES] for _ in range(gpus)]
     lane_busy = [[False] * len(LANES) for _ in range(gpus)]
     free = [S] * gpus
     events: list[tuple[float, int, int]] = []  # (end time, sequence, position)

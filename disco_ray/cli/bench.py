@@ -304,7 +304,7 @@ def _measured(args, w, modes) -> dict:
     from disco_ray.bench import modes as M
     from disco_ray.bench import report as bench
     from disco_ray.driver.placement import cluster_kwargs
-    from disco_ray.driver.program import Program
+    from disco_ray.driver.program import Program, RunResult
     from disco_ray.graph.trace import chrome_trace
 
     from .run import engine_kwargs
@@ -319,13 +319,12 @@ def _measured(args, w, modes) -> dict:
     if tdev == "cuda":
         torch.cuda.empty_cache()
     tty = sys.stderr.isatty()
-    pool, kw = None, {}
+    pool = None
     if args.engine == "ray":
         from disco_ray.driver.engine_ray import RayPool
 
         ck = cluster_kwargs(args)
         pool = RayPool(placement=ck["placement"], address=ck["address"])
-        kw = {"pool": pool}
     rows, traces, per_mode = [], {}, {}
     ahead = cluster = None
     cold = "cold: the first run" if args.warmup == 0 else ""
@@ -342,23 +341,24 @@ def _measured(args, w, modes) -> dict:
                 order=_order(args, w),
                 host_capacity=args.host_capacity,
             )
-            prog = Program(tg, mg, **engine_kwargs(args), disk_dir=args.disk, **kw)
+            prog = Program(tg, mg, **engine_kwargs(args), disk_dir=args.disk, pool=pool)
             with prog:
-                best = recs = outs = None
+                fastest: RunResult | None = None
                 for r in range(args.warmup + args.repeat):  # warm-up: allocator, cuBLAS, actors
-                    o = prog.run(w.inputs, timeout=args.timeout, progress=tty)
-                    s = prog.last_summary
+                    res = prog.run(w.inputs, timeout=args.timeout, progress=tty, details=True)
                     if r < args.warmup:
                         continue
-                    if best is None or s["makespan_s"] < best["makespan_s"]:
-                        best, recs, outs = s, prog.last_records, o
+                    if fastest is None or res.summary["makespan_s"] < fastest.summary["makespan_s"]:
+                        fastest = res
                 if mode == "dynamic" and args.engine == "ray" and tg.gpus > 1:
                     from disco_ray.driver.cluster import measure_links
 
                     cluster = measure_links(prog, backend=args.backend)
                 workers = prog.statistics()["engine"]["workers"]
                 ahead = workers[0]["ahead"]
-            check = bench.check_outputs(outs, ref)
+            assert fastest is not None  # --repeat >= 1 (checked with the options)
+            best, recs = fastest.summary, fastest.records
+            check = bench.check_outputs(fastest.outputs, ref)
             rows.append(bench.row(mode, best["makespan_s"], best, check, cold if best.get("cold") else ""))
             rows[-1]["summary"] = {**best, "plan": mg.statistics()}
             host = [wk["backend"]["host"] for wk in workers if "host" in wk.get("backend", {})]
@@ -395,6 +395,7 @@ def _baseline(mode: str, w, dev: str, ref, warmup: int, repeat: int) -> dict:
             continue
         if best is None or res.seconds < best.seconds:
             best = res
+    assert best is not None  # repeat >= 1 (checked with the options)
     check = bench.check_outputs(best.outputs, ref)
     moved = sum(w.taskgraph[x].nbytes for x in w.weights) + sum(
         v.nbytes for v in w.taskgraph.inputs() if v.gpu == 0 and v.id not in set(w.weights)

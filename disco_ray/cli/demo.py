@@ -12,9 +12,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # Per backend: workload parameters and the arena per GPU as a fraction of that GPU's weights.
-SETTINGS = {
+SETTINGS: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
     ("llama_prefill", "cpu"): ({"preset": "tiny", "layers": 4, "gpus": 2, "seq": 256, "tile": 64}, 0.35),
     ("llama_prefill", "cuda"): (
         {
@@ -55,7 +56,10 @@ def cmd_demo(args) -> int:
 
     backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     params, fraction = SETTINGS[(args.workload, backend)]
-    say = lambda *a: print(*a, flush=True)  # noqa: E731
+
+    def say(*a: object, sep: str = " ") -> None:
+        print(*a, sep=sep, flush=True)
+
     say(f"disco-ray demo: {args.workload} {params} on the {backend} backend, {args.engine} engine")
     w = workloads.build(args.workload, **params)
     tg = w.taskgraph
@@ -88,8 +92,8 @@ def cmd_demo(args) -> int:
     save(mg, out / "demo.memgraph.json")
     with Program(tg, mg, engine=args.engine, backend=backend) as prog:
         prog.run(w.inputs)  # warm-up: actors start, kernels and allocator warm
-        got = prog.run(w.inputs, trace=str(out / "demo.trace.json"))
-        summary = prog.last_summary
+        res = prog.run(w.inputs, trace=str(out / "demo.trace.json"), details=True)
+        got, summary = res.outputs, res.summary
     ref = w.reference(w.inputs)
     worst = 0.0
     for k, r in ref.items():

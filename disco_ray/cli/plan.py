@@ -163,6 +163,7 @@ def cmd_plan(args) -> int:
         raise UsageError(f"{args.output}: -o names the TaskGraph file itself (it would be overwritten)")
     tg = formats.load_taskgraph(args.taskgraph)
     caps = capacity_of(args, tg.gpus)
+    assert caps is not None  # `plan` requires --capacity (add_capacity_args(required=True))
     order = read_order(args.order) if args.order else None
     from planner import build_memgraph
 

@@ -54,7 +54,8 @@ def cmd_plot(args) -> int:
     panels = []
     for path in args.traces:
         doc = _read(path)
-        other = doc.get("otherData") if isinstance(doc.get("otherData"), dict) else {}
+        got = doc.get("otherData")
+        other: dict = got if isinstance(got, dict) else {}
         label = f"{other['mode']} ({Path(path).name})" if other.get("mode") else Path(path).name
         p = plot.panel(doc, label)
         if not p.rows and not p.counters:

@@ -17,7 +17,7 @@ import torch
 from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, Executor, RunOptions, WorkerConfig, make_backend
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
 from actors.store import WorkerStore
-from actors.transport import LocalTransport, Transport
+from actors.transport import Attaching, LocalTransport, Transport
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
@@ -99,8 +99,9 @@ class LocalEngine:
                         store=self.pool.store(g, config.backend),
                     )
                 )
-                if hasattr(made[g], "attach"):
-                    made[g].attach(self.execs[g])
+                transport = made[g]
+                if isinstance(transport, Attaching):
+                    transport.attach(self.execs[g])
         except BaseException:
             self.close()
             raise

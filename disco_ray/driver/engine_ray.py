@@ -329,7 +329,9 @@ class RayEngine:
                     f"is abandoned after {self._progress()} of {len(self.mg)} vertices"
                 )
             if progress is not None:
-                progress(self._progress())
+                done = self._progress()
+                if isinstance(done, int):  # not "?" (a coordinator that did not answer)
+                    progress(done)
             if done_ref in ready:
                 try:
                     _, err = ray.get(done_ref)

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -167,6 +168,26 @@ class Program:
                 __import__(m)
             self._engine = _make_engine(self.engine_name, self.tg, self.mg, **self._kw)
         return self._engine
+
+    @overload
+    def run(
+        self,
+        inputs: Mapping[str, object],
+        *,
+        trace: str | None = None,
+        details: Literal[False] = False,
+        **opts,
+    ) -> dict[str, torch.Tensor]: ...
+
+    @overload
+    def run(
+        self, inputs: Mapping[str, object], *, trace: str | None = None, details: Literal[True], **opts
+    ) -> RunResult: ...
+
+    @overload
+    def run(
+        self, inputs: Mapping[str, object], *, trace: str | None = None, details: bool, **opts
+    ) -> dict[str, torch.Tensor] | RunResult: ...
 
     def run(
         self, inputs: Mapping[str, object], *, trace: str | None = None, details: bool = False, **opts
@@ -354,14 +375,74 @@ def compile(
     return prog
 
 
+@overload
 def run_memgraph(
-    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], **kw
+    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], *, details: Literal[False] = False, **kw
+) -> dict[str, torch.Tensor]: ...
+
+
+@overload
+def run_memgraph(
+    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], *, details: Literal[True], **kw
+) -> RunResult: ...
+
+
+@overload
+def run_memgraph(
+    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], *, details: bool, **kw
+) -> dict[str, torch.Tensor] | RunResult: ...
+
+
+def run_memgraph(
+    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], *, details: bool = False, **kw
 ) -> dict[str, torch.Tensor] | RunResult:
     """Runs a given plan once and cleans up; `kw`: Program's options and `Program.run`'s (trace,
-    details, check, ...)."""
+    check, ...); `details=True`: a `RunResult` (outputs, plan, statistics)."""
     run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
     with Program(tg, mg, **kw) as prog:
-        return prog.run(inputs, **run_kw)
+        return prog.run(inputs, details=details, **run_kw)
+
+
+@overload
+def run(
+    tg: TaskGraph,
+    inputs: Mapping[str, object],
+    capacity: int | str | Sequence[int] | None = None,
+    *,
+    order: Sequence[str] | None = None,
+    alignment: int = 256,
+    host_capacity: int | str | Sequence[int | None] | None = None,
+    details: Literal[False] = False,
+    **kw,
+) -> dict[str, torch.Tensor]: ...
+
+
+@overload
+def run(
+    tg: TaskGraph,
+    inputs: Mapping[str, object],
+    capacity: int | str | Sequence[int] | None = None,
+    *,
+    order: Sequence[str] | None = None,
+    alignment: int = 256,
+    host_capacity: int | str | Sequence[int | None] | None = None,
+    details: Literal[True],
+    **kw,
+) -> RunResult: ...
+
+
+@overload
+def run(
+    tg: TaskGraph,
+    inputs: Mapping[str, object],
+    capacity: int | str | Sequence[int] | None = None,
+    *,
+    order: Sequence[str] | None = None,
+    alignment: int = 256,
+    host_capacity: int | str | Sequence[int | None] | None = None,
+    details: bool,
+    **kw,
+) -> dict[str, torch.Tensor] | RunResult: ...
 
 
 def run(
@@ -372,6 +453,7 @@ def run(
     order: Sequence[str] | None = None,
     alignment: int = 256,
     host_capacity: int | str | Sequence[int | None] | None = None,
+    details: bool = False,
     **kw,
 ) -> dict[str, torch.Tensor] | RunResult:
     """Plans `tg` for `capacity` bytes per GPU (default: everything fits; `host_capacity`: the host
@@ -384,4 +466,4 @@ def run(
     check_inputs(tg, inputs)
     run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
     with compile(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity, **kw) as prog:
-        return prog.run(inputs, **run_kw)
+        return prog.run(inputs, details=details, **run_kw)

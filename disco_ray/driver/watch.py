@@ -85,7 +85,7 @@ class GcsMonitor:
                     continue
             except (OSError, ValueError) as e:
                 misses += 1
-                why = e.strerror or type(e).__name__
+                why = (e.strerror if isinstance(e, OSError) else None) or type(e).__name__
             if misses >= 2 and not self.stop.is_set():  # twice: not one dropped connection
                 self._lost(f"the Ray cluster's GCS at {self.address} is gone ({why}): the run is abandoned")
                 return

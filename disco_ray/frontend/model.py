@@ -175,7 +175,7 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers (non-persistent ones too) by name."""
-    out = dict(module.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     out.update(dict(module.named_buffers(remove_duplicate=False)))
     return out
 

@@ -98,8 +98,8 @@ class Weights:
         key = (name, gpu, rows, cols)
         if key in self._made:
             return self._made[key]
-        shape, dtype = self.declared[name]
-        shape = list(shape)
+        declared_shape, dtype = self.declared[name]
+        shape = list(declared_shape)
         if rows is not None:
             shape[0] = rows[1] - rows[0]
         if cols is not None:

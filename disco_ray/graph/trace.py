@@ -61,7 +61,8 @@ def occupancy(
     out = {}
     for key, ev in steps.items():
         ev.sort()
-        level, curve = 0, []
+        level = 0
+        curve: list[tuple[int, int]] = []
         for t, d in ev:
             level += d
             if curve and curve[-1][0] == t:
