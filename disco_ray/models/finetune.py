@@ -21,14 +21,12 @@ from collections.abc import Sequence
 import torch
 
 from disco_ray.driver.program import ENGINES, Program
-from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
 from planner import build_memgraph
-from workloads.checkpoint import Checkpoint
 from workloads.llama_train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
 from . import adapter
-from .programs import Programs
+from .programs import Programs, open_checkpoint
 
 
 class LoraTrainer(Programs):
@@ -72,12 +70,8 @@ class LoraTrainer(Programs):
     ):
         if engine not in ENGINES:
             raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
-        self.ck = Checkpoint(path)
+        self.ck, self.dtype = open_checkpoint(path, gpus, dtype)
         self.config = self.ck.config
-        self.config.check_split(gpus)
-        if dtype is not None and dtype not in FLOATS:
-            raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
-        self.dtype = dtype or self.config.dtype
         self.gpus, self.block, self.grad_sum, self.check = gpus, block, grad_sum, check
         self.optim = optim or OptimSpec()
         self.optim.check()

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from disco_ray.driver.program import ENGINES, Program
-from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
@@ -33,7 +32,7 @@ from planner import build_memgraph, min_capacity
 from workloads.checkpoint import Checkpoint
 from workloads.llama_model import ModelGraph, decode_graph, prefill_graph
 
-from .programs import Programs
+from .programs import Programs, open_checkpoint
 
 
 @dataclass(slots=True)
@@ -120,12 +119,8 @@ class LlamaModel(Programs):
         if not isinstance(tile, int) or isinstance(tile, bool) or tile < block or tile % block:
             raise UsageError(f"tile must be a multiple of block {block}, got {tile!r}")
         self.tile = tile
-        self.ck = Checkpoint(path)
+        self.ck, self.dtype = open_checkpoint(path, gpus, dtype)
         self.config = self.ck.config
-        self.config.check_split(gpus)
-        if dtype is not None and dtype not in FLOATS:
-            raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
-        self.dtype = dtype or self.config.dtype
         self.gpus, self.block, self.check = gpus, block, check
         self.engine, self.backend = engine, backend
         cluster = dict(num_cpus=num_cpus, placement=placement, address=address)

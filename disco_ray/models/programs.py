@@ -6,7 +6,20 @@ from typing import Any
 
 from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import Program
+from disco_ray.graph.dtypes import FLOATS
+from disco_ray.graph.errors import UsageError
 from disco_ray.graph.sizes import parse_capacity
+from workloads.checkpoint import Checkpoint
+
+
+def open_checkpoint(path: str, gpus: int, dtype: str | None) -> tuple[Checkpoint, str]:
+    """The checkpoint at `path`, its config checked to split over `gpus`, and the compute dtype
+    (`dtype`, checked, else the checkpoint's): what a model driver runs."""
+    ck = Checkpoint(path)
+    ck.config.check_split(gpus)
+    if dtype is not None and dtype not in FLOATS:
+        raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
+    return ck, dtype or ck.config.dtype
 
 
 class Programs:
