@@ -186,17 +186,8 @@ class _Step(LoraLayers):
                 self.saved[0][s][t] = self.reduce(emb, [], (s * T + t) % G, f"b{s}.t{t}.h0")
         for li in range(self.cfg.layers):
             for s in range(self.batch):
-                ks: list[list[str]] = [[] for _ in range(G)]
-                vs: list[list[str]] = [[] for _ in range(G)]
-                for t in range(T):
-                    stem = f"f.b{s}.t{t}.l{li}"
-                    w, keep = self.layer_forward(li, self.saved[li][s][t], t, stem)
-                    att = []
-                    for j in range(G):
-                        ks[j].append(keep["kr"][j])
-                        vs[j].append(keep["v"][j])
-                        att.append(self.attention(li, keep["qr"][j], ks[j], vs[j], t, stem, j))
-                    self.saved[li + 1][s][t] = self.layer_rest(li, keep, att, w, stem, True)
+                for t, (out, _) in enumerate(self.layer_tiles(li, s, "f", True)):
+                    self.saved[li + 1][s][t] = out
 
     def loss(self) -> list[list[str]]:
         """Per tile: final norm, logits per vocabulary shard, the cross-entropy and at once the
@@ -269,22 +260,29 @@ class _Step(LoraLayers):
 
     def recompute(self, li: int, s: int) -> list[dict]:
         """Layer li's forward of sequence s again, every tile, keeping what the backward reads."""
+        return [keep for _, keep in self.layer_tiles(li, s, "r", False)]
+
+    def layer_tiles(self, li: int, s: int, phase: str, full: bool) -> list[tuple[str, dict]]:
+        """Layer li's forward of sequence s from its saved input, tile by tile, each tile attending
+        to the keys and values of the tiles up to it; ids stem from `phase` ("f": the forward,
+        "r": the backward's recomputation). Per tile: its output ("" unless `full`) and what the
+        backward reads (`keep`, with the tile's owner GPU under "w")."""
         G = self.G
-        keeps: list[dict] = []
+        tiles: list[tuple[str, dict]] = []
         ks: list[list[str]] = [[] for _ in range(G)]
         vs: list[list[str]] = [[] for _ in range(G)]
         for t in range(self.tiles):
-            stem = f"r.b{s}.t{t}.l{li}"
+            stem = f"{phase}.b{s}.t{t}.l{li}"
             w, keep = self.layer_forward(li, self.saved[li][s][t], t, stem)
             att = []
             for j in range(G):
                 ks[j].append(keep["kr"][j])
                 vs[j].append(keep["v"][j])
                 att.append(self.attention(li, keep["qr"][j], ks[j], vs[j], t, stem, j))
-            self.layer_rest(li, keep, att, w, stem, False)
+            out = self.layer_rest(li, keep, att, w, stem, full)
             keep["w"] = w
-            keeps.append(keep)
-        return keeps
+            tiles.append((out, keep))
+        return tiles
 
     def mlp_attention_backward(self, li: int, s: int, keeps: list[dict], dh2: list[str]):
         """Per query tile, last first: the MLP's backward, the second norm's, the output
