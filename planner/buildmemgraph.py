@@ -60,6 +60,8 @@ from .order import default
 from .prune import WINDOW, Reducer
 from .records import DATA, MEM, OWN, STEP, Inst, Rec
 
+OWN_BIT = 1 << OWN
+
 log = logging.getLogger(__name__)
 INF = float("inf")
 FIT = "oldest"  # the default free-range choice (planner.arena), by simulated makespan
@@ -102,6 +104,7 @@ class Planner:
         self.caps = rounded(self.asked, alignment)
         n = len(d)
         self.sizes = d.sizes(alignment)
+        self.mkind = [_MKIND[x] for x in d.kind]
         self.arenas = [Arena(c, alignment, fit) for c in self.caps]
         self.host_asked = host_capacities(host_capacity, tg.gpus)
         self.hosts = [Arena(h, alignment) for h in self.host_asked]
@@ -157,6 +160,7 @@ class Planner:
             m.append(t)
         self.hzn = [0] * tg.gpus
         self.failed = [-1] * tg.gpus  # arena.releases when its horizon last failed to allocate
+        self.wake = set(range(tg.gpus))  # GPUs whose arena released a range since their horizon stopped
         self.step = 0
         self.aux = 0
         self.built = 0  # memory edges in the records (before the implied ones are dropped)
@@ -252,6 +256,7 @@ class Planner:
             self.counts["clean_evictions"] += 1
             readers = tuple(inst.readers) or tuple(inst.writers or (inst.src,))
         self.arenas[inst.gpu].release(cast(Block, inst.block), readers, self.step)
+        self.wake.add(inst.gpu)
         self.resident[k] = None
 
     def _retract(self, inst: Inst) -> None:
@@ -263,6 +268,7 @@ class Planner:
         rec.out = None
         g = inst.gpu
         self.arenas[g].release(cast(Block, inst.block), None, self.step)
+        self.wake.add(g)
         k = inst.value
         self.resident[k] = None
         self.allocated[k] = 0
@@ -292,25 +298,37 @@ class Planner:
 
     # ---- placing values -------------------------------------------------------------------------
     def _place_output(self, k: int, off: int, blk: Block | None = None) -> Inst:
-        d = self.d
-        g = d.gpu[k]
+        g = self.d.gpu[k]
         t = self.pos[k]
         r = self.rec_of[k]
         if r < 0:
             recs = self.recs
             r = self.rec_of[k] = len(recs)
-            recs.append(Rec(_MKIND[d.kind[k]], k, g, (t << STEP) | (1 << OWN)))
+            rec = Rec(self.mkind[k], k, g, (t << STEP) | OWN_BIT)
+            recs.append(rec)
+        else:
+            rec = self.recs[r]  # allocated again after a retraction (which cleared its deps)
         size = self.sizes[k]
-        nb = d.nbytes[k]
-        loc = self.locs.get((g, off, nb))
+        key = (g, off, self.d.nbytes[k])
+        loc = self.locs.get(key)
         if loc is None:
-            loc = self.locs[(g, off, nb)] = Loc(g, off, nb)  # ranges recur: one Loc each
+            loc = self.locs[key] = Loc(*key)  # ranges recur: one Loc each
         inst = Inst(k, g, r, loc, size, t, RESERVED + t)
         arena = self.arenas[g]
         inst.block, ghosts = arena.take(blk if blk is not None else arena.block_at(off), off, size, inst)
-        self.recs[r].out = loc
+        rec.out = loc
         if ghosts:
-            self._mem_edges(ghosts, r)
+            if rec.deps:
+                self._mem_edges(ghosts, r)
+            else:  # the usual case, at C speed: no deps yet, and r (not produced) read nothing
+                deps = rec.deps
+                readers = 0
+                for gh in ghosts:
+                    deps.update(dict.fromkeys(gh[3], MEM))
+                    readers += len(gh[3])
+                self.built += len(deps)
+                if readers > len(deps):
+                    self.counts["superfluous_mem_edges"] += readers - len(deps)
         self.resident[k] = inst
         self.allocated[k] = 1
         return inst
@@ -424,7 +442,9 @@ class Planner:
         deps = rec.deps
         r = self.rec_of[k]
         res = cast("list[Inst]", resident)  # every operand is resident now
-        rec.ins = [res[x] for x in d.inputs[k]]
+        ins = d.inputs[k]
+        if ins:
+            rec.ins = tuple(map(res.__getitem__, ins))
         own = res[k]
         own.produced = True
         uses, nxt, kept = self.uses, self.next, self.kept
@@ -434,10 +454,10 @@ class Planner:
             inst = res[x]
             if inst.writers is None:
                 src = inst.src
-                if deps.get(src) is MEM:
+                if deps.setdefault(src, DATA) is MEM:
                     self.counts["superfluous_mem_edges"] += 1
                     self.built -= 1
-                deps[src] = DATA
+                    deps[src] = DATA
             else:
                 self._data_deps(deps, inst.writers)
             inst.readers.append(r)
@@ -489,7 +509,7 @@ class Planner:
             self.group_deps[k] = dict(rec.deps)  # memory deps of the range: every member waits for them
             self.open[id(own)] = own
         else:
-            r = self._new(MKind.KERNEL, k, d.gpu[k], (t << STEP) | (1 << OWN))
+            r = self._new(MKind.KERNEL, k, d.gpu[k], (t << STEP) | OWN_BIT)
             rec = self.recs[r]
             rec.out = own.loc
             alloc = self.group_deps[k]
@@ -527,6 +547,7 @@ class Planner:
         self.resident[k] = None
         readers = tuple(inst.readers) or tuple(inst.writers or (inst.src,))
         self.arenas[inst.gpu].release(cast(Block, inst.block), readers, self.step)
+        self.wake.add(inst.gpu)
         if k in self.host and self.host[k][1] is not None:
             loc, o = self.host.pop(k)
             assert o is not None  # checked above
@@ -537,14 +558,18 @@ class Planner:
     def run(self) -> None:
         d = self.d
         n = len(d)
-        gpus = range(len(self.caps))
-        arenas, failed = self.arenas, self.failed
+        arenas, failed, wake = self.arenas, self.failed, self.wake
         steps = len(self.seq)
         for ex in range(steps):
             self.step = ex
-            for g in gpus:
-                if failed[g] != arenas[g].releases:
-                    self._advance(g, ex)
+            if wake:  # each GPU whose arena released a range since its horizon stopped, in order
+                todo = sorted(wake)
+                wake.clear()
+                for g in todo:
+                    if failed[g] != arenas[g].releases:
+                        self._advance(g, ex)
+                    if failed[g] < 0:  # held back by the lookahead: again at the next step
+                        wake.add(g)
             k = self.seq[ex]
             m = k - n
             if m >= 0:  # a sum-into member

@@ -19,9 +19,26 @@ from .capacity import ALIGN
 
 
 class Dense:
-    """Per vertex-list position k: id, kind, GPU, bytes, operands; `index` maps id -> k."""
+    """Per vertex-list position k: id, kind, GPU, bytes, operands; `index` maps id -> k.
 
-    __slots__ = ("_csr", "gpu", "gpus", "ids", "index", "inputs", "kept", "kind", "nbytes", "operands", "tg")
+    `sig[k]` numbers the distinct (shape, dtype) pairs, `sigs` lists them.
+    """
+
+    __slots__ = (
+        "_csr",
+        "gpu",
+        "gpus",
+        "ids",
+        "index",
+        "inputs",
+        "kept",
+        "kind",
+        "nbytes",
+        "operands",
+        "sig",
+        "sigs",
+        "tg",
+    )
 
     def __init__(self, tg: TaskGraph):
         self.tg = tg
@@ -31,15 +48,21 @@ class Dense:
         index = self.index = {vid: k for k, vid in enumerate(self.ids)}
         self.kind = [v.kind for v in verts]
         self.gpu = [v.gpu for v in verts]
-        cache: dict[tuple, int] = {}  # (shape, dtype) -> bytes: graphs repeat a few shapes
-        nb = []
+        # (shape, dtype) of each vertex as a small int: graphs repeat a few shapes
+        cache: dict[tuple, int] = {}
+        self.sigs: list[tuple[tuple[int, ...], str]] = []  # sig -> (shape, dtype)
+        sig: list[int] = []
+        self.sig = sig
+        per_sig: list[int] = []  # sig -> bytes
         for v in verts:
             key = (v.shape, v.dtype)
-            b = cache.get(key)
-            if b is None:
-                b = cache[key] = v.nbytes
-            nb.append(b)
-        self.nbytes = nb
+            s = cache.get(key)
+            if s is None:
+                s = cache[key] = len(self.sigs)
+                self.sigs.append(key)
+                per_sig.append(v.nbytes)
+            sig.append(s)
+        self.nbytes = list(map(per_sig.__getitem__, sig))
         get = index.__getitem__
         # operands in operand order (a value may repeat, as in add(x, x)), then distinct
         self.inputs = [tuple(map(get, v.inputs)) if v.inputs else () for v in verts]

@@ -60,19 +60,19 @@ class Rates:
 
     def durations(self, d: Dense) -> list[float]:
         """Seconds each vertex of `d` takes on its lane."""
-        verts = list(d.tg)
-        nb = d.nbytes
+        nb, sig, sigs, inputs = d.nbytes, d.sig, d.sigs, d.inputs
+        launch = self.launch
         out = []
         seen: dict[tuple, float] = {}  # kernels of one signature cost the same: graphs repeat them
-        for k, v in enumerate(verts):
-            if v.kind is Kind.INPUT:
-                out.append(self.launch + nb[k] / self.load)
-            elif v.kind is Kind.TRANSFER:
-                out.append(self.launch + nb[k] / self.peer)
+        for k, (v, kind) in enumerate(zip(d.tg, d.kind)):
+            if kind is Kind.INPUT:
+                out.append(launch + nb[k] / self.load)
+            elif kind is Kind.TRANSFER:
+                out.append(launch + nb[k] / self.peer)
             else:
-                ins = d.inputs[k]
-                sig = tuple([(verts[i].shape, verts[i].dtype) for i in ins])
-                key = (v.op, sig, tuple(v.attrs.items()) if v.attrs else ())
+                ins = inputs[k]
+                attrs = v.attrs
+                key = (v.op, tuple(map(sig.__getitem__, ins)), tuple(attrs.items()) if attrs else ())
                 cache = True
                 try:
                     t = seen.get(key)
@@ -82,9 +82,10 @@ class Rates:
                     spec = ops.OPS[v.op]  # type: ignore[index]
                     work = 0.0
                     if spec.flops is not None:
-                        work = float(spec.flops([x[0] for x in sig], v.shape, spec.full_attrs(v.attrs)))
+                        shapes = [sigs[sig[i]][0] for i in ins]
+                        work = float(spec.flops(shapes, v.shape, spec.full_attrs(v.attrs)))
                     moved = nb[k] + sum(nb[i] for i in ins)
-                    t = self.launch + max(work / self.flops, moved / self.memory)
+                    t = launch + max(work / self.flops, moved / self.memory)
                     if cache:
                         seen[key] = t
                 out.append(t)

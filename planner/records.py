@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from disco_ray.graph.memgraph import Loc, MKind, Read
 
 DATA, MEM = "data", "mem"  # edge kinds
@@ -25,7 +27,7 @@ class Rec:
         self.value = value
         self.gpu = gpu
         self.key = key
-        self.ins: list[Inst | tuple[int, int | None, Loc]] = []
+        self.ins: Sequence[Inst | tuple[int, int | None, Loc]] = ()
         self.out: Loc | None = None
         self.deps: dict[int, str] = {}  # provisional id -> DATA | MEM
         self.acc: tuple[int, int] | None = None  # a sum-into member: (part, parts)
