@@ -99,7 +99,7 @@ class Block:
         self.newest = max([g[2] for g in ghosts]) if ghosts and owner is None else NEVER
         self.prev: Block | None = None
         self.next: Block | None = None
-        self.key: tuple[int, ...] = (0, 0, 0)  # its key in the free index while free
+        self.key: tuple = ()  # its key in the free index while free
         self.cls = 0
 
     @property
@@ -117,6 +117,21 @@ def _clip(ghosts: list[Ghost], lo: int, hi: int) -> list[Ghost]:
         for g in ghosts
         if g[0] < hi and g[1] > lo
     ]
+
+
+def _cut(ghosts: list[Ghost], cut: int) -> tuple[list[Ghost], list[Ghost], int]:
+    """`_clip` below and above one offset in one pass: (below, above, newest time above)."""
+    below: list[Ghost] = []
+    above: list[Ghost] = []
+    newest = NEVER
+    for g in ghosts:
+        if g[0] < cut:
+            below.append(g if g[1] <= cut else (g[0], cut, g[2], g[3]))
+        if g[1] > cut:
+            above.append(g if g[0] >= cut else (cut, g[1], g[2], g[3]))
+            if g[2] > newest:
+                newest = g[2]
+    return below, above, newest
 
 
 def _top_is_older(ghosts: list[Ghost], lo: int, hi: int, size: int) -> bool:
@@ -142,10 +157,10 @@ class Arena:
         self.capacity = None if capacity is None else capacity // alignment * alignment
         self.head: Block | None = None
         self.tail: Block | None = None
-        # free blocks by offset, and an index of them: per size class (bit length), a sorted list
-        # of keys, (newest, size, off) for "oldest" or (size, newest, off) for "best"
-        self.free: dict[int, Block] = {}
-        self.classes: dict[int, list[tuple[int, ...]]] = {}
+        # the free blocks' index: per size class (bit length), a sorted list of keys, (newest, size,
+        # off, block) for "oldest" or (size, newest, off, block) for "best" (offsets differ: the
+        # block itself is never compared)
+        self.classes: dict[int, list[tuple]] = {}
         self.nonempty: list[int] = []  # size classes with a free block, ascending
         if self.capacity:
             self.head = self.tail = Block(0, self.capacity)
@@ -178,29 +193,31 @@ class Arena:
 
     # ---- the free index -------------------------------------------------------------------------
     def _free_add(self, b: Block) -> None:
-        key: tuple[int, ...]
-        if self.fit == "oldest":
-            key = (b.newest, b.size, b.off)
-        elif self.fit == "best":
-            key = (b.size, b.newest, b.off)
+        key: tuple
+        if self.oldest:
+            if self.fit == "oldest":
+                key = (b.newest, b.size, b.off, b)
+            else:
+                key = (sum([len(g[3]) for g in b.ghosts]), b.newest, b.size, b.off, b)
         else:
-            key = (sum([len(g[3]) for g in b.ghosts]), b.newest, b.size, b.off)
+            key = (b.size, b.newest, b.off, b)
         b.key = key
         b.cls = c = b.size.bit_length()
         lst = self.classes.get(c)
         if lst is None:
-            lst = self.classes[c] = []
+            self.classes[c] = [key]
             insort(self.nonempty, c)
-        insort(lst, key)
-        self.free[b.off] = b
+        else:
+            insort(lst, key)
 
     def _free_remove(self, b: Block) -> None:
         lst = self.classes[b.cls]
-        del lst[bisect_left(lst, b.key)]
-        if not lst:
+        if len(lst) == 1:
             del self.classes[b.cls]
             del self.nonempty[bisect_left(self.nonempty, b.cls)]
-        del self.free[b.off]
+        else:
+            del lst[bisect_left(lst, b.key)]
+        b.key = ()  # (the key names the block: no cycle left behind)
 
     # ---- allocation ---------------------------------------------------------------------------
     def best_free(self, size: int) -> tuple[Block | None, int] | None:
@@ -216,7 +233,7 @@ class Arena:
         lst = classes.get(c)
         if self.oldest:
             if lst:
-                at = 1 if self.fit == "oldest" else 2
+                at = 1 if self.fit == "oldest" else 2  # the size's place in the key
                 for key in lst:
                     if key[at] >= size:
                         best = key
@@ -235,7 +252,7 @@ class Arena:
                 if i < len(nonempty):
                     best = classes[nonempty[i]][0]
         if best is not None:
-            b = self.free[best[-1]]
+            b = best[-1]
             if b.size > size and b.ghosts and _top_is_older(b.ghosts, b.off, b.off + b.size, size):
                 return b, b.off + b.size - size
             return b, b.off
@@ -268,6 +285,29 @@ class Arena:
             b.owner = owner
             mid = b
             covered = ghosts
+        elif b.off == off:  # the bottom of b (the usual split): b becomes the part above
+            mid = Block(off, size, owner)
+            if ghosts:
+                mid.ghosts, b.ghosts, b.newest = _cut(ghosts, end)
+            covered = mid.ghosts
+            mid.prev, mid.next = b.prev, b
+            if b.prev is not None:
+                b.prev.next = mid
+            else:
+                self.head = mid
+            b.prev = mid
+            b.off = end
+            b.size = bend - end
+            self._free_add(b)
+        elif bend == end:  # the top of b: b keeps the part below
+            mid = Block(off, size, owner)
+            if ghosts:
+                b.ghosts, mid.ghosts, _ = _cut(ghosts, off)
+                b.newest = max([g[2] for g in b.ghosts], default=NEVER)
+            covered = mid.ghosts
+            b.size = off - b.off
+            self._link_after(b, mid)
+            self._free_add(b)
         else:
             covered = _clip(ghosts, off, end) if ghosts else []
             mid = Block(off, size, owner, covered)
@@ -410,6 +450,18 @@ class Arena:
         best = far[np.argmin(moved[far])]
         i, j = int(starts[best]), int(ends[best])
         return int(offs[i]), [b for b in blocks[i:j] if b.owner is not None]
+
+    def clear(self) -> None:
+        """Forgets every block, unlinking them (blocks and their owners refer to each other)."""
+        b = self.head
+        while b is not None:
+            nxt = b.next
+            b.prev = b.next = b.owner = None
+            b.key = ()
+            b = nxt
+        self.head = self.tail = None
+        self.classes.clear()
+        self.nonempty.clear()
 
     def owners(self) -> list[object]:
         return [b.owner for b in self.blocks() if b.owner is not None]
