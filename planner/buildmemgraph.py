@@ -49,7 +49,7 @@ from typing import cast
 import numpy as np
 
 from disco_ray.graph.errors import CapacityError, DiscoError, PlanError
-from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
+from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MKind, new_read, new_vertex
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import RESERVED, Arena, Block
@@ -642,14 +642,14 @@ class Planner:
                 if type(x) is Inst:
                     rd = x.read
                     if rd is None:
-                        rd = x.read = Read(ids[x.value], new_id[x.src], x.loc)
+                        rd = x.read = new_read(ids[x.value], new_id[x.src], x.loc)
                     reads.append(rd)
                 else:
                     val, src, loc = cast("tuple[int, int | None, Loc]", x)
-                    reads.append(Read(ids[val], None if src is None else new_id[src], loc))
+                    reads.append(new_read(ids[val], None if src is None else new_id[src], loc))
             out = rec.out
             assert out is not None  # live
-            verts.append(MemVertex(new, rec.kind, ids[rec.value], rec.gpu, tuple(reads), out, rec.acc))
+            verts.append(new_vertex(new, rec.kind, ids[rec.value], rec.gpu, tuple(reads), out, rec.acc))
             try:  # section 7: every edge points forward in V
                 reducer.add(new, rec.deps.items(), edges, new_id)
             except ValueError as e:
