@@ -66,7 +66,10 @@ class Dense:
         get = index.__getitem__
         # operands in operand order (a value may repeat, as in add(x, x)), then distinct
         self.inputs = [tuple(map(get, v.inputs)) if v.inputs else () for v in verts]
-        self.operands = [ins if len(ins) < 2 else tuple(dict.fromkeys(ins)) for ins in self.inputs]
+        self.operands = [
+            ins if len(ins) < 2 or len(set(ins)) == len(ins) else tuple(dict.fromkeys(ins))
+            for ins in self.inputs
+        ]
         self.kept = [index[x] for x in tg.kept]  # outputs, then carried values
         self._csr: tuple[np.ndarray, np.ndarray] | None = None
 
