@@ -318,17 +318,14 @@ class Planner:
         inst.block, ghosts = arena.take(blk if blk is not None else arena.block_at(off), off, size, inst)
         rec.out = loc
         if ghosts:
-            if rec.deps:
-                self._mem_edges(ghosts, r)
-            else:  # the usual case, at C speed: no deps yet, and r (not produced) read nothing
-                deps = rec.deps
-                readers = 0
-                for gh in ghosts:
-                    deps.update(dict.fromkeys(gh[3], MEM))
-                    readers += len(gh[3])
+            if len(ghosts) == 1 and not rec.deps:  # the usual case: no deps yet, r read nothing
+                readers = ghosts[0][3]
+                deps = rec.deps = dict.fromkeys(readers, MEM)
                 self.built += len(deps)
-                if readers > len(deps):
-                    self.counts["superfluous_mem_edges"] += readers - len(deps)
+                if len(readers) > len(deps):
+                    self.counts["superfluous_mem_edges"] += len(readers) - len(deps)
+            else:
+                self._mem_edges(ghosts, r)
         self.resident[k] = inst
         self.allocated[k] = 1
         return inst
@@ -444,7 +441,7 @@ class Planner:
         res: list[Inst] = resident  # type: ignore[assignment]  # every operand is resident now
         ins = d.inputs[k]
         if ins:
-            rec.ins = tuple(map(res.__getitem__, ins))
+            rec.ins = [res[x] for x in ins]
         own = res[k]
         own.produced = True
         uses, nxt, kept = self.uses, self.next, self.kept
