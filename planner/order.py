@@ -161,14 +161,16 @@ def schedule(d: Dense, capacity: Sequence[int] | None = None, rates: Rates = Rat
         busy[g][lane[k]] = False
         touched = None
         for i in operands[k]:
-            unread[i] -= 1
-            if not unread[i] and is_input[i]:
+            left = unread[i] - 1
+            unread[i] = left
+            if not left and is_input[i]:
                 ahead[gpu[i]] -= size[i]
                 if gpu[i] != g:
                     touched = {gpu[i]} if touched is None else touched | {gpu[i]}
         for w in succs[k]:
-            waiting[w] -= 1
-            if not waiting[w]:
+            left = waiting[w] - 1
+            waiting[w] = left
+            if not left:
                 push(ready[gpu[w]][lane[w]], w)
                 if gpu[w] != g:
                     touched = {gpu[w]} if touched is None else touched | {gpu[w]}

@@ -87,18 +87,20 @@ class Reducer:
         W = self.window
         near: list[int] = []
         test: list[tuple[int, str]] = []
+        lo = w - W if W else w - 1  # predecessors above lo are near (and must lie below w)
+        append = out.append
         for u, kind in preds:
             if ids is not None:
                 u = ids[u]
-            d = w - u
-            if d <= 0:
-                raise ValueError(f"edge {u} -> {w} does not point forward")
-            if d < W:
-                near.append(u)
-                if kind == MEM:
-                    test.append((u, kind))
-                    continue
-            out.append((u, w, kind))
+            if u > lo:  # (the usual memory edge of a roomy plan is far: one comparison)
+                if u >= w:
+                    raise ValueError(f"edge {u} -> {w} does not point forward")
+                if W:
+                    near.append(u)
+                    if kind == MEM:
+                        test.append((u, kind))
+                        continue
+            append((u, w, kind))
         if not W:
             return
         self.near[w % W] = near
