@@ -290,57 +290,28 @@ class Arena:
             if ghosts:
                 mid.ghosts, b.ghosts, b.newest = _cut(ghosts, end)
             covered = mid.ghosts
-            mid.prev, mid.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = mid
-            else:
-                self.head = mid
-            b.prev = mid
+            self._link_after(b.prev, mid)
             b.off = end
             b.size = bend - end
             self._free_add(b)
-        elif bend == end:  # the top of b: b keeps the part below
+        else:  # b keeps the part below; mid, and a new block for any part above, come after it
             mid = Block(off, size, owner)
+            right = Block(end, bend - end) if end < bend else None
             if ghosts:
-                b.ghosts, mid.ghosts, _ = _cut(ghosts, off)
+                if right is None:
+                    b.ghosts, mid.ghosts, _ = _cut(ghosts, off)
+                else:  # two cuts (a compaction's window starts inside a free block)
+                    b.ghosts = _clip(ghosts, b.off, off)
+                    mid.ghosts = _clip(ghosts, off, end)
+                    right.ghosts = _clip(ghosts, end, bend)
+                    right.newest = max([g[2] for g in right.ghosts], default=NEVER)
                 b.newest = max([g[2] for g in b.ghosts], default=NEVER)
             covered = mid.ghosts
             b.size = off - b.off
             self._link_after(b, mid)
             self._free_add(b)
-        else:
-            covered = _clip(ghosts, off, end) if ghosts else []
-            mid = Block(off, size, owner, covered)
-            if b.off < off:  # b keeps the part below; mid and any part above come after it
-                if ghosts:
-                    b.ghosts = _clip(ghosts, b.off, off)
-                    b.newest = max([g[2] for g in b.ghosts], default=NEVER)
-                b.size = off - b.off
-                mid.prev, mid.next = b, b.next  # mid goes after b
-                if b.next is not None:
-                    b.next.prev = mid
-                else:
-                    self.tail = mid
-                b.next = mid
-                self._free_add(b)
-            else:  # b becomes the part above; mid takes its place, before it
-                mid.prev, mid.next = b.prev, b
-                if b.prev is not None:
-                    b.prev.next = mid
-                else:
-                    self.head = mid
-                b.prev = mid
-            if end < bend:
-                if b.off < off:
-                    right = Block(end, bend - end, None, _clip(ghosts, end, bend) if ghosts else None)
-                    self._link_after(mid, right)
-                else:
-                    right = b
-                    right.off = end
-                    right.size = bend - end
-                    if ghosts:
-                        right.ghosts = _clip(ghosts, end, bend)
-                        right.newest = max([g[2] for g in right.ghosts], default=NEVER)
+            if right is not None:
+                self._link_after(mid, right)
                 self._free_add(right)
         self.used += size
         if self.used > self.peak:
