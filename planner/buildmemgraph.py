@@ -727,12 +727,14 @@ def build_memgraph(
     started = time.perf_counter()
     collecting = gc.isenabled()
     gc.disable()  # the simulation makes millions of small acyclic objects: cyclic GC passes only cost
+    p = None
     try:
         p = _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into, host_capacity)
         mg = p.memgraph(started, window)
-        p.close()
         log_rounding(p.asked, p.caps, alignment)
     finally:
+        if p is not None:
+            p.close()
         if collecting:
             _settle()
             gc.enable()
@@ -782,7 +784,11 @@ def _plan_with_groups(
                 demoted=demoted,
                 host_capacity=host_capacity,
             )
-            p.run()
+            try:
+                p.run()
+            except BaseException:
+                p.close()  # a failed round's simulation is freed by reference counting too
+                raise
             return p
         except CapacityError:
             if "off" not in demoted.values():
@@ -790,7 +796,7 @@ def _plan_with_groups(
             e: DiscoError = CapacityError("a demoted accumulate does not fit as one kernel")
             rounds = ROUNDS
         except GroupError as ge:
-            e = ge
+            e = ge.with_traceback(None)  # kept for the end: its frames would hold the failed round
             for k in ge.groups:
                 demoted[k] = "off" if demoted.get(k) == "deferred" or mode == "deferred" else "deferred"
         rounds += 1
