@@ -6,6 +6,21 @@ from disco_ray.graph.memgraph import Loc, MemGraph, MemVertex, MKind, Read
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 
+def replaced(mg: MemGraph, **kw) -> MemGraph:
+    """A copy of `mg` (its own lists; not marked as this process's plan) with MemGraph fields replaced."""
+    f = {
+        "capacity": list(mg.capacity),
+        "vertices": list(mg.vertices),
+        "edges": list(mg.edges),
+        "outputs": dict(mg.outputs),
+        "host_capacity": list(mg.host_capacity),
+        "stats": dict(mg.stats),
+        "disk_capacity": list(mg.disk_capacity),
+    }
+    f.update(kw)
+    return MemGraph(**f)
+
+
 def naive_memgraph(tg: TaskGraph, extra_edges=()) -> MemGraph:
     """Every TaskGraph vertex gets its own byte range (nothing reused, nothing offloaded); an
     `accumulate` becomes one sum-into kernel per operand (any order, one at a time)."""

@@ -25,6 +25,7 @@ from disco_ray.graph.reference import evaluate, random_inputs
 from planner import build_memgraph, tight_capacity
 from planner.symbolic import check_random_orders
 from planner.verify import verify
+from tests.memgraph_helpers import replaced
 from tests.test_verify import S, one_of
 from workloads import build
 
@@ -44,20 +45,6 @@ def offloads(mg: MemGraph, tier: int) -> list[MemVertex]:
 
 def disk_reloads(mg: MemGraph) -> list[MemVertex]:
     return [v for v in mg if v.kind is MKind.RELOAD and v.ins[0].loc.device == DISK]
-
-
-def copy(mg: MemGraph, **kw) -> MemGraph:
-    f = {
-        "capacity": list(mg.capacity),
-        "vertices": list(mg.vertices),
-        "edges": list(mg.edges),
-        "outputs": dict(mg.outputs),
-        "host_capacity": list(mg.host_capacity),
-        "stats": dict(mg.stats),
-        "disk_capacity": list(mg.disk_capacity),
-    }
-    f.update(kw)
-    return MemGraph(**f)
 
 
 # ---- the planner -------------------------------------------------------------------------------
@@ -133,7 +120,7 @@ def disk_graph():
     vs = list(mg.vertices)
     vs[2] = dataclasses.replace(vs[2], out=disk)
     vs[4] = dataclasses.replace(vs[4], ins=(Read("y", 2, disk),))
-    return tg, copy(mg, vertices=vs, host_capacity=[0], disk_capacity=[ALIGN])
+    return tg, replaced(mg, vertices=vs, host_capacity=[0], disk_capacity=[ALIGN])
 
 
 def test_disk_offload_graph_is_correct():
@@ -145,7 +132,7 @@ def test_disk_offload_graph_is_correct():
 def test_reload_from_disk_before_its_offload_is_caught():
     tg, mg = disk_graph()
     # the reload of y from disk (4) no longer waits for its offload (2), directly or through 3
-    bad = copy(mg, edges=[e for e in mg.edges if (e[0], e[1]) not in ((2, 4), (3, 4))])
+    bad = replaced(mg, edges=[e for e in mg.edges if (e[0], e[1]) not in ((2, 4), (3, 4))])
     one_of(verify(tg, bad), "vertex 4", "disk(gpu:0)[0:1024]", "src vertex 2", "not an ancestor")
     with pytest.raises(VerifyError, match=r"vertex 4 .*expects 'y' from vertex 2 at disk\(gpu:0\)"):
         check_random_orders(tg, bad, 200, SEED)
@@ -155,7 +142,7 @@ def test_reload_of_another_gpus_spill_file_is_caught():
     tg, mg = disk_graph()
     vs = list(mg.vertices)
     vs[2] = dataclasses.replace(vs[2], gpu=1)  # written to gpu 1's spill file, read from gpu 0's
-    bad = copy(mg, vertices=vs, capacity=[3 * S, 3 * S])
+    bad = replaced(mg, vertices=vs, capacity=[3 * S, 3 * S])
     one_of(verify(tg, bad), "vertex 4", "src vertex 2", "wrote 'y' at disk(gpu:1)")
 
 
@@ -181,7 +168,7 @@ def test_overlapping_disk_ranges_are_caught(llama):
         else v
         for v in mg.vertices
     ]
-    bad = copy(mg, vertices=vs)
+    bad = replaced(mg, vertices=vs)
     one_of(verify(tg, bad), f"writes disk(gpu:{a.gpu})[{a.out.offset}:", f"written by {a.id}")
     with pytest.raises(VerifyError, match=rf"expects {a.value!r} from vertex {a.id} at disk\(gpu:{a.gpu}\)"):
         check_random_orders(tg, bad, 50, SEED)
@@ -194,18 +181,18 @@ def test_ranges_over_the_host_or_disk_capacity_are_caught(llama):
     g = offloads(mg, HOST)[0].gpu
     host = list(mg.host_capacity)
     host[g] = 256
-    one_of(verify(tg, copy(mg, host_capacity=host)), "exceeds the host store capacity 256", f"of gpu:{g}")
+    one_of(verify(tg, replaced(mg, host_capacity=host)), "exceeds the host store capacity 256", f"of gpu:{g}")
     d = offloads(mg, DISK)[0].gpu
     disk = list(mg.disk_capacity)
     disk[d] = ALIGN // 2
-    one_of(verify(tg, copy(mg, disk_capacity=disk)), f"exceeds the spill file capacity {ALIGN // 2}")
+    one_of(verify(tg, replaced(mg, disk_capacity=disk)), f"exceeds the spill file capacity {ALIGN // 2}")
 
 
 def test_an_offload_to_the_callers_input_copy_is_refused():
     tg, mg = disk_graph()
     vs = list(mg.vertices)
     vs[2] = dataclasses.replace(vs[2], out=Loc(INPUT, 0, S))
-    one_of(verify(tg, copy(mg, vertices=vs)), "an offload must write the host store or the spill file")
+    one_of(verify(tg, replaced(mg, vertices=vs)), "an offload must write the host store or the spill file")
 
 
 # ---- the spill file ----------------------------------------------------------------------------

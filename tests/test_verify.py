@@ -13,6 +13,7 @@ from disco_ray.graph.errors import VerifyError
 from disco_ray.graph.memgraph import HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
 from disco_ray.graph.taskgraph import TaskGraph
 from planner.verify import check, verify
+from tests.memgraph_helpers import replaced
 
 S = 1024  # bytes of a float32 [16, 16]
 
@@ -88,19 +89,6 @@ def without_edge(mg: MemGraph, u: int, w: int) -> MemGraph:
     return MemGraph(list(mg.capacity), list(mg.vertices), edges, dict(mg.outputs), list(mg.host_capacity))
 
 
-def with_(mg: MemGraph, **kw) -> MemGraph:
-    """A copy of `mg` with MemGraph fields replaced."""
-    f = {
-        "capacity": list(mg.capacity),
-        "vertices": list(mg.vertices),
-        "edges": list(mg.edges),
-        "outputs": dict(mg.outputs),
-        "host_capacity": list(mg.host_capacity),
-    }
-    f.update(kw)
-    return MemGraph(**f)
-
-
 def one_of(msgs: list[str], *parts: str) -> str:
     """The first message containing every part (fails the test, listing them, if none)."""
     for m in msgs:
@@ -118,19 +106,19 @@ def test_correct_memgraphs_pass(build):
 
 def test_cycle():
     tg, mg = offload_graph()
-    msgs = verify(tg, with_(mg, edges=[*mg.edges, (7, 1, "mem")]))
+    msgs = verify(tg, replaced(mg, edges=[*mg.edges, (7, 1, "mem")]))
     one_of(msgs, "cycle", "7", "1")
 
 
 def test_gpu_capacity():
     tg, mg = offload_graph()
-    one_of(verify(tg, with_(mg, capacity=[2 * S])), "vertex 5", "gpu:0[2048:3072]", "capacity 2048")
+    one_of(verify(tg, replaced(mg, capacity=[2 * S])), "vertex 5", "gpu:0[2048:3072]", "capacity 2048")
 
 
 def test_host_capacity():
     tg, mg = offload_graph()
-    one_of(verify(tg, with_(mg, host_capacity=[S // 2])), "vertex 2", "host(gpu:0)[0:1024]", "512")
-    assert verify(tg, with_(mg, host_capacity=[0])) == []  # 0: the host store is unbounded
+    one_of(verify(tg, replaced(mg, host_capacity=[S // 2])), "vertex 2", "host(gpu:0)[0:1024]", "512")
+    assert verify(tg, replaced(mg, host_capacity=[0])) == []  # 0: the host store is unbounded
 
 
 def test_operands_out_of_order():
@@ -143,10 +131,10 @@ def test_operands_out_of_order():
 def test_kernel_realised_twice_and_missing():
     tg, mg = offload_graph()
     extra = MemVertex(8, MKind.KERNEL, "p", 0, mg.vertices[7].ins, g0(1))
-    msgs = verify(tg, with_(mg, vertices=[*mg.vertices, extra], edges=[*mg.edges, (7, 8, "mem")]))
+    msgs = verify(tg, replaced(mg, vertices=[*mg.vertices, extra], edges=[*mg.edges, (7, 8, "mem")]))
     one_of(msgs, "'p'", "2 MemGraph vertices", "[7, 8]")
     tg2, mg2 = transfer_graph()
-    msgs = verify(tg2, with_(mg2, vertices=mg2.vertices[:3], edges=mg2.edges[:2], outputs={}))
+    msgs = verify(tg2, replaced(mg2, vertices=mg2.vertices[:3], edges=mg2.edges[:2], outputs={}))
     one_of(msgs, "transfer 't1'", "0 MemGraph vertices")
     one_of(msgs, "output 't1'", "no MemGraph output")
 
@@ -207,11 +195,11 @@ def test_race_on_host_store():
     tg, mg = offload_graph()
     # an offload of z to the host range y lies in, unordered against the reload of y
     extra = MemVertex(8, MKind.OFFLOAD, "z", 0, (Read("z", 3, g0(1)),), Loc(HOST, 0, S))
-    bad = with_(mg, vertices=[*mg.vertices, extra], edges=[*mg.edges, (3, 8, "data"), (8, 7, "mem")])
+    bad = replaced(mg, vertices=[*mg.vertices, extra], edges=[*mg.edges, (3, 8, "data"), (8, 7, "mem")])
     msgs = verify(tg, bad)
     assert len(msgs) == 1
     one_of(msgs, "race", "vertex 8", "host(gpu:0)[0:1024]", "read by vertex 4")
-    assert verify(tg, with_(bad, edges=[*bad.edges, (4, 8, "mem")])) == []
+    assert verify(tg, replaced(bad, edges=[*bad.edges, (4, 8, "mem")])) == []
 
 
 def test_host_stores_are_per_gpu():
@@ -235,7 +223,7 @@ def test_host_stores_are_per_gpu():
     # a reload on gpu 1 naming gpu 0's offload as src reads the wrong store
     tg.output(tg.transfer("sa", gpu=1, id="t"))
     bad = MemVertex(6, MKind.RELOAD, "a", 1, (Read("a", 2, host),), g0(1, 1))
-    mg2 = with_(mg, vertices=[*vs, bad], edges=[*edges, (2, 6, "data")])
+    mg2 = replaced(mg, vertices=[*vs, bad], edges=[*edges, (2, 6, "data")])
     one_of(verify(tg, mg2), "vertex 6", "src vertex 2")
 
 
@@ -252,13 +240,13 @@ def test_kernel_output_overlaps_own_input():
 def test_output_overwritten_later():
     tg, mg = offload_graph()
     tg.output("y")  # y's kernel output at slot 1 is overwritten by z and p
-    msgs = verify(tg, with_(mg, outputs={**mg.outputs, "y": 1}))
+    msgs = verify(tg, replaced(mg, outputs={**mg.outputs, "y": 1}))
     one_of(msgs, "output 'y'", "vertex 3", "not an ancestor of 1")
 
 
 def test_output_vertex_holds_other_value():
     tg, mg = offload_graph()
-    one_of(verify(tg, with_(mg, outputs={"p": 5})), "output 'p'", "holds 'o'")
+    one_of(verify(tg, replaced(mg, outputs={"p": 5})), "output 'p'", "holds 'o'")
 
 
 def test_partial_overlap_is_a_race():
@@ -294,7 +282,7 @@ def test_kind_rules():
 
 def test_limit_and_check():
     tg, mg = offload_graph()
-    bad = with_(mg, capacity=[S // 4])
+    bad = replaced(mg, capacity=[S // 4])
     assert len(verify(tg, bad, limit=3)) == 3
     with pytest.raises(VerifyError, match="exceeds gpu:0 capacity 256"):
         check(tg, bad)
