@@ -12,7 +12,7 @@ from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.reference import evaluate
 from disco_ray.graph.taskgraph import TaskGraph
 from planner import build_memgraph
-from tests.memgraph_helpers import execute_random_order, naive_memgraph
+from tests.memgraph_helpers import execute_random_order, naive_memgraph, replaced
 
 
 def grads(n: int = 5, gpus: int = 1) -> TaskGraph:
@@ -169,10 +169,6 @@ def test_an_offloading_plan_keeps_the_sum_in_place_between_members(cap, demoted)
         torch.testing.assert_close(execute_random_order(mg, g, ins, seed)["out"], evaluate(g, ins)["out"])
 
 
-def _planted(mg: MemGraph, verts=None, edges=None) -> MemGraph:
-    return MemGraph(list(mg.capacity), verts or list(mg.vertices), edges or list(mg.edges), dict(mg.outputs))
-
-
 def _errors(tg: TaskGraph, mg: MemGraph) -> tuple[list[str], str]:
     from disco_ray.graph.errors import VerifyError
     from planner.symbolic import check_random_orders
@@ -194,7 +190,11 @@ def test_a_planted_missing_member_is_caught():
     tg = grads(4)
     mg = naive_memgraph(tg)
     gone = mg.vertices[_members(mg)[1]].id
-    bad = _planted(mg, [v for v in mg.vertices if v.id != gone], [e for e in mg.edges if gone not in e[:2]])
+    bad = replaced(
+        mg,
+        vertices=[v for v in mg.vertices if v.id != gone],
+        edges=[e for e in mg.edges if gone not in e[:2]],
+    )
     msgs, sym = _errors(tg, bad)
     assert any("parts [1] of 4 have no member" in m for m in msgs), msgs
     assert "partial sum" in sym
@@ -208,7 +208,7 @@ def test_a_planted_duplicate_part_is_caught():
     verts = list(mg.vertices)
     i = _members(mg)[2]
     verts[i] = dataclasses.replace(verts[i], acc=(1, 4))
-    msgs, sym = _errors(tg, _planted(mg, verts))
+    msgs, sym = _errors(tg, replaced(mg, vertices=verts))
     assert any("part 1 of 'acc' is also" in m for m in msgs), msgs
     assert any("parts [2] of 4 have no member" in m for m in msgs), msgs
     assert "was added already" in sym
@@ -219,7 +219,7 @@ def test_a_planted_reader_before_a_member_is_caught():
     mg = naive_memgraph(tg)
     first = mg.vertices[_members(mg)[0]].id
     reader = mg.outputs["out"]
-    bad = _planted(mg, edges=[e for e in mg.edges if e[:2] != (first, reader)])
+    bad = replaced(mg, edges=[e for e in mg.edges if e[:2] != (first, reader)])
     msgs, sym = _errors(tg, bad)
     assert any(f"no path {first} -> {reader}" in m and "follows every member" in m for m in msgs), msgs
     assert "partial sum" in sym
@@ -236,7 +236,7 @@ def test_a_planted_member_writing_another_range_is_caught():
     i = _members(mg)[1]
     o = verts[i].out
     verts[i] = dataclasses.replace(verts[i], out=Loc(o.device, mg.capacity[0], o.nbytes))
-    bad = _planted(mg, verts)
+    bad = replaced(mg, vertices=verts)
     bad.capacity[0] += o.nbytes
     msgs, sym = _errors(tg, bad)
     assert any("its group writes" in m for m in msgs), msgs
@@ -255,11 +255,11 @@ def test_a_planted_overlapping_writer_is_caught():
     acc_range = verts[_members(mg)[0]].out
     i = next(i for i, v in enumerate(verts) if v.value == "z")
     verts[i] = dataclasses.replace(verts[i], out=acc_range)
-    msgs, sym = _errors(tg, _planted(mg, verts))
+    msgs, sym = _errors(tg, replaced(mg, vertices=verts))
     assert any(f"writes {'gpu:0'}[{acc_range.offset}:{acc_range.end}]" in m for m in msgs), msgs
     assert sym
     # ordered after every member's reader, the same writer is fine for the group
-    ok = _planted(mg, verts, [*mg.edges, (mg.outputs["out"], verts[i].id, "mem")])
+    ok = replaced(mg, vertices=verts, edges=[*mg.edges, (mg.outputs["out"], verts[i].id, "mem")])
     ok.outputs.pop("z")
     from planner.verify import verify
 
