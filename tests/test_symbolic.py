@@ -10,7 +10,8 @@ import pytest
 from disco_ray.graph.errors import VerifyError
 from disco_ray.graph.memgraph import Loc
 from planner.symbolic import check_random_orders, execute
-from tests.test_verify import g0, offload_graph, replace_vertex, transfer_graph, with_, without_edge
+from tests.memgraph_helpers import replaced
+from tests.test_verify import g0, offload_graph, replace_vertex, transfer_graph, without_edge
 
 SEED = 20261122
 
@@ -59,13 +60,13 @@ def test_overwritten_output_is_caught():
     with pytest.raises(
         VerifyError, match=r"output 'y' at gpu:0\[1024:2048\] \(vertex 1\): at the end found 'p'"
     ):
-        execute(tg, with_(mg, outputs={**mg.outputs, "y": 1}), random.Random(SEED))
+        execute(tg, replaced(mg, outputs={**mg.outputs, "y": 1}), random.Random(SEED))
 
 
 def test_cycle_is_caught():
     tg, mg = offload_graph()
     with pytest.raises(VerifyError, match="never became ready"):
-        execute(tg, with_(mg, edges=[*mg.edges, (7, 1, "mem")]), random.Random(SEED))
+        execute(tg, replaced(mg, edges=[*mg.edges, (7, 1, "mem")]), random.Random(SEED))
 
 
 def test_orders_differ():

@@ -79,14 +79,13 @@ def transfer_graph() -> tuple[TaskGraph, MemGraph]:
 
 def replace_vertex(mg: MemGraph, v: MemVertex) -> MemGraph:
     """A copy of `mg` with the vertex of id v.id replaced."""
-    vs = [v if u.id == v.id else u for u in mg.vertices]
-    return MemGraph(list(mg.capacity), vs, list(mg.edges), dict(mg.outputs), list(mg.host_capacity))
+    return replaced(mg, vertices=[v if u.id == v.id else u for u in mg.vertices])
 
 
 def without_edge(mg: MemGraph, u: int, w: int) -> MemGraph:
     edges = [e for e in mg.edges if (e[0], e[1]) != (u, w)]
     assert len(edges) == len(mg.edges) - 1
-    return MemGraph(list(mg.capacity), list(mg.vertices), edges, dict(mg.outputs), list(mg.host_capacity))
+    return replaced(mg, edges=edges)
 
 
 def one_of(msgs: list[str], *parts: str) -> str:
