@@ -36,6 +36,13 @@ write the same bytes; each member gets the range's memory deps, and whatever rea
 overwrites the sum afterwards depends on all members (`Inst.writers`). Members get no edges
 among themselves. A vertex that finds no room because of an open sum raises GroupError, and
 build_memgraph plans again with that group demoted.
+
+Parts (planner.split): apart from transfers the GPUs' simulations are independent given V, so a
+large plan is simulated in parts, one forked process per group of GPUs (`workers`); a transfer
+between parts is read in the part of its source and written in that of its destination. Each
+part numbers its own vertices (`Planner.part`): a record's id is its step plus the offloads and
+reloads of smaller key, so only those keys are swapped. The export (`Planner.memgraph`) then
+makes the vertices and, in id order, the edges.
 """
 
 from __future__ import annotations
@@ -49,7 +56,18 @@ from typing import cast
 import numpy as np
 
 from disco_ray.graph.errors import CapacityError, DiscoError, PlanError
-from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MKind, new_read, new_vertex
+from disco_ray.graph.memgraph import (
+    DISK,
+    HOST,
+    INPUT,
+    Loc,
+    MemGraph,
+    MemVertex,
+    MKind,
+    Read,
+    new_read,
+    new_vertex,
+)
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import RESERVED, Arena, Block
@@ -58,9 +76,11 @@ from .dense import Dense, check_order
 from .groups import MODES, Members
 from .order import default
 from .prune import WINDOW, Reducer
-from .records import DATA, MEM, OWN, STEP, Inst, Rec
+from .records import DATA, MEM, OWN, STEP, Inst, Part, Rec
+from .split import groups, merge, run_split
 
 OWN_BIT = 1 << OWN
+FULL, SKIP, SOURCE, DEST = 0, 1, 2, 3  # what a part of a split plan does at a step (Planner._codes)
 
 log = logging.getLogger(__name__)
 INF = float("inf")
@@ -77,6 +97,9 @@ class GroupError(PlanError):
     def __init__(self, msg: str, groups: Sequence[int]):
         super().__init__(msg)
         self.groups = tuple(groups)  # the accumulates (positions) whose open sums were in the way
+
+    def __reduce__(self):  # sent from a forked part (planner.split)
+        return GroupError, (str(self), self.groups)
 
 
 class Planner:
@@ -162,9 +185,15 @@ class Planner:
         self.failed = [-1] * tg.gpus  # arena.releases when its horizon last failed to allocate
         self.wake = set(range(tg.gpus))  # GPUs whose arena released a range since their horizon stopped
         self.step = 0
-        self.aux = 0
+        self.aux = 0  # the last aux key's low bits; parts of a split plan number theirs apart
+        self.stride = 1
         self.built = 0  # memory edges in the records (before the implied ones are dropped)
         self.locs: dict[tuple[int, int, int], Loc] = {}
+        # a part of a split plan (planner.split) holds only some GPUs; a transfer between two parts
+        # is executed in both: the source's part reads (xreads), the destination's part writes it
+        self.gpus: list[int] = list(range(tg.gpus))  # the GPUs simulated here
+        self.pending: dict[int, int] = {}  # transfer -> its record, whose read another part makes
+        self.xreads: list[tuple[int, int, int, tuple[int, ...] | None, Loc]] = []
         self.counts = {
             "retractions": 0,
             "compactions": 0,
@@ -207,7 +236,7 @@ class Planner:
         return len(self.recs) - 1
 
     def _aux_key(self) -> int:
-        self.aux += 1
+        self.aux += self.stride
         return (self.step << STEP) | self.aux
 
     def _mem_edges(self, ghosts, w: int) -> None:
@@ -424,18 +453,8 @@ class Planner:
         operands = d.operands[k]
         resident = self.resident
         for x in operands:  # reload every missing operand before anything is freed
-            if resident[x] is None:
-                gpu = d.gpu[x]
-                off = self._make_room(gpu, self.sizes[x], self._pinned_for(k))
-                if off is None:
-                    if compacted:
-                        raise PlanError(
-                            f"vertex {d.ids[k]!r}: no room for operand {d.ids[x]!r} on gpu {gpu} "
-                            "after compaction"
-                        )
-                    self._compact(k, gpu)
-                    return self._execute(t, compacted=True)
-                self._reload(x, off)
+            if resident[x] is None and not self._bring(k, x, compacted):
+                return self._execute(t, compacted=True)
         deps = rec.deps
         r = self.rec_of[k]
         res: list[Inst] = resident  # type: ignore[assignment]  # every operand is resident now
@@ -474,6 +493,21 @@ class Planner:
                     self._free_host(x, g)
         if not uk and k not in kept:
             self._free(k)
+
+    def _bring(self, k: int, x: int, compacted: bool) -> bool:
+        """Reloads operand x of vertex k; False when that took a compaction (k starts over)."""
+        d = self.d
+        gpu = d.gpu[x]
+        off = self._make_room(gpu, self.sizes[x], self._pinned_for(k))
+        if off is None:
+            if compacted:
+                raise PlanError(
+                    f"vertex {d.ids[k]!r}: no room for operand {d.ids[x]!r} on gpu {gpu} after compaction"
+                )
+            self._compact(k, gpu)
+            return False
+        self._reload(x, off)
+        return True
 
     def _data_deps(self, deps: dict[int, str], srcs: Sequence[int]) -> None:
         for src in srcs:
@@ -544,6 +578,62 @@ class Planner:
             if j >= len(uk) and k not in kept:
                 self._free(k)
 
+    # ---- a part of a split plan (planner.split) ------------------------------------------------
+    def _codes(self, gpus: Sequence[int]) -> bytes:
+        """Per step of V, what this part does: FULL, SKIP, SOURCE (the read of a transfer to another
+        part's GPU) or DEST (a transfer from another part's GPU)."""
+        d, n = self.d, len(self.d)
+        own = [False] * d.gpus
+        for g in gpus:
+            own[g] = True
+        gpu, kind, operands, acc = d.gpu, d.kind, d.operands, self.mem.acc if self.mem is not None else ()
+        out = bytearray(len(self.seq))
+        for t, k in enumerate(self.seq):
+            if k >= n:
+                k = acc[k - n]
+            if kind[k] is Kind.TRANSFER:
+                src, dst = own[gpu[operands[k][0]]], own[gpu[k]]
+                out[t] = FULL if src and dst else DEST if dst else SOURCE if src else SKIP
+            elif not own[gpu[k]]:
+                out[t] = SKIP
+        return bytes(out)
+
+    def _execute_source(self, t: int, compacted: bool = False) -> None:
+        """The read half of transfer V[t] to another part's GPU: reloads its operand if need be, and
+        notes the read (the part of the destination makes the vertex, planner.split)."""
+        d = self.d
+        k = self.seq[t]
+        (x,) = d.operands[k]
+        r = self.rec_of[k]
+        if r < 0:  # the transfer as a reader here: a phantom (no location), numbered by its key
+            r = self.rec_of[k] = self._new(MKind.TRANSFER, k, d.gpu[k], (t << STEP) | OWN_BIT)
+        res = self.resident
+        if res[x] is None and not self._bring(k, x, compacted):
+            return self._execute_source(t, compacted=True)
+        inst = cast(Inst, res[x])
+        self.xreads.append((k, x, inst.src, None if inst.writers is None else tuple(inst.writers), inst.loc))
+        inst.readers.append(r)
+        uses = self.uses[x]
+        j = self.next[x] = self.next[x] + 1
+        if j < len(uses):
+            inst.dist = uses[j]
+        elif x in self.kept:
+            inst.dist = INF
+        else:
+            self._free(x)
+
+    def _execute_dest(self, t: int) -> None:
+        """The write half of transfer V[t] from another part's GPU: its operand's read comes in
+        when the parts are merged."""
+        k = self.seq[t]
+        own = cast(Inst, self.resident[k])
+        own.produced = True
+        uk = self.uses[k]
+        own.dist = uk[0] if uk else INF
+        self.pending[k] = self.rec_of[k]
+        if not uk and k not in self.kept:
+            self._free(k)
+
     def _free(self, k: int) -> None:
         """simFree: the value is dead; its GPU range and any host copy become reusable."""
         inst = cast(Inst, self.resident[k])
@@ -563,11 +653,19 @@ class Planner:
             store = self.disks[gpu] if loc.device == DISK else self.hosts[gpu]
             store.release(self.host_block.pop(k), readers, self.step)
 
-    def run(self) -> None:
+    def run(self, gpus: Sequence[int] | None = None, tag: int = 0, parts: int = 1) -> None:
+        """Simulates V: on every GPU, or as part `tag` of `parts` on `gpus` only (planner.split)."""
         d = self.d
         n = len(d)
         arenas, failed, wake = self.arenas, self.failed, self.wake
         steps = len(self.seq)
+        codes = None
+        if gpus is not None and len(gpus) < d.gpus:
+            self.gpus = sorted(gpus)
+            self.aux, self.stride = tag, parts  # aux keys unique across the parts
+            wake.intersection_update(gpus)
+            codes = self._codes(gpus)
+        c = FULL
         for ex in range(steps):
             self.step = ex
             if wake:  # each GPU whose arena released a range since its horizon stopped, in order
@@ -579,6 +677,13 @@ class Planner:
                     if failed[g] < 0:  # held back by the lookahead: again at the next step
                         wake.add(g)
             k = self.seq[ex]
+            if codes is not None:
+                c = codes[ex]
+                if c == SKIP:
+                    continue
+                if c == SOURCE:
+                    self._execute_source(ex)
+                    continue
             m = k - n
             if m >= 0:  # a sum-into member
                 k = self.alloc_of[ex]
@@ -603,9 +708,14 @@ class Planner:
                     self._compact(k, g)
                 else:
                     self._place_output(k, off)
-            self._execute(ex)
+            if c == FULL:
+                self._execute(ex)
+            else:
+                self._execute_dest(ex)
         self.step = steps
         for o in d.kept:  # an evicted output still in the caller's own copy comes back
+            if codes is not None and d.gpu[o] not in self.gpus:
+                continue
             if self.resident[o] is None and self.host.get(o, (None, None))[1] is None:
                 g = d.gpu[o]
                 pinned = {id(i): i for i in self.resident if i is not None}
@@ -615,52 +725,121 @@ class Planner:
                 self._reload(o, off)
 
     def close(self) -> None:
-        """Breaks the simulation's reference cycles (arena blocks <-> neighbours and owners), so that
-        reference counting frees it all once the plan is made."""
+        """Frees the simulation (Planner.part keeps what the MemGraph needs). Breaks its reference
+        cycles (arena blocks <-> neighbours and owners) and drops its records and residents now:
+        a split plan frees them while the other parts send theirs."""
         for arena in (*self.arenas, *self.hosts, *self.disks):
             arena.clear()
+        self.recs, self.resident, self.uses, self.locs = [], [], [], {}
+        self.host, self.host_readers, self.host_block = {}, {}, {}
 
     # ---- result ---------------------------------------------------------------------------------
-    def memgraph(self, started: float, window: int = WINDOW) -> MemGraph:
+    def aux_keys(self) -> list[int]:
+        """The sort keys of this simulation's offloads and reloads (the records not of V itself)."""
+        return [r.key for r in self.recs if r.out is not None and not r.key & OWN_BIT]
+
+    def part(self, aux: Sequence[int], portable: bool = False) -> Part:
+        """This simulation's vertices with their MemGraph ids, given the sorted keys of every
+        part's offloads and reloads (`aux`), and its GPUs' figures.
+
+        V[t] itself has one record, the offloads and reloads made at step t sort just before it by
+        key, so a record's id is its step plus the offloads and reloads of smaller key: no part
+        needs another's records to number its own. Rows are (id, kind, value, gpu, reads, out,
+        acc, preds by record: Part.ids names them); reads are Read objects, or (value, src id, loc) tuples when `portable` (to
+        send to the merging process, planner.split), one per resident value, shared by its readers.
+        """
         recs = self.recs
-        ids = self.d.ids
-        live = [i for i, rec in enumerate(recs) if rec.out is not None]
-        live.sort(key=lambda i: recs[i].key)
-        new_id = [-1] * len(recs)
-        for new, old in enumerate(live):
-            new_id[old] = new
-        verts = []
-        edges: list[tuple[int, int, str]] = []
-        reducer = Reducer(window)
-        for new, old in enumerate(live):
-            rec = recs[old]
+        keys = np.fromiter([r.key for r in recs], np.int64, len(recs))
+        ids: list[int] = ((keys >> STEP) + np.searchsorted(np.asarray(aux, dtype=np.int64), keys)).tolist()
+        names = self.d.ids
+        pending = {r: k for k, r in self.pending.items()}
+        rows = []
+        held: dict[int, tuple] = {}
+        for r, rec in enumerate(recs):
+            if rec.out is None:  # a phantom
+                continue
             reads = []
             for x in rec.ins:
                 if type(x) is Inst:
                     rd = x.read
                     if rd is None:
-                        rd = x.read = new_read(ids[x.value], new_id[x.src], x.loc)
-                    reads.append(rd)
+                        if portable:
+                            rd = x.read = (x.value, ids[x.src], x.loc)  # type: ignore[assignment]
+                        else:
+                            rd = x.read = new_read(names[x.value], ids[x.src], x.loc)
                 else:
-                    val, src, loc = cast("tuple[int, int | None, Loc]", x)
-                    reads.append(new_read(ids[val], None if src is None else new_id[src], loc))
-            out = rec.out
-            assert out is not None  # live
-            verts.append(new_vertex(new, rec.kind, ids[rec.value], rec.gpu, tuple(reads), out, rec.acc))
-            try:  # section 7: every edge points forward in V
-                reducer.add(new, rec.deps.items(), edges, new_id)
-            except ValueError as e:
-                raise PlanError(f"internal: {e}") from None
+                    val, src, loc = x  # type: ignore[misc]  # a reload's (value, src, loc)
+                    src = None if src is None else ids[src]
+                    rd = (val, src, loc) if portable else new_read(names[val], src, loc)  # type: ignore[assignment]
+                reads.append(rd)
+            if r in pending:  # its read comes from the part of its source (planner.split.merge)
+                named = {ids[u]: kind for u, kind in rec.deps.items()}
+                held[pending[r]] = (ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc, named)
+            else:  # preds by record, renamed by `ids` as the edges are written
+                rows.append((ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc, rec.deps))
+        gpu, mine = self.d.gpu, set(self.gpus)
+        outputs = {}
+        for o in self.d.kept:
+            if gpu[o] in mine:
+                inst = self.resident[o]
+                outputs[o] = ids[inst.src if inst is not None else cast(int, self.host[o][1])]
+        peaks = {
+            g: (
+                self.arenas[g].peak,
+                self.hosts[g].peak,
+                self.hosts[g].high,
+                self.disks[g].peak,
+                self.disks[g].high,
+            )
+            for g in self.gpus
+        }
+        xreads = [
+            (k, x, ids[src], None if ws is None else tuple(ids[w] for w in ws), loc)
+            for k, x, src, ws, loc in self.xreads
+        ]
+        return Part(rows, ids, self.gpus, outputs, peaks, dict(self.counts), self.built, held, xreads)
+
+    def memgraph(self, started: float, window: int = WINDOW, parts: Sequence[Part] | None = None) -> MemGraph:
+        """The MemGraph of this simulation, or of the parts of a split one (planner.split)."""
+        if parts is None:
+            parts = [self.part(sorted(self.aux_keys()))]
+        # (parts: Planner.part of every part, this simulation's own included)
+        counts = {k: sum(p.counts[k] for p in parts) for k in self.counts}
+        built = sum(p.built for p in parts)
+        superfluous, held = merge(parts)
+        counts["superfluous_mem_edges"] += superfluous
+        built -= superfluous
+        names = self.d.ids
+        n = sum(len(p.rows) for p in parts) + len(held)
+        verts: list[MemVertex] = [None] * n  # type: ignore[list-item]
+        preds: list[dict[int, str]] = [None] * n  # type: ignore[list-item]
+        renames: list[list[int] | None] = [None] * n  # a row's preds by record: its part's ids
+        shared: dict[int, Read] = {}  # a sent part's reads: one per tuple, as per resident value
+        for rows, rename in (*((p.rows, p.ids) for p in parts), (held, None)):
+            for i, kind, value, gpu, reads, out, acc, pr in rows:
+                if reads and type(reads[0]) is tuple:
+                    for j, x in enumerate(reads):
+                        rd = shared.get(id(x))
+                        if rd is None:
+                            val, src, loc = x
+                            rd = shared[id(x)] = new_read(names[val], src, loc)
+                        reads[j] = rd
+                verts[i] = new_vertex(i, kind, names[value], gpu, tuple(reads), out, acc)
+                preds[i] = pr
+                renames[i] = rename
+        edges: list[tuple[int, int, str]] = []
+        reducer = Reducer(window)
+        try:  # section 7: every edge points forward in V
+            for w, pr in enumerate(preds):
+                reducer.add(w, pr.items(), edges, renames[w])
+        except ValueError as e:
+            raise PlanError(f"internal: {e}") from None
         implied = reducer.dropped
         outputs = {}
         for o in self.d.kept:
-            inst = self.resident[o]
-            if inst is not None:
-                outputs[ids[o]] = new_id[inst.src]
-            else:
-                off_rec = self.host[o][1]
-                assert off_rec is not None  # run() brought back every output the host holds no offload of
-                outputs[ids[o]] = new_id[off_rec]
+            for part in parts:
+                if o in part.outputs:
+                    outputs[names[o]] = part.outputs[o]
         moved = {MKind.OFFLOAD: 0, MKind.RELOAD: 0}
         disk = {MKind.OFFLOAD: 0, MKind.RELOAD: 0}
         for v in verts:
@@ -668,24 +847,27 @@ class Planner:
                 moved[v.kind] += v.out.nbytes
                 if (v.out if v.kind is MKind.OFFLOAD else v.ins[0].loc).device == DISK:
                     disk[v.kind] += v.out.nbytes
-        counts = dict(self.counts)
         counts["superfluous_mem_edges"] += implied
+        peaks = [(0, 0, 0, 0, 0)] * len(self.caps)
+        for part in parts:
+            for g, pk in part.peaks.items():
+                peaks[g] = pk
         stats = {
             "planning_seconds": round(time.perf_counter() - started, 4),
             "bytes_offloaded": moved[MKind.OFFLOAD],
             "bytes_reloaded": moved[MKind.RELOAD],
-            "peak_gpu_bytes": [a.peak for a in self.arenas],
-            "peak_host_bytes": [h.peak for h in self.hosts],
-            "peak_disk_bytes": [h.peak for h in self.disks],
+            "peak_gpu_bytes": [pk[0] for pk in peaks],
+            "peak_host_bytes": [pk[1] for pk in peaks],
+            "peak_disk_bytes": [pk[3] for pk in peaks],
             "bytes_offloaded_disk": disk[MKind.OFFLOAD],
             "bytes_reloaded_disk": disk[MKind.RELOAD],
             "host_budget": self.host_asked,
             **counts,
             "implied_mem_edges": implied,
-            "mem_edges_built": self.built,
+            "mem_edges_built": built,
         }
-        host_cap = [h.high for h in self.hosts]
-        disk_cap = [h.high for h in self.disks]
+        host_cap = [pk[2] for pk in peaks]
+        disk_cap = [pk[4] for pk in peaks]
         return MemGraph(list(self.caps), verts, edges, outputs, host_cap, stats, disk_cap)
 
 
@@ -700,6 +882,7 @@ def build_memgraph(
     window: int = WINDOW,
     sum_into: str = SUM_INTO,
     host_capacity: int | Sequence[int | None] | Mapping[int, int | None] | None = None,
+    workers: int | None = None,
 ) -> MemGraph:
     """Compiles a TaskGraph into a MemGraph for GPUs of the given arena capacities.
 
@@ -719,6 +902,8 @@ def build_memgraph(
             times, then with every group in the next mode.
         host_capacity: host-store bytes per GPU (one int, a list or dict per GPU; None or an entry
             None: unbounded). An offload that does not fit goes to the GPU's spill file (disk).
+        workers: processes that simulate the GPUs in parallel (planner.split); None: every usable
+            CPU when the graph is large and this process runs no other thread, else 1.
 
     Raises:
         CapacityError: a vertex's inputs plus output do not fit its GPU.
@@ -729,8 +914,10 @@ def build_memgraph(
     gc.disable()  # the simulation makes millions of small acyclic objects: cyclic GC passes only cost
     p = None
     try:
-        p = _plan_with_groups(tg, capacity, order, alignment, lookahead, fit, sum_into, host_capacity)
-        mg = p.memgraph(started, window)
+        p, parts = _plan_with_groups(
+            tg, capacity, order, alignment, lookahead, fit, sum_into, host_capacity, workers
+        )
+        mg = p.memgraph(started, window, parts)
         log_rounding(p.asked, p.caps, alignment)
     finally:
         if p is not None:
@@ -741,6 +928,7 @@ def build_memgraph(
     mg.stats["order"] = p.order_name if order is not None else f"default ({p.order_name})"
     mg.stats["fit"] = fit
     mg.stats["sum_into"] = p.sum_into
+    mg.stats["planner_processes"] = len(parts)
     if p.demoted:
         mg.stats["sum_into_demoted"] = {
             m: sum(1 for x in p.demoted.values() if x == m) for m in ("deferred", "off")
@@ -764,8 +952,8 @@ def _settle() -> None:
 
 
 def _plan_with_groups(
-    tg, capacity, order, alignment, lookahead, fit, sum_into: str, host_capacity
-) -> Planner:
+    tg, capacity, order, alignment, lookahead, fit, sum_into: str, host_capacity, workers
+) -> tuple[Planner, list[Part]]:
     """Runs the Planner, demoting the sum-into groups in the way after each GroupError."""
     modes = MODES[MODES.index(sum_into) :]
     demoted: dict[int, str] = {}
@@ -785,11 +973,14 @@ def _plan_with_groups(
                 host_capacity=host_capacity,
             )
             try:
-                p.run()
+                parts = groups(p.d.gpu, tg.gpus, workers, len(p.seq))
+                if parts is None:
+                    p.run()
+                    return p, [p.part(sorted(p.aux_keys()))]
+                return p, run_split(p, parts)
             except BaseException:
                 p.close()  # a failed round's simulation is freed by reference counting too
                 raise
-            return p
         except CapacityError:
             if "off" not in demoted.values():
                 raise  # not for want of a demoted group's room: no mode helps

@@ -30,15 +30,14 @@ class Members:
 
     def __init__(self, d: Dense, demoted: Mapping[int, str] | None = None):
         self.demoted = demoted = demoted or {}
-        self.n = n = len(d)
+        self.n = len(d)
         self.acc: list[int] = []
         self.part: list[int] = []
         self.x: list[int] = []
         self.of: dict[int, list[int]] = {}
-        tg = d.tg
-        for k in range(n):
+        for k, v in enumerate(d.tg):
             ins = d.inputs[k]
-            if ins and tg[d.ids[k]].op == "accumulate" and demoted.get(k) != "off":
+            if ins and v.op == "accumulate" and demoted.get(k) != "off":
                 ms = self.of[k] = []
                 for i, x in enumerate(ins):
                     ms.append(len(self.acc))

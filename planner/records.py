@@ -28,7 +28,7 @@ class Rec:
         self.gpu = gpu
         self.key = key
         self.ins: Sequence[Inst | tuple[int, int | None, Loc]] = ()
-        self.out: Loc | None = None
+        self.out: Loc | None = None  # None: retracted, or a phantom (planner.split)
         self.deps: dict[int, str] = {}  # provisional id -> DATA | MEM
         self.acc: tuple[int, int] | None = None  # a sum-into member: (part, parts)
 
@@ -68,3 +68,52 @@ class Inst:
         self.read: Read | None = None  # its MemGraph Read, made once when the plan is written
         self.block: object = None  # its arena block (planner.arena.Block)
         self.writers: list[int] | None = None  # a sum-into group's members (records), else None
+
+
+class Part:
+    """One simulation's vertices, numbered (Planner.part), and what the MemGraph needs of its GPUs:
+    the whole plan's, or a part's of a split one (planner.split).
+
+    `rows`: (id, kind, value, gpu, reads, out, acc, preds), preds by record; `ids`: record -> its
+    MemGraph id; `held`: transfer -> its row (preds by id), whose read the part of its source made
+    (`xreads`: (transfer, operand, writer id, writer ids of a sum or None, location)); `outputs`:
+    kept value -> the id of the vertex holding its final value; `peaks`: GPU -> (arena peak, host
+    store peak, host store bytes, spill file peak, spill file bytes).
+    """
+
+    __slots__ = ("built", "counts", "gpus", "held", "ids", "outputs", "peaks", "rows", "xreads")
+
+    def __init__(
+        self,
+        rows: list[tuple],
+        ids: list[int],
+        gpus: list[int],
+        outputs: dict[int, int],
+        peaks: dict[int, tuple[int, int, int, int, int]],
+        counts: dict[str, int],
+        built: int,
+        held: dict[int, tuple],
+        xreads: list[tuple[int, int, int, tuple[int, ...] | None, Loc]],
+    ):
+        self.rows = rows
+        self.ids = ids
+        self.gpus = gpus
+        self.outputs = outputs
+        self.peaks = peaks
+        self.counts = counts
+        self.built = built
+        self.held = held
+        self.xreads = xreads
+
+    def __reduce__(self):
+        return Part, (
+            self.rows,
+            self.ids,
+            self.gpus,
+            self.outputs,
+            self.peaks,
+            self.counts,
+            self.built,
+            self.held,
+            self.xreads,
+        )

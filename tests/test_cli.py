@@ -245,6 +245,21 @@ def test_plan_then_verify_and_info(cli, tmp_path, suffix):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_plan_in_two_processes_is_the_same_plan(cli, tmp_path):
+    plans = []
+    for workers in ("1", "2"):
+        out = tmp_path / f"m{workers}.json"
+        r = cli("plan", CHAIN, "--capacity", "48KiB", "--workers", workers, "-o", out)
+        assert r.returncode == 0, r.stderr
+        mg = formats.load_memgraph(out)
+        assert mg.stats["planner_processes"] == int(workers)
+        plans.append((mg.vertices, mg.edges, mg.outputs))
+        assert cli("verify", CHAIN, out).returncode == 0
+    assert plans[0] == plans[1]
+    r = cli("plan", CHAIN, "--capacity", "48KiB", "--workers", "0", "-o", tmp_path / "m0.json")
+    assert r.returncode == 2 and "--workers" in r.stderr and not (tmp_path / "m0.json").exists()
+
+
 @pytest.mark.parametrize("name", ["order.txt", "order.json"])
 def test_plan_with_order(cli, tmp_path, name):
     tg = formats.load_taskgraph(EXAMPLE)

@@ -156,6 +156,12 @@ def add_plan(sub) -> None:
         metavar="MEMGRAPH",
         help="where to write the MemGraph (.json or .msgpack)",
     )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        metavar="N",
+        help="processes that simulate the GPUs in parallel (default: every usable CPU for a large graph)",
+    )
 
 
 def cmd_plan(args) -> int:
@@ -169,7 +175,12 @@ def cmd_plan(args) -> int:
 
     try:
         mg = build_memgraph(
-            tg, caps, order=order, alignment=args.alignment, host_capacity=host_capacity_of(args, tg.gpus)
+            tg,
+            caps,
+            order=order,
+            alignment=args.alignment,
+            host_capacity=host_capacity_of(args, tg.gpus),
+            workers=args.workers,
         )
     except DiscoError as e:
         raise type(e)(f"{args.taskgraph}: {e}") from None

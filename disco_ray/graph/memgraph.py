@@ -61,6 +61,9 @@ class Loc:
     def to_dict(self) -> dict:
         return {"device": device_name(self.device), "offset": self.offset, "nbytes": self.nbytes}
 
+    def __reduce__(self):  # pickles without the dataclass's Python-level __getstate__ (a planner part's)
+        return Loc, (self.device, self.offset, self.nbytes)
+
 
 @dataclass(frozen=True, slots=True)
 class Read:
