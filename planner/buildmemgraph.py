@@ -60,6 +60,7 @@ from disco_ray.graph.memgraph import (
     DISK,
     HOST,
     INPUT,
+    Edges,
     Loc,
     MemGraph,
     MemVertex,
@@ -75,7 +76,7 @@ from .capacity import aligned, capacities, host_capacities, log_rounding, rounde
 from .dense import Dense, check_order
 from .groups import MODES, Members
 from .order import default
-from .prune import WINDOW, Reducer
+from .prune import WINDOW, reduce_columns
 from .records import DATA, MEM, OWN, STEP, Inst, Part, Rec
 from .split import groups, merge, run_split
 
@@ -750,12 +751,18 @@ class Planner:
         """
         recs = self.recs
         keys = np.fromiter([r.key for r in recs], np.int64, len(recs))
-        ids: list[int] = ((keys >> STEP) + np.searchsorted(np.asarray(aux, dtype=np.int64), keys)).tolist()
+        idn = (keys >> STEP) + np.searchsorted(np.asarray(aux, dtype=np.int64), keys)
+        ids: list[int] = idn.tolist()
         names = self.d.ids
         pending = {r: k for k, r in self.pending.items()}
         rows = []
         held: dict[int, tuple] = {}
-        for r, rec in enumerate(recs):
+        us: list[int] = []  # the edges, flat: preds by record, kinds, and per target its id and count
+        kinds: list[str] = []
+        ws: list[int] = []
+        counts: list[int] = []
+        for r in np.argsort(idn, kind="stable").tolist():  # in id order: the edges come sorted by target
+            rec = recs[r]
             if rec.out is None:  # a phantom
                 continue
             reads = []
@@ -772,11 +779,22 @@ class Planner:
                     src = None if src is None else ids[src]
                     rd = (val, src, loc) if portable else new_read(names[val], src, loc)  # type: ignore[assignment]
                 reads.append(rd)
+            row = (ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc)
+            deps = rec.deps
             if r in pending:  # its read comes from the part of its source (planner.split.merge)
-                named = {ids[u]: kind for u, kind in rec.deps.items()}
-                held[pending[r]] = (ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc, named)
-            else:  # preds by record, renamed by `ids` as the edges are written
-                rows.append((ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc, rec.deps))
+                held[pending[r]] = (row, {ids[u]: kind for u, kind in deps.items()})
+            else:
+                rows.append(row)
+                if deps:
+                    us.extend(deps)
+                    kinds.extend(deps.values())
+                    ws.append(ids[r])
+                    counts.append(len(deps))
+        edges = (
+            idn[np.array(us, dtype=np.int64)],
+            np.repeat(np.array(ws, dtype=np.int64), counts),
+            np.fromiter(map(MEM.__eq__, kinds), bool, len(kinds)),
+        )
         gpu, mine = self.d.gpu, set(self.gpus)
         outputs = {}
         for o in self.d.kept:
@@ -797,7 +815,7 @@ class Planner:
             (k, x, ids[src], None if ws is None else tuple(ids[w] for w in ws), loc)
             for k, x, src, ws, loc in self.xreads
         ]
-        return Part(rows, ids, self.gpus, outputs, peaks, dict(self.counts), self.built, held, xreads)
+        return Part(rows, edges, self.gpus, outputs, peaks, dict(self.counts), self.built, held, xreads)
 
     def memgraph(self, started: float, window: int = WINDOW, parts: Sequence[Part] | None = None) -> MemGraph:
         """The MemGraph of this simulation, or of the parts of a split one (planner.split)."""
@@ -812,11 +830,9 @@ class Planner:
         names = self.d.ids
         n = sum(len(p.rows) for p in parts) + len(held)
         verts: list[MemVertex] = [None] * n  # type: ignore[list-item]
-        preds: list[dict[int, str]] = [None] * n  # type: ignore[list-item]
-        renames: list[list[int] | None] = [None] * n  # a row's preds by record: its part's ids
         shared: dict[int, Read] = {}  # a sent part's reads: one per tuple, as per resident value
-        for rows, rename in (*((p.rows, p.ids) for p in parts), (held, None)):
-            for i, kind, value, gpu, reads, out, acc, pr in rows:
+        for rows in (*(p.rows for p in parts), [row for row, _ in held]):
+            for i, kind, value, gpu, reads, out, acc in rows:
                 if reads and type(reads[0]) is tuple:
                     for j, x in enumerate(reads):
                         rd = shared.get(id(x))
@@ -825,16 +841,26 @@ class Planner:
                             rd = shared[id(x)] = new_read(names[val], src, loc)
                         reads[j] = rd
                 verts[i] = new_vertex(i, kind, names[value], gpu, tuple(reads), out, acc)
-                preds[i] = pr
-                renames[i] = rename
-        edges: list[tuple[int, int, str]] = []
-        reducer = Reducer(window)
+        cols = [p.edges for p in parts]
+        for (i, *_), preds in held:
+            cols.append(
+                (
+                    np.fromiter(preds, np.int64, len(preds)),
+                    np.full(len(preds), i, dtype=np.int64),
+                    np.fromiter(map(MEM.__eq__, preds.values()), bool, len(preds)),
+                )
+            )
+        u, w, mem = (np.concatenate(c) for c in zip(*cols))
+        if len(cols) > 1:  # each part's edges come sorted by target
+            by = np.argsort(w, kind="stable")
+            u, w, mem = u[by], w[by], mem[by]
         try:  # section 7: every edge points forward in V
-            for w, pr in enumerate(preds):
-                reducer.add(w, pr.items(), edges, renames[w])
+            kept, implied = reduce_columns(u, w, mem, n, window)
         except ValueError as e:
             raise PlanError(f"internal: {e}") from None
-        implied = reducer.dropped
+        if kept is not None:
+            u, w, mem = u[kept], w[kept], mem[kept]
+        edges = Edges(u, w, mem)
         outputs = {}
         for o in self.d.kept:
             for part in parts:

@@ -12,6 +12,11 @@ each implied by a path of the original graph keeps its reachability (induction o
 plan's partial order, and every verification result, is unchanged. Data edges stay: they are the
 TaskGraph's own dependencies (FORMATS.md keeps them all).
 
+The edges come as columns (numpy arrays); only the targets of memory edges shorter than the
+window are looked at, one by one, and ancestor sets are made lazily for the vertices their windows
+reach: a plan whose memory edges all span W ids or more (roomy arenas reuse ranges late) costs a
+few array operations.
+
 Rejected: exact transitive reduction (ancestor sets as large as the graph: quadratic memory on a
 400k-vertex plan), and checking only duplicate edges (the former statistic: 56-90% of memory
 edges were implied yet kept).
@@ -19,102 +24,82 @@ edges were implied yet kept).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+
+import numpy as np
 
 from .records import MEM
 
 WINDOW = 2048  # ids; a longer edge is never dropped
 
 
-class Reducer:
-    """Feeds vertices in id order; keeps each edge but the implied memory edges (see the header).
+def reduce_columns(
+    u: np.ndarray, w: np.ndarray, mem: np.ndarray, n: int, window: int = WINDOW
+) -> tuple[np.ndarray | None, int]:
+    """The edges (u[i], w[i]) kept, as indices in their order (None: all, as they are), and how
+    many were dropped.
 
-    Ancestor sets are made lazily, only for vertices within the window of a memory edge's target:
-    a plan whose memory edges all span W ids or more (roomy arenas reuse ranges late) costs one
-    pass over its edges.
+    The edges come sorted by target w (each target's predecessors in their own order), every u < w;
+    `mem` marks memory edges, `n` is the number of vertices. Kept edges keep that order, except
+    that a target's tested memory edges (spans below the window) come after its others.
+
+    Raises:
+        ValueError: an edge that does not point forward.
     """
+    bad = np.flatnonzero(u >= w)
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"edge {int(u[i])} -> {int(w[i])} does not point forward")
+    W = max(0, window)
+    if not W:
+        return None, 0
+    tested = (u > w - W) & mem
+    if not tested.any():  # (the usual roomy plan: every memory edge is far)
+        return None, 0
+    at = np.searchsorted(w, np.arange(n + 1)).tolist()  # the edges of target x: at[x]:at[x + 1]
+    us, test = u.tolist(), tested.tolist()
+    mask = (1 << W) - 1
+    anc: dict[int, int] = {}  # vertex -> its ancestors above the first window that asked (bit d: x - d)
 
-    def __init__(self, window: int = WINDOW):
-        self.window = W = max(0, window)
-        self.mask = (1 << W) - 1
-        # rings by id: the predecessors (near ones) of the last W vertices, and ancestor sets made so far
-        self.near: list[list[int] | None] = [None] * max(1, W)
-        self.anc: list[int | None] = [None] * max(1, W)
-        self.dropped = 0
+    def near(x: int) -> list[int]:
+        return [p for p in us[at[x] : at[x + 1]] if p > x - W]
 
-    def _ancestors(self, v: int, lo: int) -> int:
-        """v's ancestors above id `lo` (bit d: v - d), made from its predecessors' on demand.
-
-        Ids above `lo` (the window of the vertex being added) are those the rings still hold.
-        """
-        W, near, anc = self.window, self.near, self.anc
-        if anc[v % W] is None:
-            at = {v: 0}  # a post-order walk: vertex -> the next of its predecessors to look at
+    def ancestors(v: int, lo: int) -> int:
+        """v's ancestors above `lo` (a post-order walk; exact for every later window too)."""
+        if v not in anc:
+            todo: dict[int, list[int]] = {v: near(v)}
             stack = [v]
             while stack:
                 x = stack[-1]
-                ps = near[x % W]
-                assert ps is not None  # x lies within the window of the vertex being added
-                i = at[x]
-                while i < len(ps):
-                    p = ps[i]
-                    i += 1
-                    if p > lo and anc[p % W] is None:  # (a DAG: p is not on the stack)
-                        at[x] = i
-                        at[p] = 0
+                for p in todo[x]:
+                    if p > lo and p not in anc and p not in todo:  # (a DAG: p is not on the stack)
+                        todo[p] = near(p)
                         stack.append(p)
                         break
                 else:
                     stack.pop()
-                    s = 0
-                    for p in ps:
+                    bits = 0
+                    for p in todo.pop(x):
                         if p > lo:  # older ones' bits fall outside this and every later window
-                            s |= (anc[p % W] | 1) << (x - p)  # type: ignore[operator]
-                    anc[x % W] = s & self.mask
-        return anc[v % W]  # type: ignore[return-value]
+                            bits |= (anc[p] | 1) << (x - p)
+                    anc[x] = bits & mask
+        return anc[v]
 
-    def add(
-        self,
-        w: int,
-        preds: Iterable[tuple[int, str]],
-        out: list[tuple[int, int, str]],
-        ids: Sequence[int] | None = None,
-    ) -> None:
-        """Appends to `out` the edges (u, w, kind) kept of w's distinct predecessors (all u < w).
-
-        `ids`, when given, renames each predecessor u to ids[u] first.
-        """
-        W = self.window
-        near: list[int] = []
-        test: list[tuple[int, str]] = []
-        lo = w - W if W else w - 1  # predecessors above lo are near (and must lie below w)
-        append = out.append
-        for u, kind in preds:
-            if ids is not None:
-                u = ids[u]
-            if u > lo:  # (the usual memory edge of a roomy plan is far: one comparison)
-                if u >= w:
-                    raise ValueError(f"edge {u} -> {w} does not point forward")
-                if W:
-                    near.append(u)
-                    if kind == MEM:
-                        test.append((u, kind))
-                        continue
-            append((u, w, kind))
-        if not W:
-            return
-        self.near[w % W] = near
-        self.anc[w % W] = None
-        if not test:
-            return
+    drop = []
+    for x in np.unique(w[tested]).tolist():  # ascending
+        lo = x - W
+        if len(anc) > 4 * W:  # forget vertices no later window reaches
+            anc = {k: v for k, v in anc.items() if k > lo}
         s = 0
-        for p in near:
-            s |= self._ancestors(p, w - W) << (w - p)
-        for u, kind in test:
-            if (s >> (w - u)) & 1:
-                self.dropped += 1
-            else:
-                out.append((u, w, kind))
+        for p in near(x):
+            s |= ancestors(p, lo) << (x - p)
+        for i in range(at[x], at[x + 1]):
+            if test[i] and (s >> (x - us[i])) & 1:
+                drop.append(i)
+    keep = np.ones(len(u), dtype=bool)
+    keep[drop] = False
+    order = np.lexsort((tested, w))  # by target, a target's tested edges last (a stable sort)
+    return order[keep[order]], len(drop)
 
 
 def reduce_edges(
@@ -126,8 +111,9 @@ def reduce_edges(
         preds: per vertex id w (0..n-1, a topological order), its distinct predecessors (u, kind), u < w.
         window: the span below which implication is detected (0: drop nothing).
     """
-    r = Reducer(window)
-    out: list[tuple[int, int, str]] = []
-    for w, ps in enumerate(preds):
-        r.add(w, ps, out)
-    return out, r.dropped
+    edges = [(u, w, k) for w, ps in enumerate(preds) for u, k in ps]
+    u = np.array([e[0] for e in edges], dtype=np.int64)
+    w = np.array([e[1] for e in edges], dtype=np.int64)
+    mem = np.array([e[2] == MEM for e in edges], dtype=bool)
+    order, dropped = reduce_columns(u, w, mem, len(preds), window)
+    return edges if order is None else [edges[i] for i in order.tolist()], dropped

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from disco_ray.graph.memgraph import Loc, MKind, Read
 
 DATA, MEM = "data", "mem"  # edge kinds
@@ -74,29 +76,29 @@ class Part:
     """One simulation's vertices, numbered (Planner.part), and what the MemGraph needs of its GPUs:
     the whole plan's, or a part's of a split one (planner.split).
 
-    `rows`: (id, kind, value, gpu, reads, out, acc, preds), preds by record; `ids`: record -> its
-    MemGraph id; `held`: transfer -> its row (preds by id), whose read the part of its source made
-    (`xreads`: (transfer, operand, writer id, writer ids of a sum or None, location)); `outputs`:
-    kept value -> the id of the vertex holding its final value; `peaks`: GPU -> (arena peak, host
-    store peak, host store bytes, spill file peak, spill file bytes).
+    `rows`: (id, kind, value, gpu, reads, out, acc); `edges`: (u, w, mem) arrays of their edges by
+    id, sorted by target; `held`: transfer -> (its row, its preds by id), whose read the part of its
+    source made (`xreads`: (transfer, operand, writer id, writer ids of a sum or None, location));
+    `outputs`: kept value -> the id of the vertex holding its final value; `peaks`: GPU -> (arena
+    peak, host store peak, host store bytes, spill file peak, spill file bytes).
     """
 
-    __slots__ = ("built", "counts", "gpus", "held", "ids", "outputs", "peaks", "rows", "xreads")
+    __slots__ = ("built", "counts", "edges", "gpus", "held", "outputs", "peaks", "rows", "xreads")
 
     def __init__(
         self,
         rows: list[tuple],
-        ids: list[int],
+        edges: tuple[np.ndarray, np.ndarray, np.ndarray],
         gpus: list[int],
         outputs: dict[int, int],
         peaks: dict[int, tuple[int, int, int, int, int]],
         counts: dict[str, int],
         built: int,
-        held: dict[int, tuple],
+        held: dict[int, tuple[tuple, dict[int, str]]],
         xreads: list[tuple[int, int, int, tuple[int, ...] | None, Loc]],
     ):
         self.rows = rows
-        self.ids = ids
+        self.edges = edges
         self.gpus = gpus
         self.outputs = outputs
         self.peaks = peaks
@@ -105,10 +107,10 @@ class Part:
         self.held = held
         self.xreads = xreads
 
-    def __reduce__(self):
+    def __reduce__(self):  # sent by a forked part (planner.split)
         return Part, (
             self.rows,
-            self.ids,
+            self.edges,
             self.gpus,
             self.outputs,
             self.peaks,

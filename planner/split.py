@@ -156,26 +156,26 @@ def _simulate(p: Planner, gpus: list[int], tag: int, parts: int, conn) -> None:
     conn.close()
 
 
-def merge(parts: Sequence[Part]) -> tuple[int, list[tuple]]:
+def merge(parts: Sequence[Part]) -> tuple[int, list[tuple[tuple, dict[int, str]]]]:
     """Gives every transfer between two parts its read, as the part of its source made it: the
     operand's location and writer, and data edges from its writers. Returns how many memory edges
-    that turned into data edges (superfluous ones, as in a one-process plan) and the transfers' rows.
+    that turned into data edges (superfluous ones, as in a one-process plan) and the transfers'
+    (row, preds).
     """
-    held: dict[int, tuple] = {}
+    held: dict[int, tuple[tuple, dict[int, str]]] = {}
     for part in parts:
         held.update(part.held)
     superfluous = 0
     for part in parts:
         for k, x, src, writers, loc in part.xreads:
-            row = held.get(k)
-            if row is None or row[4]:
+            row, preds = held.get(k, ((), {}))
+            if not row or row[4]:
                 raise PlanError(f"internal: transfer {k} read by two parts, or by none")
             row[4].append((x, src, loc))
-            preds = row[7]
             for u in writers or (src,):
                 if preds.get(u) == MEM:  # (== : a sent part's strings are copies)
                     superfluous += 1
                 preds[u] = DATA
-    if any(not row[4] for row in held.values()):
+    if any(not row[4] for row, _ in held.values()):
         raise PlanError("internal: a transfer between plan parts was never read")
     return superfluous, list(held.values())

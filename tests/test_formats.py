@@ -94,6 +94,34 @@ def test_memgraph_equality_ignores_the_index_cache():
     assert a == b
 
 
+@pytest.mark.parametrize("suffix", [".json", ".msgpack"])
+def test_planned_edges_are_columns_that_read_as_tuples(tmp_path, suffix):
+    import pickle
+
+    import numpy as np
+
+    from disco_ray.graph.memgraph import Edges, edge_columns
+    from planner import build_memgraph, tight_capacity
+    from workloads.random_dag import random_dag
+
+    tg = random_dag(80, 2, 1)
+    mg = build_memgraph(tg, tight_capacity(tg, 0.2))
+    e = mg.edges
+    assert isinstance(e, Edges)
+    tuples = list(e)
+    assert all(type(u) is int and type(w) is int and k in ("data", "mem") for u, w, k in tuples)
+    assert e == tuples and tuples == e[:] and e[3] == tuples[3] and e[-1] == tuples[-1] and tuples[0] in e
+    assert e != tuples[:-1] and e != [*tuples[:-1], (0, 1, "mem")]
+    assert [*e[:2], *e[3:]] == tuples[:2] + tuples[3:]
+    assert edge_columns(tuples)[0].tolist() == e.u.tolist() and np.array_equal(edge_columns(tuples)[2], e.mem)
+    assert pickle.loads(pickle.dumps(mg)) == mg
+    st = mg.statistics()
+    assert st["data_edges"] == sum(k == "data" for _, _, k in tuples) and st["edges"] == len(tuples)
+    formats.save(mg, tmp_path / f"m{suffix}")
+    back = formats.load_memgraph(tmp_path / f"m{suffix}")
+    assert list(back.edges) == tuples and back == mg
+
+
 def test_memgraph_document_fields():
     d = sample_memgraph().to_dict()
     assert d["devices"] == [

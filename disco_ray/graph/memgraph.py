@@ -7,9 +7,12 @@ that respects the edges computes the same result.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import overload
+
+import numpy as np
 
 from .errors import FormatError
 
@@ -138,13 +141,68 @@ def new_read(value: str, src: int | None, loc: Loc) -> Read:
     return r
 
 
+class Edges(Sequence[tuple[int, int, str]]):
+    """A MemGraph's edges (u, w, "data" | "mem") as arrays, in the planner's order: targets
+    ascending. A sequence of tuples to every reader (made as they are read); `u`, `w` (int64) and
+    `mem` (bool) for those that take columns. Equal to any sequence of the same tuples.
+    """
+
+    __slots__ = ("mem", "u", "w")
+
+    def __init__(self, u: np.ndarray, w: np.ndarray, mem: np.ndarray):
+        self.u, self.w, self.mem = u, w, mem
+
+    def __len__(self) -> int:
+        return len(self.u)
+
+    def __iter__(self) -> Iterator[tuple[int, int, str]]:
+        return zip(self.u.tolist(), self.w.tolist(), map(_KINDS.__getitem__, self.mem.tolist()))
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, int, str]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[int, int, str]]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        return int(self.u[i]), int(self.w[i]), _KINDS[bool(self.mem[i])]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Edges):
+            return bool(
+                np.array_equal(self.u, other.u)
+                and np.array_equal(self.w, other.w)
+                and np.array_equal(self.mem, other.mem)
+            )
+        return isinstance(other, Sequence) and len(other) == len(self) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Edges({len(self)} edges, {int(self.mem.sum())} mem)"
+
+
+_KINDS = ("data", "mem")
+
+
+def edge_columns(edges: Sequence[tuple[int, int, str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(u, w, mem) arrays of any edge sequence (an Edges' own)."""
+    if isinstance(edges, Edges):
+        return edges.u, edges.w, edges.mem
+    return (
+        np.fromiter((e[0] for e in edges), np.int64, len(edges)),
+        np.fromiter((e[1] for e in edges), np.int64, len(edges)),
+        np.fromiter((e[2] == "mem" for e in edges), bool, len(edges)),
+    )
+
+
 @dataclass(slots=True)
 class MemGraph:
     """Vertices in a topological order (the planner's: a good priority for the runtime)."""
 
     capacity: list[int]  # arena bytes per GPU
     vertices: list[MemVertex]
-    edges: list[tuple[int, int, str]]  # (u, w, "data" | "mem"): w may not start before u ends
+    edges: Sequence[tuple[int, int, str]]  # (u, w, "data" | "mem"): w may not start before u ends
     outputs: dict[str, int]  # TaskGraph output id -> vertex holding its final value
     host_capacity: list[int] = field(default_factory=list)  # host store bytes per GPU
     stats: dict = field(default_factory=dict)
@@ -194,7 +252,7 @@ class MemGraph:
         kinds = {k.value: 0 for k in MKind}
         for v in self.vertices:
             kinds[v.kind.value] += 1
-        data = sum(1 for e in self.edges if e[2] == "data")
+        data = len(self.edges) - int(edge_columns(self.edges)[2].sum())
         return {
             **self.stats,
             "vertices": len(self.vertices),
