@@ -162,7 +162,7 @@ class Planner:
             pos[k] = t
         self.lookahead = lookahead
         self.open: dict[int, Inst] = {}  # sum-into groups between their first and last member
-        self.group_deps: dict[int, dict[int, str]] = {}  # group -> memory deps of its range
+        self.group_deps: dict[int, dict[int, bool]] = {}  # group -> memory deps of its range
         self.next = [0] * n  # index into uses[value] of the next unexecuted use
         self.kept = set(d.kept)  # outputs and carried values: kept in place at the end
         self.resident: list[Inst | None] = [None] * n
@@ -510,7 +510,7 @@ class Planner:
         self._reload(x, off)
         return True
 
-    def _data_deps(self, deps: dict[int, str], srcs: Sequence[int]) -> None:
+    def _data_deps(self, deps: dict[int, bool], srcs: Sequence[int]) -> None:
         for src in srcs:
             if deps.get(src) is MEM:
                 self.counts["superfluous_mem_edges"] += 1
@@ -745,9 +745,10 @@ class Planner:
 
         V[t] itself has one record, the offloads and reloads made at step t sort just before it by
         key, so a record's id is its step plus the offloads and reloads of smaller key: no part
-        needs another's records to number its own. Rows are (id, kind, value, gpu, reads, out,
-        acc, preds by record: Part.ids names them); reads are Read objects, or (value, src id, loc) tuples when `portable` (to
-        send to the merging process, planner.split), one per resident value, shared by its readers.
+        needs another's records to number its own. Rows are the MemVertex objects, or when
+        `portable` (to send to the merging process, planner.split) tuples (id, kind, value, gpu,
+        reads, out, acc) with reads (value, src id, loc), one per resident value, shared by its
+        readers.
         """
         recs = self.recs
         keys = np.fromiter([r.key for r in recs], np.int64, len(recs))
@@ -755,17 +756,17 @@ class Planner:
         ids: list[int] = idn.tolist()
         names = self.d.ids
         pending = {r: k for k, r in self.pending.items()}
-        rows = []
+        rows: list = []
         held: dict[int, tuple] = {}
         us: list[int] = []  # the edges, flat: preds by record, kinds, and per target its id and count
-        kinds: list[str] = []
+        kinds: list[bool] = []
         ws: list[int] = []
         counts: list[int] = []
         for r in np.argsort(idn, kind="stable").tolist():  # in id order: the edges come sorted by target
             rec = recs[r]
             if rec.out is None:  # a phantom
                 continue
-            reads = []
+            reads: list = []  # Read objects, or tuples when portable
             for x in rec.ins:
                 if type(x) is Inst:
                     rd = x.read
@@ -779,12 +780,19 @@ class Planner:
                     src = None if src is None else ids[src]
                     rd = (val, src, loc) if portable else new_read(names[val], src, loc)  # type: ignore[assignment]
                 reads.append(rd)
-            row = (ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc)
             deps = rec.deps
             if r in pending:  # its read comes from the part of its source (planner.split.merge)
+                row = (ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc)
                 held[pending[r]] = (row, {ids[u]: kind for u, kind in deps.items()})
             else:
-                rows.append(row)
+                if portable:
+                    rows.append((ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc))
+                else:
+                    rows.append(
+                        new_vertex(
+                            ids[r], rec.kind, names[rec.value], rec.gpu, tuple(reads), rec.out, rec.acc
+                        )
+                    )
                 if deps:
                     us.extend(deps)
                     kinds.extend(deps.values())
@@ -793,7 +801,7 @@ class Planner:
         edges = (
             idn[np.array(us, dtype=np.int64)],
             np.repeat(np.array(ws, dtype=np.int64), counts),
-            np.fromiter(map(MEM.__eq__, kinds), bool, len(kinds)),
+            np.array(kinds, dtype=bool),
         )
         gpu, mine = self.d.gpu, set(self.gpus)
         outputs = {}
@@ -832,7 +840,11 @@ class Planner:
         verts: list[MemVertex] = [None] * n  # type: ignore[list-item]
         shared: dict[int, Read] = {}  # a sent part's reads: one per tuple, as per resident value
         for rows in (*(p.rows for p in parts), [row for row, _ in held]):
-            for i, kind, value, gpu, reads, out, acc in rows:
+            if rows and type(rows[0]) is MemVertex:  # this process's own
+                for v in rows:
+                    verts[v.id] = v  # type: ignore[union-attr]
+                continue
+            for i, kind, value, gpu, reads, out, acc in rows:  # type: ignore[misc]
                 if reads and type(reads[0]) is tuple:
                     for j, x in enumerate(reads):
                         rd = shared.get(id(x))
@@ -847,7 +859,7 @@ class Planner:
                 (
                     np.fromiter(preds, np.int64, len(preds)),
                     np.full(len(preds), i, dtype=np.int64),
-                    np.fromiter(map(MEM.__eq__, preds.values()), bool, len(preds)),
+                    np.fromiter(preds.values(), bool, len(preds)),
                 )
             )
         u, w, mem = (np.concatenate(c) for c in zip(*cols))

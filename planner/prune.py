@@ -28,8 +28,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .records import MEM
-
 WINDOW = 2048  # ids; a longer edge is never dropped
 
 
@@ -114,6 +112,6 @@ def reduce_edges(
     edges = [(u, w, k) for w, ps in enumerate(preds) for u, k in ps]
     u = np.array([e[0] for e in edges], dtype=np.int64)
     w = np.array([e[1] for e in edges], dtype=np.int64)
-    mem = np.array([e[2] == MEM for e in edges], dtype=bool)
+    mem = np.array([e[2] == "mem" for e in edges], dtype=bool)
     order, dropped = reduce_columns(u, w, mem, len(preds), window)
     return edges if order is None else [edges[i] for i in order.tolist()], dropped

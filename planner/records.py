@@ -8,7 +8,7 @@ import numpy as np
 
 from disco_ray.graph.memgraph import Loc, MKind, Read
 
-DATA, MEM = "data", "mem"  # edge kinds
+DATA, MEM = False, True  # edge kinds (is it a memory edge?): the MemGraph's "data", "mem"
 STEP = 34  # a record's sort key: (step << STEP) | (1 << OWN) for V[step] itself, else (step << STEP) | seq
 OWN = 33
 
@@ -31,7 +31,7 @@ class Rec:
         self.key = key
         self.ins: Sequence[Inst | tuple[int, int | None, Loc]] = ()
         self.out: Loc | None = None  # None: retracted, or a phantom (planner.split)
-        self.deps: dict[int, str] = {}  # provisional id -> DATA | MEM
+        self.deps: dict[int, bool] = {}  # provisional id -> DATA | MEM
         self.acc: tuple[int, int] | None = None  # a sum-into member: (part, parts)
 
 
@@ -76,7 +76,7 @@ class Part:
     """One simulation's vertices, numbered (Planner.part), and what the MemGraph needs of its GPUs:
     the whole plan's, or a part's of a split one (planner.split).
 
-    `rows`: (id, kind, value, gpu, reads, out, acc); `edges`: (u, w, mem) arrays of their edges by
+    `rows`: MemVertex objects, or (id, kind, value, gpu, reads, out, acc) to send; `edges`: (u, w, mem) arrays of their edges by
     id, sorted by target; `held`: transfer -> (its row, its preds by id), whose read the part of its
     source made (`xreads`: (transfer, operand, writer id, writer ids of a sum or None, location));
     `outputs`: kept value -> the id of the vertex holding its final value; `peaks`: GPU -> (arena
@@ -87,14 +87,14 @@ class Part:
 
     def __init__(
         self,
-        rows: list[tuple],
+        rows: list,
         edges: tuple[np.ndarray, np.ndarray, np.ndarray],
         gpus: list[int],
         outputs: dict[int, int],
         peaks: dict[int, tuple[int, int, int, int, int]],
         counts: dict[str, int],
         built: int,
-        held: dict[int, tuple[tuple, dict[int, str]]],
+        held: dict[int, tuple[tuple, dict[int, bool]]],
         xreads: list[tuple[int, int, int, tuple[int, ...] | None, Loc]],
     ):
         self.rows = rows

@@ -156,13 +156,13 @@ def _simulate(p: Planner, gpus: list[int], tag: int, parts: int, conn) -> None:
     conn.close()
 
 
-def merge(parts: Sequence[Part]) -> tuple[int, list[tuple[tuple, dict[int, str]]]]:
+def merge(parts: Sequence[Part]) -> tuple[int, list[tuple[tuple, dict[int, bool]]]]:
     """Gives every transfer between two parts its read, as the part of its source made it: the
     operand's location and writer, and data edges from its writers. Returns how many memory edges
     that turned into data edges (superfluous ones, as in a one-process plan) and the transfers'
     (row, preds).
     """
-    held: dict[int, tuple[tuple, dict[int, str]]] = {}
+    held: dict[int, tuple[tuple, dict[int, bool]]] = {}
     for part in parts:
         held.update(part.held)
     superfluous = 0
@@ -173,7 +173,7 @@ def merge(parts: Sequence[Part]) -> tuple[int, list[tuple[tuple, dict[int, str]]
                 raise PlanError(f"internal: transfer {k} read by two parts, or by none")
             row[4].append((x, src, loc))
             for u in writers or (src,):
-                if preds.get(u) == MEM:  # (== : a sent part's strings are copies)
+                if preds.get(u) is MEM:
                     superfluous += 1
                 preds[u] = DATA
     if any(not row[4] for row, _ in held.values()):
