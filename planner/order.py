@@ -61,21 +61,27 @@ class Rates:
     def durations(self, d: Dense) -> list[float]:
         """Seconds each vertex of `d` takes on its lane."""
         nb, sig, sigs, inputs = d.nbytes, d.sig, d.sigs, d.inputs
-        launch = self.launch
+        launch, load, peer = self.launch, self.load, self.peer
         out = []
         seen: dict[tuple, float] = {}  # kernels of one signature cost the same: graphs repeat them
-        for k, (v, kind) in enumerate(zip(d.tg, d.kind)):
+        for k, v in enumerate(d.tg):
+            kind = v.kind
             if kind is Kind.INPUT:
-                out.append(launch + nb[k] / self.load)
+                out.append(launch + nb[k] / load)
             elif kind is Kind.TRANSFER:
-                out.append(launch + nb[k] / self.peer)
+                out.append(launch + nb[k] / peer)
             else:
-                ins = inputs[k]
                 attrs = v.attrs
-                key = (v.op, tuple(map(sig.__getitem__, ins)), tuple(attrs.items()) if attrs else ())
-                cache = True
+                ins = inputs[k]
+                # the signature: op and operand (shape, dtype) ids, then the attributes if any
+                key = (
+                    (v.op, *[sig[i] for i in ins], tuple(attrs.items()))
+                    if attrs
+                    else (v.op, *[sig[i] for i in ins])
+                )
                 try:
                     t = seen.get(key)
+                    cache = True
                 except TypeError:  # an unhashable attribute (a list): not cached
                     t, cache = None, False
                 if t is None:
