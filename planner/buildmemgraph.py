@@ -861,13 +861,16 @@ class Planner:
                         reads[j] = rd
                 verts[i] = new_vertex(i, kind, names[value], gpu, tuple(reads), out, acc)
         cols = [p.edges for p in parts]
-        for (i, *_), preds in held:
+        if held:  # the transfers between parts, merged: their preds by id
+            us: list[int] = []
+            ws: list[int] = []
+            kinds: list[bool] = []
+            for (i, *_), preds in held:
+                us.extend(preds)
+                kinds.extend(preds.values())
+                ws.extend([i] * len(preds))
             cols.append(
-                (
-                    np.fromiter(preds, np.int64, len(preds)),
-                    np.full(len(preds), i, dtype=np.int64),
-                    np.fromiter(preds.values(), bool, len(preds)),
-                )
+                (np.array(us, dtype=np.int64), np.array(ws, dtype=np.int64), np.array(kinds, dtype=bool))
             )
         u, w, mem = (np.concatenate(c) for c in zip(*cols))
         if len(cols) > 1:  # each part's edges come sorted by target
