@@ -51,7 +51,6 @@ import gc
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from itertools import chain
 from typing import cast
 
 import numpy as np
@@ -146,13 +145,9 @@ class Planner:
         self.alloc_of = alloc_of = list(seq)
         self.pos = pos = [0] * n
         operands = d.operands
-        self.uses: list[list[int]]  # per value: positions of its readers
-        members = mem is not None and len(mem) > 0
-        if not members:  # V is a permutation of the vertices: done in arrays
-            self.uses, self.pos = uses, pos = _readers(seq, operands, n)
-        else:
-            self.uses = uses = [[] for _ in range(n)]
-        for t, k in enumerate(seq if members else ()):
+        self.uses: list[list[int]] = [[] for _ in range(n)]  # per value: positions of its readers
+        uses = self.uses
+        for t, k in enumerate(seq):
             if k >= n:  # a member reads its operand and, unless it is the first, adds into the sum
                 j = k - n
                 k = alloc_of[t] = mem.acc[j]  # type: ignore[union-attr]
@@ -917,21 +912,6 @@ class Planner:
         host_cap = [pk[2] for pk in peaks]
         disk_cap = [pk[4] for pk in peaks]
         return MemGraph(list(self.caps), verts, edges, outputs, host_cap, stats, disk_cap)
-
-
-def _readers(
-    seq: Sequence[int], operands: Sequence[tuple[int, ...]], n: int
-) -> tuple[list[list[int]], list[int]]:
-    """Per value the steps of V that read it, ascending, and per value its own step; V a permutation."""
-    counts = np.fromiter(map(len, map(operands.__getitem__, seq)), np.int64, n)
-    read = np.fromiter(chain.from_iterable(map(operands.__getitem__, seq)), np.int64, int(counts.sum()))
-    by = np.argsort(read, kind="stable")  # by value, each value's readers in V's order
-    at = np.repeat(np.arange(n, dtype=np.int64), counts)[by].tolist()
-    ends = np.cumsum(np.bincount(read, minlength=n)).tolist()
-    uses = [at[a:b] for a, b in zip([0, *ends[:-1]], ends)]
-    pos = np.empty(n, dtype=np.int64)
-    pos[np.asarray(seq, dtype=np.int64)] = np.arange(n)
-    return uses, pos.tolist()
 
 
 def build_memgraph(
