@@ -65,7 +65,6 @@ from disco_ray.graph.memgraph import (
     MemGraph,
     MemVertex,
     MKind,
-    Read,
     new_read,
     new_vertex,
 )
@@ -749,8 +748,8 @@ class Planner:
         key, so a record's id is its step plus the offloads and reloads of smaller key: no part
         needs another's records to number its own. Rows are the MemVertex objects, or when
         `portable` (to send to the merging process, planner.split) tuples (id, kind, value, gpu,
-        reads, out, acc) with reads (value, src id, loc), one per resident value, shared by its
-        readers.
+        reads, out, acc) with reads as places in `Part.table` of (value, src id, loc), one per
+        resident value, shared by its readers.
         """
         recs = self.recs
         keys = np.fromiter([r.key for r in recs], np.int64, len(recs))
@@ -759,6 +758,7 @@ class Planner:
         names = self.d.ids
         pending = {r: k for k, r in self.pending.items()}
         rows: list = []
+        table: list[tuple[int, int | None, Loc]] = []  # when portable: the reads, one per resident value
         held: dict[int, tuple] = {}
         us: list[int] = []  # the edges, flat: preds by record, kinds, and per target its id and count
         kinds: list[bool] = []
@@ -768,23 +768,29 @@ class Planner:
             rec = recs[r]
             if rec.out is None:  # a phantom
                 continue
-            reads: list = []  # Read objects, or tuples when portable
+            reads: list = []  # Read objects, or when portable their places in `table`
             for x in rec.ins:
                 if type(x) is Inst:
                     rd = x.read
                     if rd is None:
                         if portable:
-                            rd = x.read = (x.value, ids[x.src], x.loc)  # type: ignore[assignment]
+                            rd = x.read = len(table)  # type: ignore[assignment]
+                            table.append((x.value, ids[x.src], x.loc))
                         else:
                             rd = x.read = new_read(names[x.value], ids[x.src], x.loc)
                 else:
                     val, src, loc = x  # type: ignore[misc]  # a reload's (value, src, loc)
                     src = None if src is None else ids[src]
-                    rd = (val, src, loc) if portable else new_read(names[val], src, loc)  # type: ignore[assignment]
+                    if portable:
+                        rd = len(table)  # type: ignore[assignment]
+                        table.append((val, src, loc))
+                    else:
+                        rd = new_read(names[val], src, loc)
                 reads.append(rd)
             deps = rec.deps
             if r in pending:  # its read comes from the part of its source (planner.split.merge)
-                row = (ids[r], rec.kind, rec.value, rec.gpu, reads, rec.out, rec.acc)
+                merged: list = []  # (value, src id, loc) of its read, from planner.split.merge
+                row = (ids[r], rec.kind, rec.value, rec.gpu, merged, rec.out, rec.acc)
                 held[pending[r]] = (row, {ids[u]: kind for u, kind in deps.items()})
             else:
                 if portable:
@@ -825,7 +831,18 @@ class Planner:
             (k, x, ids[src], None if ws is None else tuple(ids[w] for w in ws), loc)
             for k, x, src, ws, loc in self.xreads
         ]
-        return Part(rows, edges, self.gpus, outputs, peaks, dict(self.counts), self.built, held, xreads)
+        return Part(
+            rows,
+            edges,
+            self.gpus,
+            outputs,
+            peaks,
+            dict(self.counts),
+            self.built,
+            held,
+            xreads,
+            table if portable else None,
+        )
 
     def memgraph(self, started: float, window: int = WINDOW, parts: Sequence[Part] | None = None) -> MemGraph:
         """The MemGraph of this simulation, or of the parts of a split one (planner.split)."""
@@ -840,21 +857,18 @@ class Planner:
         names = self.d.ids
         n = sum(len(p.rows) for p in parts) + len(held)
         verts: list[MemVertex] = [None] * n  # type: ignore[list-item]
-        shared: dict[int, Read] = {}  # a sent part's reads: one per tuple, as per resident value
-        for rows in (*(p.rows for p in parts), [row for row, _ in held]):
-            if rows and type(rows[0]) is MemVertex:  # this process's own
-                for v in rows:
-                    verts[v.id] = v  # type: ignore[union-attr]
+        for p in parts:
+            if p.table is None:  # this process's own
+                for v in p.rows:
+                    verts[v.id] = v
                 continue
-            for i, kind, value, gpu, reads, out, acc in rows:  # type: ignore[misc]
-                if reads and type(reads[0]) is tuple:
-                    for j, x in enumerate(reads):
-                        rd = shared.get(id(x))
-                        if rd is None:
-                            val, src, loc = x
-                            rd = shared[id(x)] = new_read(names[val], src, loc)
-                        reads[j] = rd
-                verts[i] = new_vertex(i, kind, names[value], gpu, tuple(reads), out, acc)
+            made = [new_read(names[val], src, loc) for val, src, loc in p.table]
+            take = made.__getitem__
+            for i, kind, value, gpu, reads, out, acc in p.rows:
+                verts[i] = new_vertex(i, kind, names[value], gpu, tuple(map(take, reads)), out, acc)
+        for (i, kind, value, gpu, reads, out, acc), _ in held:  # read as merge made it
+            ins = tuple(new_read(names[val], src, loc) for val, src, loc in reads)
+            verts[i] = new_vertex(i, kind, names[value], gpu, ins, out, acc)
         cols = [p.edges for p in parts]
         if held:  # the transfers between parts, merged: their preds by id
             us: list[int] = []

@@ -76,14 +76,15 @@ class Part:
     """One simulation's vertices, numbered (Planner.part), and what the MemGraph needs of its GPUs:
     the whole plan's, or a part's of a split one (planner.split).
 
-    `rows`: MemVertex objects, or (id, kind, value, gpu, reads, out, acc) to send; `edges`: (u, w, mem) arrays of their edges by
+    `rows`: MemVertex objects, or (id, kind, value, gpu, reads, out, acc) to send, reads as places
+    in `table` (value, src id, location), None for the own; `edges`: (u, w, mem) arrays of their edges by
     id, sorted by target; `held`: transfer -> (its row, its preds by id), whose read the part of its
     source made (`xreads`: (transfer, operand, writer id, writer ids of a sum or None, location));
     `outputs`: kept value -> the id of the vertex holding its final value; `peaks`: GPU -> (arena
     peak, host store peak, host store bytes, spill file peak, spill file bytes).
     """
 
-    __slots__ = ("built", "counts", "edges", "gpus", "held", "outputs", "peaks", "rows", "xreads")
+    __slots__ = ("built", "counts", "edges", "gpus", "held", "outputs", "peaks", "rows", "table", "xreads")
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class Part:
         built: int,
         held: dict[int, tuple[tuple, dict[int, bool]]],
         xreads: list[tuple[int, int, int, tuple[int, ...] | None, Loc]],
+        table: list[tuple[int, int | None, Loc]] | None = None,
     ):
         self.rows = rows
         self.edges = edges
@@ -106,6 +108,7 @@ class Part:
         self.built = built
         self.held = held
         self.xreads = xreads
+        self.table = table
 
     def __reduce__(self):  # sent by a forked part (planner.split)
         return Part, (
@@ -118,4 +121,5 @@ class Part:
             self.built,
             self.held,
             self.xreads,
+            self.table,
         )
