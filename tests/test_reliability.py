@@ -807,6 +807,8 @@ def test_a_signal_ends_a_ray_run_with_one_line_and_nothing_left(sig, rc, word, t
         text=True,
         env=env,
         start_new_session=True,  # its own session: what it leaves behind is found by session id
+        # Ctrl-C as at a terminal, even where this runs as a background job (which ignores SIGINT)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines = []
     t0 = time.monotonic()
