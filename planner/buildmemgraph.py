@@ -41,8 +41,8 @@ Parts (planner.split): apart from transfers the GPUs' simulations are independen
 large plan is simulated in parts, one forked process per group of GPUs (`workers`); a transfer
 between parts is read in the part of its source and written in that of its destination. Each
 part numbers its own vertices (`Planner.part`): a record's id is its step plus the offloads and
-reloads of smaller key, so only those keys are swapped. The export (`Planner.memgraph`) then
-makes the vertices and, in id order, the edges.
+reloads of smaller key, so only those keys are swapped, and makes its own vertices and edges;
+planner.export joins the parts into the MemGraph.
 """
 
 from __future__ import annotations
@@ -60,10 +60,8 @@ from disco_ray.graph.memgraph import (
     DISK,
     HOST,
     INPUT,
-    Edges,
     Loc,
     MemGraph,
-    MemVertex,
     MKind,
     new_read,
     new_vertex,
@@ -73,11 +71,12 @@ from disco_ray.graph.taskgraph import Kind, TaskGraph
 from .arena import RESERVED, Arena, Block
 from .capacity import aligned, capacities, host_capacities, log_rounding, rounded
 from .dense import Dense, check_order
+from .export import export
 from .groups import MODES, Members
 from .order import default
-from .prune import WINDOW, reduce_columns
+from .prune import WINDOW
 from .records import DATA, MEM, OWN, STEP, Inst, Part, Rec
-from .split import groups, merge, run_split
+from .split import groups, run_split
 
 OWN_BIT = 1 << OWN
 FULL, SKIP, SOURCE, DEST = 0, 1, 2, 3  # what a part of a split plan does at a step (Planner._codes)
@@ -844,89 +843,6 @@ class Planner:
             table if portable else None,
         )
 
-    def memgraph(self, started: float, window: int = WINDOW, parts: Sequence[Part] | None = None) -> MemGraph:
-        """The MemGraph of this simulation, or of the parts of a split one (planner.split)."""
-        if parts is None:
-            parts = [self.part(sorted(self.aux_keys()))]
-        # (parts: Planner.part of every part, this simulation's own included)
-        counts = {k: sum(p.counts[k] for p in parts) for k in self.counts}
-        built = sum(p.built for p in parts)
-        superfluous, held = merge(parts)
-        counts["superfluous_mem_edges"] += superfluous
-        built -= superfluous
-        names = self.d.ids
-        n = sum(len(p.rows) for p in parts) + len(held)
-        verts: list[MemVertex] = [None] * n  # type: ignore[list-item]
-        for p in parts:
-            if p.table is None:  # this process's own
-                for v in p.rows:
-                    verts[v.id] = v
-                continue
-            made = [new_read(names[val], src, loc) for val, src, loc in p.table]
-            take = made.__getitem__
-            for i, kind, value, gpu, reads, out, acc in p.rows:
-                verts[i] = new_vertex(i, kind, names[value], gpu, tuple(map(take, reads)), out, acc)
-        for (i, kind, value, gpu, reads, out, acc), _ in held:  # read as merge made it
-            ins = tuple(new_read(names[val], src, loc) for val, src, loc in reads)
-            verts[i] = new_vertex(i, kind, names[value], gpu, ins, out, acc)
-        cols = [p.edges for p in parts]
-        if held:  # the transfers between parts, merged: their preds by id
-            us: list[int] = []
-            ws: list[int] = []
-            kinds: list[bool] = []
-            for (i, *_), preds in held:
-                us.extend(preds)
-                kinds.extend(preds.values())
-                ws.extend([i] * len(preds))
-            cols.append(
-                (np.array(us, dtype=np.int64), np.array(ws, dtype=np.int64), np.array(kinds, dtype=bool))
-            )
-        u, w, mem = (np.concatenate(c) for c in zip(*cols))
-        if len(cols) > 1:  # each part's edges come sorted by target
-            by = np.argsort(w, kind="stable")
-            u, w, mem = u[by], w[by], mem[by]
-        try:  # section 7: every edge points forward in V
-            kept, implied = reduce_columns(u, w, mem, n, window)
-        except ValueError as e:
-            raise PlanError(f"internal: {e}") from None
-        if kept is not None:
-            u, w, mem = u[kept], w[kept], mem[kept]
-        edges = Edges(u, w, mem)
-        outputs = {}
-        for o in self.d.kept:
-            for part in parts:
-                if o in part.outputs:
-                    outputs[names[o]] = part.outputs[o]
-        moved = {MKind.OFFLOAD: 0, MKind.RELOAD: 0}
-        disk = {MKind.OFFLOAD: 0, MKind.RELOAD: 0}
-        for v in verts:
-            if v.kind in moved:
-                moved[v.kind] += v.out.nbytes
-                if (v.out if v.kind is MKind.OFFLOAD else v.ins[0].loc).device == DISK:
-                    disk[v.kind] += v.out.nbytes
-        counts["superfluous_mem_edges"] += implied
-        peaks = [(0, 0, 0, 0, 0)] * len(self.caps)
-        for part in parts:
-            for g, pk in part.peaks.items():
-                peaks[g] = pk
-        stats = {
-            "planning_seconds": round(time.perf_counter() - started, 4),
-            "bytes_offloaded": moved[MKind.OFFLOAD],
-            "bytes_reloaded": moved[MKind.RELOAD],
-            "peak_gpu_bytes": [pk[0] for pk in peaks],
-            "peak_host_bytes": [pk[1] for pk in peaks],
-            "peak_disk_bytes": [pk[3] for pk in peaks],
-            "bytes_offloaded_disk": disk[MKind.OFFLOAD],
-            "bytes_reloaded_disk": disk[MKind.RELOAD],
-            "host_budget": self.host_asked,
-            **counts,
-            "implied_mem_edges": implied,
-            "mem_edges_built": built,
-        }
-        host_cap = [pk[2] for pk in peaks]
-        disk_cap = [pk[4] for pk in peaks]
-        return MemGraph(list(self.caps), verts, edges, outputs, host_cap, stats, disk_cap)
-
 
 def build_memgraph(
     tg: TaskGraph,
@@ -974,7 +890,7 @@ def build_memgraph(
         p, parts = _plan_with_groups(
             tg, capacity, order, alignment, lookahead, fit, sum_into, host_capacity, workers
         )
-        mg = p.memgraph(started, window, parts)
+        mg = export(parts, p.d.ids, p.d.kept, p.caps, p.host_asked, started, window)
         log_rounding(p.asked, p.caps, alignment)
     finally:
         if p is not None:

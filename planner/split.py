@@ -5,8 +5,8 @@ writes the arena of its own GPU, and the serial order V fixes when each value is
 GPU's allocations, evictions and memory edges depend on V alone. A part simulates all of V on its
 GPUs only. A transfer between two parts is done in both: the part of the source GPU makes the read
 (reloading the operand if it is out, noting where it lay and who wrote it: `xreads`), the part of
-the destination makes the vertex (its range and memory edges: `pending`), and `merge` joins the
-two. A record of one part that another part names (the transfer, as a reader of its operand; the
+the destination makes the vertex (its range and memory edges: `pending`), and `planner.export.merge`
+joins the two. A record of one part that another part names (the transfer, as a reader of its operand; the
 operand's writer) is a *phantom* there: a record with no location, renamed by its sort key when
 the parts' records are numbered together (keys of V[t] itself are the same in every part; parts
 number their offload and reload keys apart: Planner.run).
@@ -33,7 +33,7 @@ from typing import Protocol
 
 from disco_ray.graph.errors import GraphError, PlanError
 
-from .records import DATA, MEM, Part
+from .records import Part
 
 MIN_STEPS = 50_000  # V shorter than this is planned in one process (forking and merging cost more)
 
@@ -154,28 +154,3 @@ def _simulate(p: Planner, gpus: list[int], tag: int, parts: int, conn) -> None:
         msg = e.with_traceback(None)
     conn.send(msg)
     conn.close()
-
-
-def merge(parts: Sequence[Part]) -> tuple[int, list[tuple[tuple, dict[int, bool]]]]:
-    """Gives every transfer between two parts its read, as the part of its source made it: the
-    operand's location and writer, and data edges from its writers. Returns how many memory edges
-    that turned into data edges (superfluous ones, as in a one-process plan) and the transfers'
-    (row, preds).
-    """
-    held: dict[int, tuple[tuple, dict[int, bool]]] = {}
-    for part in parts:
-        held.update(part.held)
-    superfluous = 0
-    for part in parts:
-        for k, x, src, writers, loc in part.xreads:
-            row, preds = held.get(k, ((), {}))
-            if not row or row[4]:
-                raise PlanError(f"internal: transfer {k} read by two parts, or by none")
-            row[4].append((x, src, loc))
-            for u in writers or (src,):
-                if preds.get(u) is MEM:
-                    superfluous += 1
-                preds[u] = DATA
-    if any(not row[4] for row, _ in held.values()):
-        raise PlanError("internal: a transfer between plan parts was never read")
-    return superfluous, list(held.values())
