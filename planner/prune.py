@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from disco_ray.graph.memgraph import edge_columns
+
 WINDOW = 2048  # ids; a longer edge is never dropped
 
 
@@ -110,8 +112,6 @@ def reduce_edges(
         window: the span below which implication is detected (0: drop nothing).
     """
     edges = [(u, w, k) for w, ps in enumerate(preds) for u, k in ps]
-    u = np.array([e[0] for e in edges], dtype=np.int64)
-    w = np.array([e[1] for e in edges], dtype=np.int64)
-    mem = np.array([e[2] == "mem" for e in edges], dtype=bool)
+    u, w, mem = edge_columns(edges)
     order, dropped = reduce_columns(u, w, mem, len(preds), window)
     return edges if order is None else [edges[i] for i in order.tolist()], dropped
