@@ -58,7 +58,7 @@ import torch
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import Loc, MemGraph, MKind
 
-TIMEOUT_S = 300.0  # default of DISCO_NCCL_TIMEOUT_S (read by actors.transport_cuda at connect)
+TIMEOUT_S = 300.0  # default of DISCO_NCCL_TIMEOUT_S (read by actors.transports.cuda at connect)
 CONNECT_TIMEOUT_S = 120.0
 GROUP_LIMIT = 64  # operations per group: NCCL fuses a group into one launch
 TICK_S = 0.05  # how often the thread looks at its posted groups while some are in flight
