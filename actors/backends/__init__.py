@@ -16,16 +16,16 @@ from .base import Backend
 
 Factory = Callable[[int | None], Backend]  # (CUDA device index or None) -> a new backend
 
-_FACTORIES: dict[str, Factory] = {}
+BACKENDS: dict[str, Factory] = {}  # name -> factory (`register_backend`)
 
 
 def register_backend(name: str, factory: Factory) -> None:
     """Makes `make_backend(name, device)` call `factory(device)` (replacing an earlier one)."""
-    _FACTORIES[name] = factory
+    BACKENDS[name] = factory
 
 
 def backend_names() -> list[str]:
-    return sorted(_FACTORIES)
+    return sorted(BACKENDS)
 
 
 def make_backend(name: str, device: int | None = None) -> Backend:
@@ -34,7 +34,7 @@ def make_backend(name: str, device: int | None = None) -> Backend:
     Raises:
         UsageError: an unknown name, or one whose module this build cannot import.
     """
-    factory = _FACTORIES.get(name)
+    factory = BACKENDS.get(name)
     if factory is None:
         raise UsageError(f"unknown backend {name!r} ({' or '.join(backend_names())})")
     return factory(device)
