@@ -3,7 +3,9 @@
 Shared by the Ray actor shell (`actors.worker.GpuWorker`) and the local engine. Everything is
 allocated in `__init__` (arena, host store, a torch view per vertex operand, stream threads); a
 run only issues copies and kernels on those views (TURNIP section 5: no allocation while a graph
-runs; the host-side copy a Ray transfer returns is the one exception, see `read_range`).
+runs; the host-side copy a Ray transfer returns is the one exception, see `read_range`). What it
+calls on its backend, transport and spill tier is their contract (`actors.backends.base`,
+`actors.transports.base`, `actors.tiers.base`).
 
 Launch path (hot): a completion, in the thread that found it, updates the local counters
 (`actors.worker_core.WorkerCore`) under one lock, and `StreamSlots` picks what to start on which
@@ -18,11 +20,11 @@ coordinator with a bounded lag.
 
 Streams of a worker: 0..S-1 compute; then the lanes: host-to-device (inputs, reloads),
 device-to-host (offloads), one per peer this GPU receives transfers from, one for deferred
-transfers (NCCL: one communicator, its operations in one order, `actors.nccl_channel`), and,
+transfers (NCCL: one communicator, its operations in one order, `actors.transports.nccl`), and,
 when the plan spills, two disk lanes (offloads to and reloads from the worker's spill file,
-`actors.spill.SpillFile`, which writes behind; reloads read ahead, `actors.spill.ReadAhead`):
-disk I/O waits on the host, so it gets lanes of its own and never holds back a host copy; it
-runs aside (BLOCKING) on cuda.
+`actors.tiers.spill.SpillFile`, which writes behind; reloads read ahead,
+`actors.tiers.spill.ReadAhead`): disk I/O waits on the host, so it gets lanes of its own and
+never holds back a host copy; it runs aside (BLOCKING) on cuda.
 """
 
 from __future__ import annotations
@@ -31,81 +33,31 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 import torch
 
-from disco_ray.graph.errors import RunError, UsageError
+from disco_ray.graph.errors import RunError
 from disco_ray.graph.kernels import temp_bytes
-from disco_ray.graph.memgraph import DISK, HOST, Loc, MemGraph
+from disco_ray.graph.memgraph import DISK, HOST, Loc, MemGraph, MemVertex
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .backend import BLOCKING, DEFERRED, LAUNCH, Backend
-from .backend_cpu import CpuBackend
+from .backends import make_backend
+from .backends.base import Backend, Mode
 from .loads import Loads
-from .plans import (
-    K_COPY,
-    K_INPUT,
-    K_KERNEL,
-    K_RELOAD_INPUT,
-    K_SPILL,
-    K_TRANSFER,
-    K_UNSPILL,
-    VertexPlan,
-    Views,
-    as_tensor,
-    describe,
-)
+from .options import DEFAULT_WORKER, WorkerConfig
+from .plans import PlanKind, VertexPlan, Views, as_tensor, describe
 from .reporter import ReportThread
 from .sanitizer import Sanitizer, granule_for
-from .spill import ReadAhead, SpillFile
-from .store import WorkerStore
-from .transport import Transport
+from .tiers.base import ReloadAhead, SpillTier
+from .tiers.spill import ReadAhead, SpillFile
+from .tiers.store import WorkerStore
+from .transports.base import Transport
 from .worker_core import StreamSlots, WorkerCore
 
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
 COPY_DEPTH = 2  # copies in flight per lane: one running, the next queued behind it on the device
-
-
-@dataclass(frozen=True, slots=True)
-class RunOptions:
-    """The settings of one run, taken by every engine."""
-
-    check: bool = False  # the sanitizer: every read checks its writer (actors/sanitizer.py)
-    delay: tuple[float, float] | None = None  # debug: sleep uniform(lo, hi) s before each vertex
-    seed: int = 0  # seeds the delays
-    timeout: float | None = None  # give up (RunError) after this many seconds; None: never
-    progress: Callable[[int], None] | None = None  # called with the number of vertices done
-
-
-DEFAULT_RUN = RunOptions()
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """How every worker of a Program runs its vertices (given once, to each engine and worker)."""
-
-    backend: str = "cpu"  # "cpu" or "cuda"
-    streams: int = 5  # streams per GPU
-    ahead: int | None = None  # kernels launched ahead per stream; None: the backend's default
-    flush_s: float = 1e-3  # longest a busy worker holds back a completion another GPU waits for
-    lazy_s: float = 0.05  # longest it may hold back the others (see actors/reporter.py)
-    sources: str = "host"  # sourced inputs: "host" (read once, kept) or "disk" (read at each load)
-    disk_dir: str | None = None  # where a worker whose plan spills makes its spill file (None: a temp dir)
-
-    def __post_init__(self) -> None:
-        if self.sources not in ("host", "disk"):
-            raise RunError(f"sources must be 'host' or 'disk', got {self.sources!r}")
-        if self.streams < 1:
-            raise RunError(f"streams must be >= 1, got {self.streams}")
-        if self.ahead is not None and self.ahead < 0:
-            raise RunError(f"ahead must be >= 0, got {self.ahead}")
-
-
-DEFAULT_WORKER = WorkerConfig()
 
 
 class Executor:
@@ -129,32 +81,58 @@ class Executor:
         self.gpu, self.mg, self.tg = gpu, mg, tg
         self.backend = make_backend(config.backend) if backend is None else backend
         if store is None:
-            store = WorkerStore(gpu, self.backend.alloc, getattr(self.backend, "stages_inputs", False))
+            store = WorkerStore(gpu, self.backend.alloc, self.backend.stages_inputs)
         self.store = store
-        self.streams = streams = config.streams
+        self.streams = config.streams
         # None: the backend's default (cuda 4; cpu 0, where a stream thread runs its work itself)
-        self.ahead = getattr(self.backend, "default_ahead", 0) if config.ahead is None else config.ahead
+        self.ahead = self.backend.default_ahead if config.ahead is None else config.ahead
         self.transport = transport
         self._report = report
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self.core = WorkerCore(mg, gpu)
         mine = [mg.vertex(v) for v in self.core.mine]
+        self._make_views(mine)
+        self._make_loads(config)
+        self._init_run_state()
+        self._make_disk_tier(mine, config)
+        self._open_streams()
+        self._reporter = ReportThread(
+            gpu,
+            None if report is None else lambda batch: report(gpu, batch),
+            lambda e: self._fail(None, RunError(f"gpu:{gpu}: reporting completions failed: {e}")),
+            lambda: bool(self.slots.running) and self._error is None,
+            config.flush_s,
+            config.lazy_s,
+        )
+
+    def _make_views(self, mine: list[MemVertex]) -> None:
+        """The arena (the store's, for this capacity), the host store, and each vertex's plan."""
+        mg, gpu = self.mg, self.gpu
         host_need = max(
             [v.out.end for v in mine if v.out.device == HOST]
             + [r.loc.end for v in mine for r in v.ins if r.loc.device == HOST]
             + [0]
         )
         declared = mg.host_capacity[gpu] if gpu < len(mg.host_capacity) else 0
-        self.arena_slot = store.arena(mg.capacity[gpu])
+        self.arena_slot = self.store.arena(mg.capacity[gpu])
         self.arena = self.arena_slot.buf
         self.host = self.backend.alloc(max(declared, host_need), host=True)
         self.granule = granule_for([v.out for v in mine] + [r.loc for v in mine for r in v.ins])
-        self.views = Views(gpu, mg, tg, self.arena, self.host)
+        self.views = Views(gpu, mg, self.tg, self.arena, self.host)
         self.plans: dict[int, VertexPlan] = {v.id: self.views.plan(v) for v in mine}
-        stage = getattr(self.backend, "stages_inputs", False)
+
+    def _make_loads(self, config: WorkerConfig) -> None:
+        """What the input loads read, and the states the carried values of this GPU are saved to."""
+        mg, tg, store = self.mg, self.tg, self.store
         self.loads = Loads(
-            gpu, mg, tg, self.plans, store, self.backend.alloc, stage, config.sources == "disk"
+            mg,
+            tg,
+            self.plans,
+            store,
+            self.backend.alloc,
+            self.backend.stages_inputs,
+            config.sources == "disk",
         )
         self.input_values = self.loads.caller  # what the caller hands in
         self.staging = self.loads.staging
@@ -162,47 +140,56 @@ class Executor:
             self.carries = [
                 (value, mg.outputs[value], store.state(key, tg[value].nbytes, tg[value].dtype))
                 for value, key in tg.carry.items()
-                if tg[value].gpu == gpu
+                if tg[value].gpu == self.gpu
             ]
         except BaseException:
             self.loads.release()
             raise
+
+    def _init_run_state(self) -> None:
+        """What a run changes, before the first one."""
         self._skip: frozenset[int] = frozenset()
         self._acc_started: set[str] = set()  # sum-into groups whose first member was launched
         self._acc_first: dict[int, bool] = {}  # sum-into member -> it is its group's first
         self._lock = threading.Lock()
         self._sanitizer: Sanitizer | None = None
         self._check = False
-        self._mode: dict[int, int] = {}  # vid -> how its work behaves (actors.backend), when not LAUNCH
+        self._mode: dict[int, Mode] = {}  # vid -> how its work behaves, when not LAUNCH
         self._watched: frozenset[int] = frozenset()  # vids whose completion the transport wants to know
-        self._completed_hook: Callable[[int], None] | None = None
-        self._after_pull: Callable[..., None] | None = None
         self._delay: tuple[float, float] | None = None
         self._rng = random.Random(0)
         self._finished = threading.Event()
         self._error: str | None = None
-        # lanes after the compute streams: loads, offloads, a lane per peer sending to this GPU,
-        # and the deferred lane (no limit: NCCL posts its receives in its own order)
+        self.trace: list[tuple[int, int, int, int]] = []
+
+    def _make_disk_tier(self, mine: list[MemVertex], config: WorkerConfig) -> None:
+        """The spill file and its read-ahead, when the plan of this GPU uses the disk."""
         disk_locs = [v.out for v in mine if v.out.device == DISK]
         disk_locs += [r.loc for v in mine for r in v.ins if r.loc.device == DISK]
-        self.spill: SpillFile | None = None
-        if disk_locs:
-            disk_need = max(loc.end for loc in disk_locs)
-            declared = mg.disk_capacity[gpu] if gpu < len(mg.disk_capacity) else 0
-            largest = max(loc.nbytes for loc in disk_locs)
-            self.spill = SpillFile(
-                config.disk_dir, gpu, max(declared, disk_need), largest, self.backend.alloc
-            )
+        self.spill: SpillTier | None = None
+        self.read_ahead: ReloadAhead | None = None
+        if not disk_locs:
+            return
+        mg, gpu = self.mg, self.gpu
+        disk_need = max(loc.end for loc in disk_locs)
+        declared = mg.disk_capacity[gpu] if gpu < len(mg.disk_capacity) else 0
+        largest = max(loc.nbytes for loc in disk_locs)
+        spill = SpillFile(config.disk_dir, gpu, max(declared, disk_need), largest, self.backend.alloc)
+        self.spill = spill
         # reloads from disk, read ahead in the plan's order once their offload has run
-        self.read_ahead: ReadAhead | None = None
-        if self.spill is not None:
-            items = [
-                (vid, p.src_vid, p.src_loc.offset, p.src_loc.nbytes)
-                for vid, p in sorted(self.plans.items())
-                if p.kind == K_UNSPILL and p.src_loc is not None
-            ]
-            self.read_ahead = ReadAhead(self.spill, items, self.backend.alloc)
-        self.peers = sorted({p.src_gpu for p in self.plans.values() if p.kind == K_TRANSFER})
+        items = [
+            (vid, p.src_vid, p.src_loc.offset, p.src_loc.nbytes)
+            for vid, p in sorted(self.plans.items())
+            if p.kind is PlanKind.UNSPILL and p.src_loc is not None
+        ]
+        self.read_ahead = ReadAhead(spill, items, self.backend.alloc)
+
+    def _open_streams(self) -> None:
+        """The lanes after the compute streams, their limits, and the backend's streams."""
+        streams = self.streams
+        # lanes after the compute streams: loads, offloads, a lane per peer sending to this GPU,
+        # and the deferred lane (no limit: NCCL posts its receives in its own order)
+        self.peers = sorted({p.src_gpu for p in self.plans.values() if p.kind is PlanKind.TRANSFER})
         self.h2d, self.d2h = streams, streams + 1
         self.peer_lane = {peer: streams + 2 + k for k, peer in enumerate(self.peers)}
         self.deferred_lane = streams + 2 + len(self.peers)
@@ -213,20 +200,16 @@ class Executor:
         if self.spill is not None:
             limits += [1, 1]
         self.slots = StreamSlots(self.core, streams, limits)
-        self.trace: list[tuple[int, int, int, int]] = []
         # kernel temporaries: the most any kernel of this GPU needs, kept ready per compute stream
         self.workspace = max(
-            [temp_bytes(p.op, p.out, p.ins, p.attrs) for p in self.plans.values() if p.kind == K_KERNEL] + [0]
+            [
+                temp_bytes(p.op, p.out, p.ins, p.attrs)
+                for p in self.plans.values()
+                if p.kind is PlanKind.KERNEL
+            ]
+            + [0]
         )
         self.backend.open(self.slots.total, self._work, self._done, self.workspace, streams)
-        self._reporter = ReportThread(
-            gpu,
-            None if report is None else lambda batch: report(gpu, batch),
-            lambda e: self._fail(None, RunError(f"gpu:{gpu}: reporting completions failed: {e}")),
-            lambda: bool(self.slots.running) and self._error is None,
-            config.flush_s,
-            config.lazy_s,
-        )
 
     # ---- a run ---------------------------------------------------------------------------------
     def begin(
@@ -265,48 +248,44 @@ class Executor:
                 self._sanitizer.reset()
             self._check = check
             lane_of, self._mode = self._lanes()
-            # a transport's optional hooks (actors/transport_cuda.py): a new run, the completions
-            # it waits for (NCCL sends), the check of a finished pull under the sanitizer
             tr = self.transport
-            self._watched = frozenset(getattr(tr, "watched", lambda: ())())
-            self._completed_hook = getattr(tr, "completed", None)
-            self._after_pull = getattr(tr, "after_pull", None) if check else None
-            begin_run = getattr(tr, "begin_run", None)
-            if begin_run is not None:
-                begin_run()
+            if tr is not None:  # the completions it waits for (NCCL: its sends' sources); a new run
+                self._watched = frozenset(tr.watched())
+                tr.begin_run()
             self._delay = delay
             self._rng = random.Random(seed * 7919 + self.gpu)
             # launch ahead is off while the sanitizer runs on a backend that launches
             # asynchronously: its checks run at launch
-            ahead = 0 if check and getattr(self.backend, "async_launch", False) else self.ahead
+            ahead = 0 if check and self.backend.async_launch else self.ahead
             self.slots.start(ahead, lane_of)
             self.trace = []
             if self.spill is not None:
                 self.spill.flush()  # the last run's writes behind are in (RunError if one failed)
                 self.spill.reset()
-                cast(ReadAhead, self.read_ahead).begin()
+                self._read_ahead().begin()
             self._reporter.reset()
             self._error = None
             self._finished.clear()
             if self.core.finished:
                 self._end_run()
 
-    def _lanes(self) -> tuple[dict[int, int], dict[int, int]]:
+    def _lanes(self) -> tuple[dict[int, int], dict[int, Mode]]:
         """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH)."""
         lane_of: dict[int, int] = {}
-        mode: dict[int, int] = {}
+        mode: dict[int, Mode] = {}
         for vid, p in self.plans.items():
-            if p.kind in (K_INPUT, K_RELOAD_INPUT):
+            k = p.kind
+            if k is PlanKind.INPUT or k is PlanKind.RELOAD_INPUT:
                 lane_of[vid] = self.h2d
-            elif p.kind == K_COPY:
+            elif k is PlanKind.COPY:
                 lane_of[vid] = self.d2h if p.out_loc.device == HOST else self.h2d
-            elif p.kind in (K_SPILL, K_UNSPILL):
-                lane_of[vid] = self.disk_w if p.kind == K_SPILL else self.disk_r
-                mode[vid] = BLOCKING  # file I/O waits on the host (cuda: on a helper thread)
-            elif p.kind == K_TRANSFER:
-                m = BLOCKING if self.transport is None else self.transport.mode(p.src_gpu)
-                lane_of[vid] = self.deferred_lane if m == DEFERRED else self.peer_lane[p.src_gpu]
-                if m != LAUNCH:
+            elif k is PlanKind.SPILL or k is PlanKind.UNSPILL:
+                lane_of[vid] = self.disk_w if k is PlanKind.SPILL else self.disk_r
+                mode[vid] = Mode.BLOCKING  # file I/O waits on the host (cuda: on a helper thread)
+            elif k is PlanKind.TRANSFER:
+                m = Mode.BLOCKING if self.transport is None else self.transport.mode(p.src_gpu)
+                lane_of[vid] = self.deferred_lane if m == Mode.DEFERRED else self.peer_lane[p.src_gpu]
+                if m != Mode.LAUNCH:
                     mode[vid] = m
         return lane_of, mode
 
@@ -337,7 +316,7 @@ class Executor:
                 if key is not None:  # one member at a time (the core's lock): the first writes
                     self._acc_first[vid] = key not in self._acc_started
                     self._acc_started.add(key)
-                self.backend.submit(s, vid, waits, mode.get(vid, LAUNCH))
+                self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
 
     @property
     def launched_ahead(self) -> int:
@@ -355,26 +334,34 @@ class Executor:
         if self._delay is not None:  # inside the write: a writer overlapping it is seen
             time.sleep(self._rng.uniform(*self._delay))
         k = p.kind
-        if k == K_KERNEL and vid in self.core.groups and not self._acc_first[vid]:
+        if k is PlanKind.KERNEL and vid in self.core.groups and not self._acc_first[vid]:
             self.backend.kernel("add", p.out, [p.out, p.ins[0]], p.attrs)  # sum-into: add the operand
-        elif k == K_KERNEL:
+        elif k is PlanKind.KERNEL:
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
-        elif k == K_COPY:
+        elif k is PlanKind.COPY:
             self.backend.copy(p.out, p.ins[0])
-        elif k == K_SPILL:
-            cast(SpillFile, self.spill).write(p.out_loc.offset, p.ins[0])
-            cast(ReadAhead, self.read_ahead).written(vid)
-        elif k == K_UNSPILL:
+        elif k is PlanKind.SPILL:
+            self._spill().write(p.out_loc.offset, p.ins[0])
+            self._read_ahead().written(vid)
+        elif k is PlanKind.UNSPILL:
             assert p.src_loc is not None  # a reload from disk's plan has one
-            if not cast(ReadAhead, self.read_ahead).take(vid, p.out, self.backend.copy):
-                cast(SpillFile, self.spill).read(p.src_loc.offset, p.out, self.backend.copy)
-        elif k == K_TRANSFER:
+            if not self._read_ahead().take(vid, p.out, self.backend.copy):
+                self._spill().read(p.src_loc.offset, p.out, self.backend.copy)
+        elif k is PlanKind.TRANSFER:
             if self.transport is None:
                 raise RunError(f"gpu:{self.gpu}: no transport for {describe(self.mg, vid)}")
             assert p.src_loc is not None  # a transfer's plan has one
             self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
         elif vid not in self._skip:
             self.loads.load(p.value, p.out, self.backend.copy)
+
+    def _spill(self) -> SpillTier:
+        assert self.spill is not None  # a plan with disk vertices made one
+        return self.spill
+
+    def _read_ahead(self) -> ReloadAhead:
+        assert self.read_ahead is not None  # made with the spill tier
+        return self.read_ahead
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
         if exc is None and self._check and self._sanitizer is not None:
@@ -383,9 +370,9 @@ class Executor:
                 for value, loc, src in p.checks:
                     self._sanitizer.check_read(vid, value, loc, src, "after it ran")
                 self._sanitizer.end_write(p.out_loc, vid)
-                if p.kind == K_TRANSFER and self._after_pull is not None:
+                if p.kind is PlanKind.TRANSFER and self.transport is not None:
                     assert p.src_loc is not None  # a transfer's plan has one
-                    self._after_pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
+                    self.transport.after_pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
             except RunError as e:
                 exc = e
         if exc is not None:
@@ -395,8 +382,8 @@ class Executor:
             return
         # a load skipped because the arena still holds the input moved nothing: a record of no length
         self.trace.append((vid, s, t0, t0 if vid in self._skip else t1))
-        if vid in self._watched and self._completed_hook is not None:  # an NCCL send's source
-            self._completed_hook(vid)
+        if vid in self._watched and self.transport is not None:  # e.g. an NCCL send's source
+            self.transport.completed(vid)
         with self._lock:
             self.core.complete(vid)
             self.slots.landed(vid, s)
@@ -411,7 +398,7 @@ class Executor:
         what the arena holds now, then lets `wait` return."""
         try:
             if self.spill is not None:  # the offloads' writes behind: in the file, in the counters
-                cast(ReadAhead, self.read_ahead).end()
+                self._read_ahead().end()
                 self.spill.flush()
             for _, vid, st in self.carries:
                 st.buf.copy_(self._range(self.mg.vertex(vid).out, vid))
@@ -516,13 +503,13 @@ class Executor:
                 {
                     "disk": {
                         **self.spill.statistics(),
-                        "read_ahead": cast(ReadAhead, self.read_ahead).statistics(),
+                        "read_ahead": self._read_ahead().statistics(),
                     }
                 }
                 if self.spill is not None
                 else {}
             ),
-            **({"backend": self.backend.statistics()} if hasattr(self.backend, "statistics") else {}),
+            **({"backend": backend} if (backend := self.backend.statistics()) else {}),
         }
 
     def close(self) -> None:
@@ -537,16 +524,3 @@ class Executor:
         self.views = self.arena = self.arena_slot = None  # type: ignore[assignment]
         self.plans = {}
         self.store.release_arena(self.mg.capacity[self.gpu])
-
-
-def make_backend(name: str, device: int | None = None) -> Backend:
-    """The backend called `name` ("cpu" or "cuda"; `device`: the CUDA device index to use)."""
-    if name == "cpu":
-        return CpuBackend()
-    if name == "cuda":
-        try:
-            from .backend_cuda import CudaBackend
-        except ImportError:
-            raise UsageError("backend 'cuda' is not available in this build (use --backend cpu)") from None
-        return CudaBackend(device)
-    raise UsageError(f"unknown backend {name!r} (cpu or cuda)")

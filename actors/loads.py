@@ -6,7 +6,7 @@ Three kinds of graph inputs reach a worker's arena through its input (and input-
   full speed. A run may leave out an input an earlier run handed in: the worker keeps its copy
   (a version per copy), so unchanged inputs such as weights cross Ray and the host once;
 - sourced inputs (a block of a safetensors file) and states (saved by earlier runs): the
-  worker's own, held by its `actors.store.WorkerStore` across graphs and runs.
+  worker's own, held by its `actors.tiers.store.WorkerStore` across graphs and runs.
 Stable loads are the loads of such values into arena ranges no other vertex of this GPU writes:
 at the end of a successful run the range still holds the value, so a later run that loads the
 same value (the same source, the same version of a state or of a caller's copy) skips the load,
@@ -24,20 +24,19 @@ from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .diskio import Streams
-from .plans import K_INPUT, K_RELOAD_INPUT, VertexPlan
-from .store import ArenaSlot, State, WorkerStore, source_key
+from .plans import PlanKind, VertexPlan
+from .tiers.diskio import Streams
+from .tiers.store import ArenaSlot, State, WorkerStore, source_key
 
 _versions = itertools.count(1)  # versions of caller inputs' copies, unique in this process
 
 
 class Loads:
-    """The inputs of graph `tg` on GPU `gpu` (`plans`: its vertices), read from `store`; `alloc`
-    makes the staging buffer when `stage` (the backend's allocator and `stages_inputs`)."""
+    """The inputs of graph `tg` on the GPU of `store` (`plans`: its vertices), read from `store`;
+    `alloc` makes the staging buffer when `stage` (the backend's allocator and `stages_inputs`)."""
 
     def __init__(
         self,
-        gpu: int,
         mg: MemGraph,
         tg: TaskGraph,
         plans: Mapping[int, VertexPlan],
@@ -46,10 +45,10 @@ class Loads:
         stage: bool,
         stream: bool = False,
     ):
-        """`stream`: read sourced inputs from their files at each load (actors/diskio.py) instead
-        of keeping them in host memory."""
-        self.gpu, self.tg, self.plans, self.store = gpu, tg, plans, store
-        loaded = {p.value for p in plans.values() if p.kind in (K_INPUT, K_RELOAD_INPUT)}
+        """`stream`: read sourced inputs from their files at each load (actors/tiers/diskio.py)
+        instead of keeping them in host memory."""
+        self.gpu, self.tg, self.plans, self.store = store.gpu, tg, plans, store
+        loaded = {p.value for p in plans.values() if p.kind in (PlanKind.INPUT, PlanKind.RELOAD_INPUT)}
         sourced = sorted(x for x in loaded if tg[x].source is not None)
         self.streams = Streams([tg[x] for x in sourced], store.reader, alloc) if stream else None
         # the caller hands in these; sourced inputs and states are the worker's own
@@ -71,7 +70,7 @@ class Loads:
         except BaseException:
             self.release()
             raise
-        self.stable = stable_loads(mg, gpu, plans, set(loaded))
+        self.stable = stable_loads(mg, self.gpu, plans, set(loaded))
         self.tokens: dict[
             tuple[int, int], tuple
         ] = {}  # (offset, bytes) -> the value a stable load puts there
@@ -154,7 +153,7 @@ def stable_loads(mg: MemGraph, gpu: int, plans: Mapping[int, VertexPlan], values
     for n, (off, end, vid) in enumerate(writes):
         p = plans[vid]
         alone = reach <= off and (n + 1 == len(writes) or writes[n + 1][0] >= end)
-        if alone and p.kind == K_INPUT and p.value in values:
+        if alone and p.kind is PlanKind.INPUT and p.value in values:
             out.append(vid)
         reach = max(reach, end)
     return sorted(out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import torch
@@ -19,14 +20,22 @@ from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MemVertex
 from disco_ray.graph.ops import OPS
 from disco_ray.graph.taskgraph import TaskGraph
 
-K_INPUT, K_KERNEL, K_TRANSFER, K_COPY, K_RELOAD_INPUT, K_SPILL, K_UNSPILL = range(7)
-# K_SPILL: an offload to the spill file (reads ins[0], an arena range; writes out_loc on disk);
-# K_UNSPILL: a reload from it (reads src_loc on disk; writes out, an arena range)
+
+class PlanKind(Enum):
+    """What a vertex's work does on its worker."""
+
+    INPUT = 0  # loads a graph input into the arena
+    KERNEL = 1  # runs its op
+    TRANSFER = 2  # pulls its range from another worker (a transport)
+    COPY = 3  # a copy between this worker's arena and host store (offload, reload)
+    RELOAD_INPUT = 4  # loads a graph input again (its earlier copy was overwritten)
+    SPILL = 5  # an offload to the spill file (reads ins[0], an arena range; writes out_loc on disk)
+    UNSPILL = 6  # a reload from it (reads src_loc on disk; writes out, an arena range)
 
 
 @dataclass(slots=True)
 class VertexPlan:
-    kind: int
+    kind: PlanKind
     value: str
     out: torch.Tensor  # typed view (kernel) or uint8 view (copies)
     out_loc: Loc
@@ -97,7 +106,7 @@ class Views:
                     'module in op_modules=[...] (README, "Your own op")'
                 )
             return VertexPlan(
-                K_KERNEL,
+                PlanKind.KERNEL,
                 v.value,
                 self.typed(v.out, v.value, v.id),
                 v.out,
@@ -115,13 +124,15 @@ class Views:
             )
         if disk and v.kind is MKind.OFFLOAD:  # to the spill file: reads an arena range
             arena = self.buf(v.ins[0].loc, v.id)
-            return VertexPlan(K_SPILL, v.value, arena, v.out, [arena], checks=local)
+            return VertexPlan(PlanKind.SPILL, v.value, arena, v.out, [arena], checks=local)
         out = self.buf(v.out, v.id)
         rd = v.ins[0] if v.ins else None
         if disk and rd is not None and rd.src is not None:  # from the spill file
-            return VertexPlan(K_UNSPILL, v.value, out, v.out, src_loc=rd.loc, src_vid=rd.src, checks=local)
+            return VertexPlan(
+                PlanKind.UNSPILL, v.value, out, v.out, src_loc=rd.loc, src_vid=rd.src, checks=local
+            )
         if v.kind is MKind.INPUT:
-            return VertexPlan(K_INPUT, v.value, out, v.out)
+            return VertexPlan(PlanKind.INPUT, v.value, out, v.out)
         r = v.ins[0]
         if r.loc.nbytes != v.out.nbytes:
             raise RunError(
@@ -131,8 +142,8 @@ class Views:
         if v.kind is MKind.TRANSFER:
             src = -1 if r.src is None else r.src
             return VertexPlan(
-                K_TRANSFER, v.value, out, v.out, src_gpu=r.loc.device, src_loc=r.loc, src_vid=src
+                PlanKind.TRANSFER, v.value, out, v.out, src_gpu=r.loc.device, src_loc=r.loc, src_vid=src
             )
         if v.kind is MKind.RELOAD and (r.src is None or r.loc.device == INPUT):
-            return VertexPlan(K_RELOAD_INPUT, v.value, out, v.out)
-        return VertexPlan(K_COPY, v.value, out, v.out, [self.buf(r.loc, v.id)], checks=local)
+            return VertexPlan(PlanKind.RELOAD_INPUT, v.value, out, v.out)
+        return VertexPlan(PlanKind.COPY, v.value, out, v.out, [self.buf(r.loc, v.id)], checks=local)

@@ -1,8 +1,8 @@
 """The coordinator's dependency core: cross-worker counters, driven by events (no Ray, no threads).
 
 TURNIP (section 5, appendix A) runs one central event loop that launches a vertex once all its
-predecessors completed. A Ray call per vertex costs as much as a large kernel (shared/GPU.md), so
-the loop is split in two levels:
+predecessors completed. A Ray call per vertex costs as much as a large kernel (docs/RUNTIME.md,
+"Two-level scheduling"), so the loop is split in two levels:
 
 - this core counts, for every vertex, its unfinished predecessors on OTHER workers, and hands a
   vertex to its worker (a `Dispatch`) as soon as that count is zero;
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 
 from disco_ray.graph.memgraph import MemGraph
 
@@ -73,6 +74,15 @@ Event = Completed | WorkerFailed
 Instruction = Dispatch | Finished | Abort
 
 
+class RunState(str, Enum):
+    """Where a run is: IDLE -> RUNNING -> FINISHED | FAILED (a str: `statistics()` reports it)."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
 class Scheduler:
     """Cross-worker dependency counters of one MemGraph; reusable for many runs (`start` resets)."""
 
@@ -96,7 +106,7 @@ class Scheduler:
         self.left = dict(self._remote_preds0)
         self.held: list[set[int]] = [set() for _ in range(self.gpus)]  # dispatched, not completed
         self.completed = 0
-        self.state = "idle"  # idle -> running -> finished | failed
+        self.state = RunState.IDLE
         self.error: str | None = None
         self.events = 0
         self.dispatch_msgs = 0
@@ -104,26 +114,26 @@ class Scheduler:
     def start(self) -> list[Instruction]:
         """Resets the counters and dispatches every vertex without remote predecessors."""
         self._reset()
-        self.state = "running"
+        self.state = RunState.RUNNING
         if self.n == 0:
-            self.state = "finished"
+            self.state = RunState.FINISHED
             return [Finished()]
         return self._dispatch(v for v, k in self.left.items() if k == 0)
 
     def handle(self, event: Event) -> list[Instruction]:
         """Applies one event; returns what the shell must do."""
         self.events += 1
-        if self.state != "running":
+        if self.state is not RunState.RUNNING:
             return []  # late reports after the end or a failure change nothing
         if isinstance(event, WorkerFailed):
-            self.state = "failed"
+            self.state = RunState.FAILED
             self.error = event.message
             return [Abort(event.message)]
         held = self.held[event.gpu]
         ready: list[int] = []
         for vid in event.vids:
             if vid not in held:
-                self.state = "failed"
+                self.state = RunState.FAILED
                 self.error = f"gpu:{event.gpu} reported vertex {vid} done, which it was not holding"
                 return [Abort(self.error)]
             held.remove(vid)
@@ -135,7 +145,7 @@ class Scheduler:
         self.completed += len(event.vids)
         out = self._dispatch(ready) if ready else []
         if self.completed == self.n:
-            self.state = "finished"
+            self.state = RunState.FINISHED
             out.append(Finished())
         return out
 
@@ -159,7 +169,7 @@ class Scheduler:
         return {
             "vertices": self.n,
             "completed": self.completed,
-            "state": self.state,
+            "state": self.state.value,
             "events": self.events,
             "dispatch_messages": self.dispatch_msgs,
             "cross_worker_edges": sum(len(s) for s in self.remote_succs.values()),

@@ -5,7 +5,7 @@ ObjectRef is how the driver notices the actor dying), while `dispatch` (from the
 and `read_range` (peers pulling transfer sources) run in the others.
 
 It holds any number of graphs at once, each under the key its engine chose, sharing one
-`actors.store.WorkerStore` (the arena, resident inputs, states). Runs are sequential: `begin(key)`
+`actors.tiers.store.WorkerStore` (the arena, resident inputs, states). Runs are sequential: `begin(key)`
 makes that graph the active one, which `dispatch`, `serve`, `read_range`, `outputs` and `trace`
 then serve.
 """
@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from disco_ray.graph.memgraph import Loc, MemGraph
     from disco_ray.graph.taskgraph import TaskGraph
 
-    from .executor import Executor, WorkerConfig
-    from .store import WorkerStore
+    from .executor import Executor
+    from .options import WorkerConfig
+    from .tiers.store import WorkerStore
+    from .transports.base import Transport
 
 
 class GpuWorker:
@@ -44,9 +46,9 @@ class GpuWorker:
             importlib.import_module(m)
         if torch_threads:
             torch.set_num_threads(torch_threads)  # S streams x N workers share the host's cores
-        self.graphs: dict[str, tuple[Executor, Any]] = {}  # key -> (executor, its transport)
+        self.graphs: dict[str, tuple[Executor, Transport]] = {}  # key -> (executor, its transport)
         self.ex: Executor | None = None  # the active graph's
-        self.transport: Any = None
+        self.transport: Transport | None = None
         self.store: WorkerStore | None = None
         self.coord: Any = None
         self.device: int | None = None  # the CUDA device index to use (`share_devices`); None: the current
@@ -90,7 +92,7 @@ class GpuWorker:
 
     def share_devices(self, visible: str, index: int) -> bool:
         """Makes this process see `visible` (the GPUs of every worker on its node) and use device
-        `index` of it, so CUDA IPC can map a peer GPU's arena (`actors.transport_cuda`). Only
+        `index` of it, so CUDA IPC can map a peer GPU's arena (`actors.transports.cuda`). Only
         before CUDA starts here: False (nothing changed) once it has."""
         import torch
 
@@ -114,9 +116,10 @@ class GpuWorker:
         of the shared arena, its host store, and the sourced inputs it names, read now."""
         import torch
 
-        from .executor import Executor, make_backend
-        from .store import WorkerStore
-        from .transport import RayTransport
+        from .backends import make_backend
+        from .executor import Executor
+        from .tiers.store import WorkerStore
+        from .transports.objectstore import RayTransport
 
         self.unload(key)
         self.coord = coordinator
@@ -124,11 +127,11 @@ class GpuWorker:
             torch.cuda.set_device(self.device)  # its own entry of the node's shared device list
         if self.store is None or self.store.gpu != gpu:
             backend = make_backend(config.backend, self.device)
-            self.store = WorkerStore(gpu, backend.alloc, getattr(backend, "stages_inputs", False))
+            self.store = WorkerStore(gpu, backend.alloc, backend.stages_inputs)
         if config.backend == "cuda":  # IPC / NCCL peers, opened by `transport_connect` once all have loaded
-            from .transport_cuda import CudaTransport
+            from .transports.cuda import CudaTransport
 
-            transport: Any = CudaTransport(gpu, workers)
+            transport: Transport = CudaTransport(gpu, workers)
         else:
             transport = RayTransport(workers)
         ex = Executor(
@@ -142,13 +145,12 @@ class GpuWorker:
             fail=self._fail,
             store=self.store,
         )
-        if hasattr(transport, "attach"):
-            transport.attach(ex)
+        transport.attach(ex)
         self.graphs[key] = (ex, transport)
         self.ex, self.transport = ex, transport
         return ex.statistics()
 
-    def _graph(self, key: str) -> tuple[Executor, Any]:
+    def _graph(self, key: str) -> tuple[Executor, Transport]:
         if key not in self.graphs:
             raise RunError(f"this worker has no graph {key!r} loaded")
         return self.graphs[key]
@@ -170,8 +172,7 @@ class GpuWorker:
                 continue
             ex, transport = got
             ex.close()
-            if hasattr(transport, "close"):
-                transport.close()
+            transport.close()
             if self.ex is ex:
                 self.ex, self.transport = None, None
         if key is None:
@@ -233,8 +234,8 @@ class GpuWorker:
         if ex is None:
             raise RunError("this worker has no graph loaded")
         out = ex.statistics()
-        if hasattr(transport, "statistics"):
-            out["transport"] = transport.statistics()
+        if transport is not None and (stats := transport.statistics()):
+            out["transport"] = stats
         return out
 
     def call(self, fn, *args):

@@ -19,7 +19,8 @@ import argparse
 import sys
 import time
 
-from actors.executor import Executor, WorkerConfig
+from actors.executor import Executor
+from actors.options import WorkerConfig
 from disco_ray.bench.report import check_outputs
 from disco_ray.graph.reference import evaluate
 from planner import build_memgraph
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ahead", default="0,4", help="comma-separated launch-ahead depths")
     args = ap.parse_args(argv)
     fake_cuda.install()
-    from actors.backend_cuda import CudaBackend
+    from actors.backends.cuda import CudaBackend
 
     w = llama_prefill(
         preset="7b", layers=4, gpus=1, seq=64, tile=8, dim=64, heads=4, ffn=128, dtype="float32"

@@ -7,7 +7,7 @@ The checkpoint is benchmarks/bench_llama_cpu.py's (8 layers, hidden 1024, float3
 budget is a third of the weight bytes (or the least arena a plan works with, if larger):
 - disco-ray: `LlamaModel(capacity=budget, weights="disk", engine="local")`, one worker whose
   arena is the budget; each load reads its weight block from the checkpoint with O_DIRECT
-  (actors/diskio.py), overlapped with compute by the plan, and host memory keeps no copy;
+  (actors/tiers/diskio.py), overlapped with compute by the plan, and host memory keeps no copy;
 - accelerate: `from_pretrained(device_map="auto", max_memory={"cpu": budget},
   offload_folder=DIR)`: the modules beyond the budget are saved to DIR and read back (through the
   page cache, numpy memmaps) while the forward runs;
@@ -49,7 +49,7 @@ def drop_caches() -> bool:
 
 def probe(path: Path) -> float:
     """GB/s of O_DIRECT reads of the checkpoint's safetensors files, in 16 MiB blocks."""
-    from actors.diskio import FileReader, aligned
+    from actors.tiers.diskio import FileReader, aligned
 
     block = 16 << 20
     buf = aligned(block + 8192, lambda n, host: torch.empty(n, dtype=torch.uint8))

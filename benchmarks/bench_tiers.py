@@ -10,7 +10,7 @@ checked against the workload's torch reference. Printed per setting: the makespa
 offloaded and reloaded per tier (host, disk), the peak bytes per tier (gpu arena, host store,
 spill file), and the disk I/O the workers did (bytes, seconds of file I/O, GB/s). First, a probe
 of the spill file's directory: sequential O_DIRECT writes and reads of `--probe` bytes in blocks
-of the workload's largest disk offload, through the same `actors.spill.SpillFile` code.
+of the workload's largest disk offload, through the same `actors.tiers.spill.SpillFile` code.
 
 On the cpu backend the "GPU" arena is host memory and copies are memcpy: the figures are CPU
 figures of this machine (2 shared cores), what the issue's point 4 (CPU-only use) is about.
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from actors.spill import SpillFile
+from actors.tiers.spill import SpillFile
 from disco_ray.bench.report import check_outputs
 from disco_ray.driver.program import compile
 from disco_ray.graph.memgraph import DISK

@@ -263,7 +263,13 @@ def fake_torch(cudart: FakeCudart | None = None, gpus: int = 1):
     )
 
 
-MODULES = ("backend_cuda", "cuda_loop", "cuda_memory", "nccl_channel", "transport_cuda")
+MODULES = (
+    "backends.cuda",
+    "backends.cuda_loop",
+    "backends.cuda_memory",
+    "transports.nccl",
+    "transports.cuda",
+)
 
 
 def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: int = 1) -> SimpleNamespace:
@@ -277,7 +283,7 @@ def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: 
     reserved: list = []
     for name in MODULES:
         set_attr(importlib.import_module(f"actors.{name}"), "torch", fake)
-    from actors import cuda_memory
+    from actors.backends import cuda_memory
 
     set_attr(cuda_memory, "reserve", lambda stream, device, nbytes: reserved.append((stream, nbytes)))
     FakeEvent.spins = 0

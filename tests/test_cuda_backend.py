@@ -17,9 +17,13 @@ import time
 import pytest
 import torch
 
-from actors import backend_cuda, cuda_loop, executor
-from actors.executor import Executor, RunOptions, WorkerConfig
-from actors.transport import LocalTransport
+from actors import executor
+from actors.backends import cuda_loop
+from actors.backends.base import Mode
+from actors.backends.cuda import CudaBackend
+from actors.executor import Executor
+from actors.options import RunOptions, WorkerConfig
+from actors.transports.local import LocalTransport
 from disco_ray.driver.engine_local import LocalEngine
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MKind
@@ -59,7 +63,7 @@ def test_cuda_backend_loop_and_wakers_on_a_fake_device(monkeypatch, ahead, devic
     FakeStream.waited = []
     tg = random_taskgraph(404, n=60, gpus=1, size=16)
     mg = plan(tg, "tight")
-    be = backend_cuda.CudaBackend()
+    be = CudaBackend()
     ex = Executor(0, mg, tg, WorkerConfig(streams=streams, ahead=ahead), backend=be)
     loop = be.loop
     submitted, launched = [], []
@@ -107,7 +111,7 @@ def test_fake_device_loop_is_woken_by_the_same_vertex_twice(monkeypatch):
     """A vertex's events come back in the next run: the loop must arm its waker with them again."""
     install(monkeypatch.setattr)
     monkeypatch.setattr(FakeStream, "device_s", 2e-3)
-    be = backend_cuda.CudaBackend()
+    be = CudaBackend()
     finished = threading.Semaphore(0)
     be.open(1, lambda vid, s: None, lambda *a: finished.release())
     try:
@@ -128,7 +132,7 @@ def test_a_lost_wake_up_costs_a_moment_not_the_run(monkeypatch):
     monkeypatch.setattr(cuda_loop.CudaLoop, "_waker", lambda self, s: None)  # no waker at all
     tg = random_taskgraph(31, n=20, gpus=1, size=8)
     mg = plan(tg, "roomy")
-    ex = Executor(0, mg, tg, WorkerConfig(streams=2), backend=backend_cuda.CudaBackend())
+    ex = Executor(0, mg, tg, WorkerConfig(streams=2), backend=CudaBackend())
     try:
         inputs = random_inputs(tg, 0)
         assert _run(ex, inputs) is None, ex.error
@@ -144,7 +148,7 @@ def test_a_failing_launch_loop_fails_the_run_instead_of_hanging(monkeypatch):
     install(monkeypatch.setattr)
     tg = random_taskgraph(7, n=20, gpus=1, size=16)
     mg = plan(tg, "roomy")
-    ex = Executor(0, mg, tg, WorkerConfig(streams=2), backend=backend_cuda.CudaBackend())
+    ex = Executor(0, mg, tg, WorkerConfig(streams=2), backend=CudaBackend())
 
     def broken(self, every_s=0.5):
         raise RuntimeError("device clock unreadable")
@@ -164,7 +168,7 @@ def test_each_vertex_ends_once_when_the_loop_fails_mid_pass(monkeypatch):
     install(monkeypatch.setattr)
     tg = random_taskgraph(8, n=40, gpus=1, size=8)
     mg = plan(tg, "roomy")
-    be = backend_cuda.CudaBackend()
+    be = CudaBackend()
     ex = Executor(0, mg, tg, WorkerConfig(streams=3), backend=be)
     ends = collections.Counter()
     done = ex._done
@@ -218,9 +222,9 @@ def test_an_end_event_that_cannot_be_recorded_fails_the_vertex(monkeypatch, bloc
         return self.events[vid]
 
     monkeypatch.setattr(cuda_loop.CudaLoop, "_events_of", events_of)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: backend_cuda.CudaBackend())
+    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend())
     if blocking:
-        monkeypatch.setattr(LocalTransport, "mode", lambda self, src: 1)  # BLOCKING: a helper runs it
+        monkeypatch.setattr(LocalTransport, "mode", lambda self, src: Mode.BLOCKING)  # a helper runs it
     eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2))
     try:
         with pytest.raises(RunError, match="illegal memory access") as err:
@@ -241,7 +245,7 @@ def test_a_loop_that_cannot_start_fails_open(monkeypatch):
         raise RuntimeError("cudaEventCreate failed")
 
     monkeypatch.setattr(cuda_loop.Clock, "__init__", no_clock)
-    be = backend_cuda.CudaBackend()
+    be = CudaBackend()
     with pytest.raises(RunError, match="cudaEventCreate failed"):
         be.open(2, lambda vid, s: None, lambda *a: None)
     be.close()
@@ -252,7 +256,7 @@ def test_loads_offloads_and_transfers_run_on_their_lanes(monkeypatch):
     """Kernels on the compute streams; inputs and reloads on the H2D lane, offloads on the D2H
     lane, transfers on the lane of their source GPU; outputs as the reference."""
     install(monkeypatch.setattr)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: backend_cuda.CudaBackend())
+    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend())
     tg = random_taskgraph(41, n=80, gpus=3, size=16)
     mg = plan(tg, "tight")
     eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2, ahead=2))
@@ -282,7 +286,7 @@ def test_blocking_transfers_run_beside_the_loop_on_a_fake_device(monkeypatch, se
     lane: the other streams go on, and nothing queued behind them (launch ahead; off under the
     sanitizer, which checks every read) starts early: the outputs match the reference."""
     install(monkeypatch.setattr)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: backend_cuda.CudaBackend())
+    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend())
     helpers = set()
     pull = LocalTransport.pull
 
@@ -292,7 +296,7 @@ def test_blocking_transfers_run_beside_the_loop_on_a_fake_device(monkeypatch, se
         pull(self, *a)
 
     monkeypatch.setattr(LocalTransport, "pull", slow_pull)
-    monkeypatch.setattr(LocalTransport, "mode", lambda self, src: 1)  # BLOCKING
+    monkeypatch.setattr(LocalTransport, "mode", lambda self, src: Mode.BLOCKING)
     tg = random_taskgraph(seed, n=80, gpus=3, size=16)
     mg = plan(tg, "tight")
     eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2, ahead=2))
@@ -313,12 +317,12 @@ def test_host_buffers_are_pinned_once_at_their_exact_size(monkeypatch):
     """The host store, the staging buffer of the caller's inputs and the states are registered
     with cudaHostRegister at exactly their size, never through torch's caching host allocator
     (which pins the next power of two), and unregistered when freed."""
-    from actors.store import WorkerStore
+    from actors.tiers.store import WorkerStore
 
     fake = install(monkeypatch.setattr)
     g = random_taskgraph(51, n=30, gpus=1, size=24)  # 24x24 float32: 2304 bytes, not a power of two
     mg = plan(g, "tight")
-    be = backend_cuda.CudaBackend()
+    be = CudaBackend()
     store = WorkerStore(0, be.alloc, True)
     ex = Executor(0, mg, g, WorkerConfig(streams=2), backend=be, store=store)
     try:
@@ -345,7 +349,7 @@ def test_kernel_temporaries_are_reserved_on_the_compute_streams(monkeypatch):
     w = llama_prefill(preset="tiny", layers=1, gpus=1, seq=64, tile=16)
     tg = w.taskgraph
     mg = plan(tg, "roomy")
-    be = backend_cuda.CudaBackend(workspace=0)
+    be = CudaBackend(workspace=0)
     ex = Executor(0, mg, tg, WorkerConfig(streams=3), backend=be)
     try:
         need = max(temp_bytes(p.op, p.out, p.ins, p.attrs) for p in ex.plans.values() if p.op)

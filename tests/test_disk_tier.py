@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.diskio import ALIGN
-from actors.spill import SpillFile
+from actors.tiers.diskio import ALIGN
+from actors.tiers.spill import SpillFile
 from disco_ray.driver.program import compile
 from disco_ray.graph.errors import GraphError, VerifyError
 from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
@@ -346,13 +346,14 @@ def test_llama_spills_to_disk_and_back_on_the_ray_engine(llama):
 def test_disk_lanes_on_the_stand_in_cuda_device(monkeypatch, llama):
     """The CUDA path: offloads and reloads to disk run BLOCKING on the two disk lanes, through
     (pinned) bounce buffers; the outputs match the reference."""
-    from actors import backend_cuda, executor
-    from actors.executor import RunOptions, WorkerConfig
+    from actors import executor
+    from actors.backends.cuda import CudaBackend
+    from actors.options import RunOptions, WorkerConfig
     from disco_ray.driver.engine_local import LocalEngine
     from tests.fake_cuda import install
 
     install(monkeypatch.setattr)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: backend_cuda.CudaBackend())
+    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend())
     w, cap = llama
     tg = w.taskgraph
     mg = build_memgraph(tg, cap, host_capacity=16 << 10)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.transport_cuda import choose_path, choose_paths
+from actors.transports.cuda import choose_path, choose_paths
 from disco_ray.driver.program import Program
 from disco_ray.graph.reference import evaluate, random_inputs
 from tests.runtime_helpers import plan, random_taskgraph
@@ -76,7 +76,7 @@ def test_path_choice():
 
 
 def test_workers_of_a_node_share_their_devices():
-    from actors.transport_cuda import shared_visible
+    from actors.transports.cuda import shared_visible
 
     assigned = [("n0", ["3"]), ("n0", ["1"]), ("n1", ["0"]), ("n0", ["3"]), ("n1", ["2"])]
     assert shared_visible(assigned) == [("1,3", 1), ("1,3", 0), ("0,2", 0), ("1,3", 1), ("0,2", 1)]
@@ -154,7 +154,8 @@ def test_no_device_allocation_while_graphs_run(graph):
 @pytest.mark.gpu
 @needs_cuda
 def test_inputs_are_staged_in_pinned_memory():
-    from actors.executor import Executor, WorkerConfig
+    from actors.executor import Executor
+    from actors.options import WorkerConfig
 
     tg = random_taskgraph(22, n=20, gpus=1, size=32)
     mg = plan(tg, "tight")
@@ -266,7 +267,7 @@ needs_two = pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs")
 def test_the_nccl_calls_the_channel_makes_on_one_rank():
     """cupy's NCCL as the channel uses it (names, a group, the async-error check), on one rank:
     two ranks on one GPU are refused by NCCL, so this is what a one-GPU machine can check."""
-    from actors.transport_cuda import nccl_module
+    from actors.transports.cuda import nccl_module
 
     nccl = nccl_module()
     if nccl is None:
@@ -320,7 +321,7 @@ def test_two_gpus_transfer_over_peer_copies_or_nccl(two_gpu_pool, monkeypatch, p
 def test_cuda_backend_refused_without_cuda():
     if CUDA:
         pytest.skip("CUDA present")
-    from actors.executor import make_backend
+    from actors.backends import make_backend
     from disco_ray.graph.errors import RunError
 
     with pytest.raises(RunError, match="no CUDA device"):

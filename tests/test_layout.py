@@ -5,6 +5,12 @@
 
 Every import counts, those inside functions too (a lazy import is still a dependency). The
 `disco_ray` package itself is a facade that may import anything, lazily.
+
+Inside actors/, floors by concept (`ACTOR_FLOORS`): backends, tiers and transports are plugged
+into the worker and know nothing of it (backends/ and tiers/ import only themselves,
+transports/ only themselves and the backend contract), and the worker's and coordinator's
+cores import no Ray: only the Ray shells (worker.py, coordinator.py) and the transports that
+move bytes through Ray do.
 """
 
 from __future__ import annotations
@@ -69,6 +75,56 @@ def imports(mods: dict[str, Path], unresolved: list[str] | None = None) -> dict[
                     deps.add(t)
         graph[name] = deps
     return graph
+
+
+# actors/ subpackage (or module) -> the actors modules it may import (prefixes)
+ACTOR_FLOORS = {
+    "actors.backends": ("actors.backends",),
+    "actors.tiers": ("actors.tiers",),
+    "actors.transports": ("actors.transports", "actors.backends.base"),
+}
+RAY_SHELLS = (
+    "actors.worker",
+    "actors.coordinator",
+    "actors.transports.objectstore",
+    "actors.transports.cuda",
+)
+
+
+def under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def external_imports(path: Path) -> set[str]:
+    """The top-level names of every package a module imports (inside functions too)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of actors modules below the floor of the importer's concept (`ACTOR_FLOORS`)."""
+    bad = []
+    for m, deps in graph.items():
+        for pkg, allowed in ACTOR_FLOORS.items():
+            if not under(m, pkg):
+                continue
+            for d in deps:
+                if under(d, "actors") and not any(under(d, a) for a in allowed):
+                    bad.append(f"{m} ({pkg}) imports {d}")
+    return sorted(bad)
+
+
+def ray_in_core(mods: dict[str, Path], graph: dict[str, set[str]]) -> list[str]:
+    """actors modules outside the Ray shells that import Ray, or import a Ray shell."""
+    core = [m for m in mods if under(m, "actors") and not any(under(m, s) for s in RAY_SHELLS)]
+    bad = [f"{m} imports ray" for m in core if "ray" in external_imports(mods[m])]
+    bad += [f"{m} imports the Ray shell {d}" for m in core for d in graph[m] if d in RAY_SHELLS]
+    return sorted(bad)
 
 
 def layer_of(module: str) -> tuple[str, int] | None:
@@ -138,6 +194,14 @@ def test_no_import_cycles():
     assert not cycles(imports(modules()))
 
 
+def test_actors_floors_by_concept():
+    mods = modules()
+    assert {"actors.backends.base", "actors.transports.base", "actors.tiers.base"} <= set(mods)
+    graph = imports(mods)
+    bad = floor_violations(graph) + ray_in_core(mods, graph)
+    assert not bad, "\n".join(bad)
+
+
 def test_every_project_import_names_a_module_that_exists():
     unresolved: list[str] = []
     imports(modules(), unresolved)
@@ -162,6 +226,29 @@ def test_the_checks_catch_a_planted_cycle_and_an_upward_import(tmp_path):
     assert cycles(graph) == [["disco_ray.graph.a", "disco_ray.graph.b"]]
     assert upward_imports(graph) == [
         "disco_ray.graph.b (disco_ray.graph) imports disco_ray.driver.c (disco_ray.driver)"
+    ]
+
+
+def test_the_floor_checks_catch_a_backend_importing_the_executor_and_ray_in_the_core(tmp_path):
+    mods = {
+        "actors.backends.x": tmp_path / "x.py",
+        "actors.transports.y": tmp_path / "y.py",
+        "actors.executor": tmp_path / "executor.py",
+        "actors.backends.base": tmp_path / "base.py",
+        "actors.worker": tmp_path / "worker.py",
+    }
+    mods["actors.backends.x"].write_text(
+        "from actors.backends import base\ndef f():\n    from actors import executor\n"
+    )
+    mods["actors.transports.y"].write_text("from ..backends.base import Mode\n")
+    mods["actors.executor"].write_text("import ray.exceptions\nfrom . import worker\n")
+    mods["actors.backends.base"].write_text("Mode = 0\n")
+    mods["actors.worker"].write_text("import ray\n")
+    graph = imports(mods)
+    assert floor_violations(graph) == ["actors.backends.x (actors.backends) imports actors.executor"]
+    assert ray_in_core(mods, graph) == [
+        "actors.executor imports ray",
+        "actors.executor imports the Ray shell actors.worker",
     ]
 
 

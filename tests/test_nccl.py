@@ -15,10 +15,13 @@ import time
 import pytest
 import torch
 
-from actors import backend_cuda, executor, nccl_channel, transport_cuda
-from actors.executor import RunOptions, WorkerConfig
-from actors.nccl_channel import NcclOp, nccl_ops, next_group
-from actors.transport_cuda import CudaTransport, choose_paths, nccl_members
+from actors import executor
+from actors.backends.cuda import CudaBackend
+from actors.options import RunOptions, WorkerConfig
+from actors.transports import cuda as transport_cuda
+from actors.transports import nccl as nccl_channel
+from actors.transports.cuda import CudaTransport, choose_paths, nccl_members
+from actors.transports.nccl import NcclOp, nccl_ops, next_group
 from disco_ray.driver.engine_local import LocalEngine
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import Loc, MKind
@@ -174,7 +177,7 @@ def nccl_engine(monkeypatch, tg, mg, streams=2):
     stand-in device runs a kernel's work when it is launched, so a kernel launched behind a
     receive (on a GPU: waiting on its event) would read bytes not yet there."""
     install(monkeypatch.setattr, gpus=mg.gpus)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: backend_cuda.CudaBackend(device))
+    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend(device))
     monkeypatch.setattr(transport_cuda, "nccl_module", lambda: fake_nccl)
     n = mg.gpus
     eng = LocalEngine(

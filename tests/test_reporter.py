@@ -78,7 +78,7 @@ def test_a_failing_worker_reports_what_it_completed_before_the_failure(monkeypat
     kernel in it fails. Its earlier completions reach the coordinator before the failure, so
     the vertices the coordinator says gpu:0 held are exactly those it had not finished (before,
     they came after the failure, which the coordinator no longer counts)."""
-    from actors.executor import RunOptions, WorkerConfig
+    from actors.options import RunOptions, WorkerConfig
     from disco_ray.driver.engine_local import LocalEngine
     from planner import build_memgraph
     from tests.test_runtime_local import noop_graph

@@ -306,7 +306,7 @@ def test_completions_another_gpu_waits_for_are_reported_at_once_the_others_lazil
     """GPU 0 runs a long chain whose first vertex feeds GPU 1. With report calls so costly that
     lazy reports are held for up to 100 s (actors/reporter.py), GPU 0 reports its chain once,
     when idle, but the one completion GPU 1 waits for at once."""
-    from actors.executor import RunOptions, WorkerConfig
+    from actors.options import RunOptions, WorkerConfig
     from actors.reporter import Reporter
     from disco_ray.driver.engine_local import LocalEngine
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.loads import stable_loads
-from actors.plans import K_INPUT, VertexPlan
+from actors.plans import PlanKind, VertexPlan
 from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import Program, compile
 from disco_ray.graph import formats
@@ -141,7 +141,7 @@ def test_sourced_weights_run_and_later_runs_skip_loads_the_arena_still_holds(wei
 
 
 def test_stable_loads_are_those_no_other_vertex_overwrites():
-    def plan(value, off, n, kind=K_INPUT):
+    def plan(value, off, n, kind=PlanKind.INPUT):
         return VertexPlan(kind, value, torch.empty(0), Loc(0, off, n))
 
     plans = {

@@ -14,7 +14,7 @@ stores it ([out, in], used by the `linear` op).
 
 The KV cache (TURNIP section 9 names generation, a cache that grows per token, as a limitation):
 the cache is cut into blocks of `block` positions, one state per layer, GPU, K or V and block,
-kept by the workers across runs (`TaskGraph` states, `actors.store`):
+kept by the workers across runs (`TaskGraph` states, `actors.tiers.store`):
 - prefill (`cache=True`) runs the prompt in row tiles of `block` rows, so the rotated keys and
   the values of tile t are block t, and carries them into the states `kc.l{i}.b{t}_g{j}` and
   `vc.l{i}.b{t}_g{j}`;

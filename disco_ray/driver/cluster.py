@@ -6,8 +6,8 @@
 
 `measure_links` moves `nbytes` from every worker to every other one through the path the runtime
 chose for that pair (disco_ray/driver/placement.py: object-store on the cpu backend; a cuda build's
-transport is used when it offers `probe`), timed in the receiving worker, and a host memcpy on each
-node, and returns a JSON-ready dict for the bench command.
+transport when its `Transport.probe` has a one-sided copy for the pair), timed in the receiving
+worker, and a host memcpy on each node, and returns a JSON-ready dict for the bench command.
 """
 
 from __future__ import annotations
@@ -138,23 +138,23 @@ def _pull(worker, src_gpu: int, src_handle, nbytes: int, repeats: int) -> dict:
     import numpy as np
     import ray
 
-    transport = getattr(worker, "transport", None)
-    probe = getattr(transport, "probe", None)  # a cuda transport times its own one-sided copy
-    if probe is not None and not probe(src_gpu, nbytes):
-        probe = None  # the pair's path has none (NCCL needs both ends): time the object store
+    transport = worker.transport  # the active graph's (`Transport.probe`)
+    # a cuda transport times its own one-sided copy; False: the pair's path has none (NCCL needs
+    # both ends), so time the object store
+    direct = transport is not None and transport.probe(src_gpu, nbytes)
     dst = np.empty(nbytes, dtype=np.uint8)
     times = []
     for i in range(repeats + 1):
         t = time.perf_counter()
-        if probe is not None:
-            probe(src_gpu, nbytes)
+        if direct:
+            transport.probe(src_gpu, nbytes)
         else:
             dst[...] = ray.get(src_handle.call.remote(_source, nbytes))  # as RayTransport.pull does
         if i:
             times.append(time.perf_counter() - t)
-    if probe is None and int(dst[-1]) != 7:
+    if not direct and int(dst[-1]) != 7:
         raise RunError(f"link probe from gpu:{src_gpu}: wrong bytes arrived")
-    return {"seconds": times, "via": "transport" if probe is not None else "object-store"}
+    return {"seconds": times, "via": "transport" if direct else "object-store"}
 
 
 def _memcpy(worker, nbytes: int, repeats: int) -> list[float]:

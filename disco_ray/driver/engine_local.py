@@ -14,10 +14,13 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, Executor, RunOptions, WorkerConfig, make_backend
+from actors.backends import make_backend
+from actors.executor import Executor
+from actors.options import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
-from actors.store import WorkerStore
-from actors.transport import Attaching, LocalTransport, Transport
+from actors.tiers.store import WorkerStore
+from actors.transports.base import Transport
+from actors.transports.local import LocalTransport
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
@@ -35,7 +38,7 @@ class LocalPool:
         s = self.stores.get(gpu)
         if s is None:
             b = make_backend(backend)
-            s = self.stores[gpu] = WorkerStore(gpu, b.alloc, getattr(b, "stages_inputs", False))
+            s = self.stores[gpu] = WorkerStore(gpu, b.alloc, b.stages_inputs)
         return s
 
     def read_state(self, gpu: int, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
@@ -99,9 +102,7 @@ class LocalEngine:
                         store=self.pool.store(g, config.backend),
                     )
                 )
-                transport = made[g]
-                if isinstance(transport, Attaching):
-                    transport.attach(self.execs[g])
+                made[g].attach(self.execs[g])
         except BaseException:
             self.close()
             raise

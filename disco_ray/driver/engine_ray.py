@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from actors.executor import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
+from actors.options import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
@@ -67,7 +67,7 @@ class RayPool:
 
     Starting an actor process costs seconds (Ray worker start + torch import), so a pool can be
     shared by many Programs (tests do; a model's prefill and decode Programs do, and share the
-    workers' resident weights and states, `actors.store`); an engine without one makes a private
+    workers' resident weights and states, `actors.tiers.store`); an engine without one makes a private
     pool and kills it on close. A pool whose actors failed is discarded: they are killed and
     remade on next use, and every engine on them loads its graph again (`generation`).
     """
@@ -248,7 +248,7 @@ class RayEngine:
             n = len(self.workers)
             self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
             if config.backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
-                from actors.transport_cuda import connect_workers
+                from actors.transports.cuda import connect_workers
 
                 self.transports = connect_workers(self.workers, self.key)
             if self.pool.placed is not None:  # node of each worker, path of each transferring pair
@@ -540,10 +540,10 @@ def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:
 def share_devices(workers: Sequence) -> list[bool]:
     """Gives the workers of each node the same CUDA_VISIBLE_DEVICES (their GPUs together), each
     using its own entry, before CUDA starts in them: CUDA IPC between two GPUs of a node needs
-    both visible (actors/transport_cuda.py, "p2p"). Returns, per worker, whether it took effect."""
+    both visible (actors/transports/cuda.py, "p2p"). Returns, per worker, whether it took effect."""
     import ray
 
-    from actors.transport_cuda import shared_visible
+    from actors.transports.cuda import shared_visible
 
     assigned = ray.get([w.gpu_ids.remote() for w in workers])
     if any(not ids for _, ids in assigned):

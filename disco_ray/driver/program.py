@@ -21,7 +21,7 @@ from typing import Literal, overload
 
 import torch
 
-from actors.executor import RunOptions, WorkerConfig
+from actors.options import RunOptions, WorkerConfig
 from disco_ray.graph.errors import GraphError, RunError, UsageError
 from disco_ray.graph.kernels import missing_kernels
 from disco_ray.graph.memgraph import MemGraph
@@ -86,7 +86,7 @@ class Program:
         placement: a `disco_ray.driver.placement.PlacementConfig` (pack/spread, GPU share per worker).
         address: connect to this Ray cluster ("auto", "HOST:PORT") instead of starting a local one.
         sources: inputs read from files (`source`): "host" keeps each in the worker's host memory
-            after the first read; "disk" reads it from its file at each load (actors/diskio.py).
+            after the first read; "disk" reads it from its file at each load (actors/tiers/diskio.py).
         disk_dir: the directory of the workers' spill files, where a plan offloads to disk (a
             host budget, `compile(host_capacity=...)`); None: a temporary directory each, removed
             when the engine closes.
@@ -207,7 +207,7 @@ class Program:
                 so that many execution orders occur.
             timeout: give up (RunError) after this many seconds; None waits for ever.
             progress: True for a tqdm bar, or a callable taking the number of vertices done.
-            (check, delay, seed, timeout, progress are the fields of `actors.executor.RunOptions`.)
+            (check, delay, seed, timeout, progress are the fields of `actors.options.RunOptions`.)
 
         Raises:
             RunError: a bad input (before anything runs), a kernel that raised, a dead worker,

@@ -1,9 +1,9 @@
 """The CUDA backend: one arena on the GPU, pinned host buffers, S CUDA streams, one host thread.
 
 `open` makes the streams (the executor's compute streams and its copy lanes) and the host
-threads of `actors.cuda_loop`: one loop launches every stream's vertices and finds their
+threads of `actors.backends.cuda_loop`: one loop launches every stream's vertices and finds their
 completions, wakers wake it when it sleeps, helpers run work that blocks the host, and a channel
-(`actors.nccl_channel`) enqueues deferred NCCL receives through `external_begin/end`.
+(`actors.transports.nccl`) enqueues deferred NCCL receives through `external_begin/end`.
 
 Copies run on the lanes the executor submits them to (`actors.worker_core.StreamSlots`): one
 lane per direction between host and device, one per peer sending to this GPU. A lane is FIFO and
@@ -16,23 +16,24 @@ chain); in launch order the first load gets all the bandwidth, as in a hand-writ
 Times: the interval of a vertex is measured on the GPU (two timing events around its work, the
 start one recorded after its waits, so time queued behind earlier work on its stream is not
 counted as busy); its end is the wall-clock instant given by a base event synchronized against
-the host clock when the loop is idle (`actors.cuda_loop.Clock`). The events are made once per
+the host clock when the loop is idle (`actors.backends.cuda_loop.Clock`). The events are made once per
 vertex (the first time it runs) and kept for later runs. `statistics()["host"]` sums, since
 `open`, the host time spent in `work` per vertex and the time the loop slept with vertices in
 flight: a mean launch time above the device time of a vertex, with little idle time, means the
 host, not the GPU, sets the pace.
 
-Memory (`actors.cuda_memory`): nothing is allocated while a graph runs. The arena and every host
-buffer come once from `alloc` (host buffers pinned at their exact size with cudaHostRegister, not
-through torch's power-of-two caching host allocator); `open` reserves, on each compute stream,
-the kernel temporaries the executor says its kernels need (at least DISCO_CUDA_WORKSPACE bytes,
-default 16 MiB) and cuBLAS's workspace.
+Memory (`actors.backends.cuda_memory`): nothing is allocated while a graph runs. The arena and
+every host buffer come once from `alloc` (host buffers pinned at their exact size with
+cudaHostRegister, not through torch's power-of-two caching host allocator); `open` reserves, on
+each compute stream, the kernel temporaries the executor says its kernels need (at least
+DISCO_CUDA_WORKSPACE bytes, default 16 MiB) and cuBLAS's workspace.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -40,13 +41,13 @@ from disco_ray.graph.errors import RunError
 from disco_ray.graph.kernels import IMPLS
 
 from . import cuda_memory
-from .backend import LAUNCH, Done, Work
+from .base import BackendBase, Done, Mode, Work
 from .cuda_loop import CudaLoop
 
 SLACK = 2 << 20  # torch's allocator rounds and splits blocks: a little over the sum of the temporaries
 
 
-class CudaBackend:
+class CudaBackend(BackendBase):
     """Arena on `device` (default: the current CUDA device), pinned host buffers, CUDA streams."""
 
     name = "cuda"
@@ -98,12 +99,12 @@ class CudaBackend:
             self.close()
             raise RunError(f"backend 'cuda' on {self.device}: warming up the streams failed: {err}")
 
-    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), mode: int = LAUNCH) -> None:
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), mode: Mode = Mode.LAUNCH) -> None:
         assert self.loop is not None, "submit before open"
         self.loop.submit(stream, vid, waits, mode)
 
-    # ---- what a deferred vertex's thread calls (actors.nccl_channel) -------------------------------
-    def external_begin(self, vid: int):
+    # ---- what a deferred vertex's thread calls (actors.transports.nccl) ------------------------
+    def external_begin(self, vid: int) -> Any:
         """The stream of DEFERRED vertex `vid`, after its waits and start event."""
         assert self.loop is not None
         return self.loop.external_begin(vid)
@@ -112,7 +113,7 @@ class CudaBackend:
         assert self.loop is not None
         self.loop.external_end(vid, exc)
 
-    def stream(self, s: int):
+    def stream(self, s: int) -> Any:
         return self.streams[s]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:

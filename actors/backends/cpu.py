@@ -1,6 +1,6 @@
 """The cpu backend: the arena and host store are CPU tensors, each stream a worker thread.
 
-The interface it implements is `actors.backend.Backend`.
+The contract it implements is `actors.backends.base.Backend`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.kernels import IMPLS
 
-from .backend import LAUNCH, Done, Work
+from .base import BackendBase, Done, Mode, Work
 
 _STOP = -1
 
 
-class CpuBackend:
+class CpuBackend(BackendBase):
     """Arena and host store are CPU uint8 tensors; each stream is a thread running its vertices in
     submission order, each after the vertices it waits on.
 
@@ -32,7 +32,6 @@ class CpuBackend:
     name = "cpu"
     device = torch.device("cpu")
     async_launch = False  # `work` has finished when it returns
-    default_ahead = 0  # a stream thread runs its work itself: launching ahead gains nothing
 
     def __init__(self) -> None:
         self._queues: list[queue.SimpleQueue] = []
@@ -87,7 +86,7 @@ class CpuBackend:
                 if ev is not None:
                     ev.set()
 
-    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), mode: int = LAUNCH) -> None:
+    def submit(self, stream: int, vid: int, waits: tuple[int, ...] = (), mode: Mode = Mode.LAUNCH) -> None:
         # `mode` changes nothing here: each stream has its own thread, which may wait on the host
         # (a Ray call); DEFERRED work (NCCL) only exists on cuda. The executor submits under its
         # lock, and a vertex of `waits` has not had its `done` yet (it counts as running), so its

@@ -18,9 +18,9 @@ every worker has loaded its graph), from what each worker reports of itself (`de
   reads the peer's memory over the link.
 - "nccl": GPUs without peer access, or on different nodes: one NCCL communicator per graph over
   the workers with such pairs, driven by one thread per worker in one agreed order
-  (`actors.nccl_channel`). NCCL refuses two ranks on one GPU, so a GPU contributes one member
+  (`actors.transports.nccl`). NCCL refuses two ranks on one GPU, so a GPU contributes one member
   and the others' pairs fall back to "ray".
-- "ray": the last fallback, `actors.transport.RayTransport` (bytes through the object store).
+- "ray": the last fallback, `actors.transports.objectstore.RayTransport` (bytes through the object store).
 
 The run summary reports the path each pair actually opened (`connect_workers` returns it). With
 the sanitizer on (`check=True`), every IPC/P2P/NCCL pull is checked after its copy completed:
@@ -40,9 +40,10 @@ import torch
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import Loc
 
-from .backend import BLOCKING, DEFERRED, LAUNCH
-from .nccl_channel import TIMEOUT_S, NcclChannel, NcclOp, nccl_ops
-from .transport import RayTransport
+from ..backends.base import Mode
+from .base import TransportBase
+from .nccl import TIMEOUT_S, NcclChannel, NcclOp, nccl_ops
+from .objectstore import RayTransport
 
 PATHS = ("ipc", "p2p", "nccl", "ray")
 IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -142,7 +143,7 @@ def shared_visible(assigned: Sequence[tuple[str, Sequence[str]]]) -> list[tuple[
 
 
 # ---- one worker's transport ----------------------------------------------------------------------
-class CudaTransport:
+class CudaTransport(TransportBase):
     """The `Transport` of one cuda worker; `attach` gives it the executor, `connect` its peers."""
 
     def __init__(self, gpu: int, handles: Sequence[Any]):
@@ -234,11 +235,13 @@ class CudaTransport:
         return self.ex.views.buf(op.loc, op.vid)
 
     # ---- a run ---------------------------------------------------------------------------------
-    def mode(self, src_gpu: int) -> int:
+    def mode(self, src_gpu: int) -> Mode:
         """IPC and P2P enqueue one copy; NCCL hands the receive to the channel; Ray waits for the
         bytes on the host."""
         path = self.paths.get(src_gpu, "ray")
-        return LAUNCH if path in ("ipc", "p2p") else DEFERRED if path == "nccl" else BLOCKING
+        if path in ("ipc", "p2p"):
+            return Mode.LAUNCH
+        return Mode.DEFERRED if path == "nccl" else Mode.BLOCKING
 
     def begin_run(self) -> None:
         if self.channel is not None:

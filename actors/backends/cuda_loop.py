@@ -27,7 +27,7 @@ Rejected: cupy's `launch_host_func` callbacks (43 us median on the H100, run on 
 callback thread for all streams, and may not call CUDA themselves) and polling the events on a
 timer (a poll interval of latency).
 
-Work that does not only enqueue (`actors.backend` modes):
+Work that does not only enqueue (`actors.backends.base.Mode`):
 - BLOCKING (a transfer whose bytes come through a Ray call): the stream's helper thread runs it
   (waits, start event, `work`, end event) and hands it back once recorded; meanwhile the loop
   launches nothing else on that stream, nor anything waiting on that vertex.
@@ -56,7 +56,7 @@ import torch
 
 from disco_ray.graph.errors import RunError
 
-from .backend import BLOCKING, LAUNCH, Done, Work
+from .base import Done, Mode, Work
 
 WAKE_S = 0.1  # longest the loop sleeps without looking at its streams
 
@@ -226,14 +226,14 @@ class CudaLoop:
             item = waiting.popleft()
             vid, s, waits, mode = item
             # LAUNCH work goes on no stream a helper enqueues on; external work joins the others'
-            busy_stream = st.held_on[s] and mode == LAUNCH
+            busy_stream = st.held_on[s] and mode == Mode.LAUNCH
             if s in stalled or busy_stream or any(u in blocked or u in held for u in waits):
                 waiting.append(item)
                 blocked.add(vid)
                 stalled.add(s)
                 continue
             launched += 1
-            if mode == LAUNCH:
+            if mode == Mode.LAUNCH:
                 rec = self._launch(vid, s, waits)
                 if rec is not None:
                     st.inflight[s].append(rec)
@@ -242,7 +242,7 @@ class CudaLoop:
             st.held_on[s] += 1
             self.host[0] += 1
             self.host[3] += 1
-            if mode == BLOCKING:
+            if mode == Mode.BLOCKING:
                 self.helpers[s].put((vid, waits))
             else:
                 self._defer(vid, s, waits)
@@ -365,7 +365,7 @@ class CudaLoop:
                 end.synchronize()  # blocking-sync event: this thread sleeps, the GIL released
             wake.set()
 
-    def submit(self, s: int, vid: int, waits: tuple[int, ...], mode: int) -> None:
+    def submit(self, s: int, vid: int, waits: tuple[int, ...], mode: Mode) -> None:
         # the executor submits under its lock, lowest id first: this deque holds its order
         self.submitted.append((vid, s, waits, mode))
         self.wake.set()

@@ -4,7 +4,7 @@
 Offloads that find the host store full go here (the planner's host budget). `SpillFile` writes
 each offload's range through bounce buffers on a writer thread and reads ranges back; `ReadAhead`
 reads the plan's upcoming reloads into staging buffers before their vertices run. Both move whole
-ALIGN-aligned blocks with O_DIRECT where the file system allows it (`actors.diskio`).
+ALIGN-aligned blocks with O_DIRECT where the file system allows it (`actors.tiers.diskio`).
 """
 
 from __future__ import annotations

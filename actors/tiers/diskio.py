@@ -1,5 +1,5 @@
 """Disk I/O at the disk's speed: graph inputs read from their files when the plan loads them (the
-spill file that offloads go to once the host store is full is `actors.spill`).
+spill file that offloads go to once the host store is full is `actors.tiers.spill`).
 
 A worker that streams its sourced inputs (`WorkerConfig.sources == "disk"`) keeps no copy of them
 in host memory: each load vertex reads its block of the safetensors file into a bounce buffer and

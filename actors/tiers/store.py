@@ -12,7 +12,7 @@ A worker may hold several graphs at once (a model's prefill and its decode steps
 - **resident inputs**: the value of each `Source` (a block of a safetensors file), read once when
   the first graph naming it is loaded, kept in host memory (pinned where the backend pins) for
   every graph and run that names it, for as long as the worker lives (`drop_unused` frees those
-  no loaded graph names). With sources streamed from disk (`actors.diskio`) there are none.
+  no loaded graph names). With sources streamed from disk (`actors.tiers.diskio`) there are none.
 - **states**: named values a run saves (`TaskGraph.carry`) and later runs read (`state` inputs),
   for example a KV cache. Each has a version that counts its saves.
 
@@ -76,7 +76,7 @@ class WorkerStore:
         self.states: dict[str, State] = {}
         self._resident: dict[tuple, _Resident] = {}
         self.bytes_read = 0  # from sources, since the store was made
-        self.reader = FileReader()  # streamed sources' reads (actors/diskio.py)
+        self.reader = FileReader()  # streamed sources' reads (actors/tiers/diskio.py)
         self.loads_skipped = 0  # input loads a run did not need (the arena held the value)
 
     def arena(self, nbytes: int) -> ArenaSlot:

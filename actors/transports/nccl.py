@@ -58,7 +58,9 @@ import torch
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import Loc, MemGraph, MKind
 
-TIMEOUT_S = 300.0  # default of DISCO_NCCL_TIMEOUT_S (read by actors.transport_cuda at connect)
+from ..backends.base import Backend
+
+TIMEOUT_S = 300.0  # default of DISCO_NCCL_TIMEOUT_S (read by actors.transports.cuda at connect)
 CONNECT_TIMEOUT_S = 120.0
 GROUP_LIMIT = 64  # operations per group: NCCL fuses a group into one launch
 TICK_S = 0.05  # how often the thread looks at its posted groups while some are in flight
@@ -150,7 +152,7 @@ class NcclChannel:
         self.stop = False
         self.comm: Any = None
         self.stream: Any = None  # the worker's deferred lane: every operation goes on it
-        self.backend: Any = None
+        self.backend: Any = None  # the worker's `Backend`: `external_begin/end` of the receives
         self.source: Callable[[NcclOp], torch.Tensor] | None = None  # the bytes a send reads
         self.groups = 0
         self.posted_ops = 0
@@ -161,7 +163,7 @@ class NcclChannel:
         self._thread: threading.Thread | None = None
 
     # ---- setup ---------------------------------------------------------------------------------
-    def start(self, backend: Any, stream: Any, source: Callable[[NcclOp], torch.Tensor]) -> None:
+    def start(self, backend: Backend, stream: Any, source: Callable[[NcclOp], torch.Tensor]) -> None:
         """Starts the thread: it creates the communicator (every member at once: the driver calls
         each worker's connect together) and connects each peer; returns once both are done.
 
