@@ -30,7 +30,7 @@ _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 class FinishReason(enum.Enum):
     """Why a sequence ended."""
 
-    STOP = "stop"  # it produced one of its stop ids (the stop id is kept in its output)
+    STOP = "stop"  # it produced one of its stop ids
     LENGTH = "length"  # it reached its max new tokens
 
 
