@@ -1,6 +1,7 @@
 """The `disco-ray` command line: the parser, the entry point and the argument types every command shares.
 
-Every subcommand NAME is a pair `add_NAME(subparsers)` (adds the parser NAME and its arguments)
+Every subcommand NAME is a pair `add_NAME(subparsers)` (adds the parser NAME and its arguments;
+written as `@command(NAME, help=..., description=...) def add_NAME(p)`, which fills the parser)
 and `cmd_NAME(args) -> int` (runs it, returns the exit status), in the module that COMMANDS names
 for it; adding a command is one line in COMMANDS. A module listed there keeps heavy imports (ray, torch) inside `cmd_NAME`, so that
 `disco-ray plan` stays quick.
