@@ -320,9 +320,17 @@ def _run_mode(w, settings: BenchSettings, mg, pool, mode: str):
 
     tg = w.taskgraph
     tty = sys.stderr.isatty()
-    kw = {"engine": settings.engine, "backend": settings.backend, "streams": settings.streams}
     cluster = None
-    with Program(tg, mg, **kw, ahead=settings.ahead, disk_dir=settings.disk_dir, pool=pool) as prog:
+    with Program(
+        tg,
+        mg,
+        engine=settings.engine,
+        backend=settings.backend,
+        streams=settings.streams,
+        ahead=settings.ahead,
+        disk_dir=settings.disk_dir,
+        pool=pool,
+    ) as prog:
         fastest: RunResult | None = None
         for r in range(settings.warmup + settings.repeat):  # warm-up: allocator, cuBLAS, actors
             res = prog.run(w.inputs, timeout=settings.timeout, progress=tty, details=True)
