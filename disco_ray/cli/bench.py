@@ -35,7 +35,7 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, add_tier_args, command, seconds_arg
+from .app import command, seconds_arg
 
 log = logging.getLogger("disco_ray")
 
@@ -50,11 +50,9 @@ def add_bench(p) -> None:
     from disco_ray.driver.placement import add_cluster_args
 
     from .run import add_engine_args
-    from .target import add_target_args
+    from .target import add_run_target_args
 
-    add_target_args(p)  # TARGET [key=value ...] --inputs --seed
-    add_capacity_args(p, default="everything fits")
-    add_tier_args(p)  # --host-capacity, --disk
+    add_run_target_args(p)  # TARGET [key=value ...] --inputs --seed --capacity --host-capacity --disk
     p.add_argument(
         "--modes",
         help="comma-separated modes: dynamic, deterministic, levelwise, in_memory, torch_naive, "

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import DiscoError, UsageError
 
-from .app import add_capacity_args, add_tier_args, command, seconds_arg
+from .app import command, seconds_arg
 
 log = logging.getLogger("disco_ray")
 
@@ -51,11 +51,9 @@ def delay_arg(text: str) -> tuple[float, float]:
     "(or use --plan) and run it; write the outputs, keyed by TaskGraph id, to --out.",
 )
 def add_run(p) -> None:
-    from .target import add_target_args
+    from .target import add_run_target_args
 
-    add_target_args(p)  # TARGET [key=value ...] --inputs --seed
-    add_capacity_args(p, default="everything fits")
-    add_tier_args(p)  # --host-capacity, --disk
+    add_run_target_args(p)  # TARGET [key=value ...] --inputs --seed --capacity --host-capacity --disk
     p.add_argument("--plan", metavar="MEMGRAPH", help="run this MemGraph instead of planning")
     p.add_argument(
         "--trusted-plan",
