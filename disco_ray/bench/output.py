@@ -47,9 +47,9 @@ def header(w, settings: BenchSettings, res: BenchResult) -> str:
 def write(
     out: Path, w, settings: BenchSettings, res: BenchResult, head: str, argv: Sequence[str] = ()
 ) -> list[Path]:
-    """Writes results.json, timeline.png and the traces (each atomically) into the folder `out`;
-    returns what it wrote, after removing such files an earlier bench left there that this one did
-    not write. `head`: the `header` lines; `argv`: the command line, recorded."""
+    """Writes results.json, timeline.png and the traces (each atomically) into the folder `out`
+    (made if missing); returns what it wrote, after removing such files an earlier bench left
+    there that this one did not write. `head`: the `header` lines; `argv`: the command line."""
     from disco_ray.graph.formats import write_doc
 
     doc = {
@@ -76,6 +76,7 @@ def write(
         "argv": list(argv),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json"]
     write_doc(_jsonable(doc), written[0])
     if res.traces:
