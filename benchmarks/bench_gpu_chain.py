@@ -183,18 +183,7 @@ def main() -> None:
     rows = []
     for engine in [e for e in args.engines.split(",") if e]:
         t0 = time.perf_counter()
-        with Program(tg, mg, engine=engine, backend="cuda", streams=args.streams, ahead=args.ahead) as prog:
-            best = None
-            for r in range(args.repeat + 1):  # run 0 warms the caching allocator and cuBLAS
-                res = prog.run(inputs, timeout=600)
-                s = prog.last_summary
-                print(
-                    f"  {engine} run {r}: makespan {s['makespan_s'] * 1e3:.2f} ms, wall {s['wall_s']:.2f} s",
-                    flush=True,
-                )
-                if r and (best is None or s["makespan_s"] < best["makespan_s"]):
-                    best, records = s, prog.last_records
-            y = res[f"Y{n - 1}"].float()
+        best, records, y = run_engine(engine, tg, mg, inputs, args)
         err = ((y - ref.float()).norm() / ref.float().norm()).item()
         if args.trace:
             write_trace(f"{args.trace}/chain_{engine}.json", mg, records, best)
@@ -209,6 +198,31 @@ def main() -> None:
     print(f"one matmul {mm_ms:.3f} ms, one tile H2D {h2d_ms:.3f} ms ({h2d_rate / 1e9:.1f} GB/s)")
     print(f"in memory:                        {mem_ms:8.2f} ms")
     print(f"torch double-buffered prefetch:   {pf_ms:8.2f} ms")
+    print_rows(rows, n, mm_ms, h2d_rate)
+
+
+def run_engine(engine: str, tg: TaskGraph, mg, inputs: dict, args) -> tuple[dict, list, torch.Tensor]:
+    """The best of `--repeat` runs on `engine` (after a warm-up run): its summary, its trace
+    records and the last output of the last run."""
+    n = args.n
+    with Program(tg, mg, engine=engine, backend="cuda", streams=args.streams, ahead=args.ahead) as prog:
+        best = None
+        for r in range(args.repeat + 1):  # run 0 warms the caching allocator and cuBLAS
+            res = prog.run(inputs, timeout=600)
+            s = prog.last_summary
+            print(
+                f"  {engine} run {r}: makespan {s['makespan_s'] * 1e3:.2f} ms, wall {s['wall_s']:.2f} s",
+                flush=True,
+            )
+            if r and (best is None or s["makespan_s"] < best["makespan_s"]):
+                best, records = s, prog.last_records
+        y = res[f"Y{n - 1}"].float()
+    assert best is not None  # --repeat >= 1
+    return best, records, y
+
+
+def print_rows(rows: list[tuple], n: int, mm_ms: float, h2d_rate: float) -> None:
+    """Per engine: makespan, lower bound and their ratio; busy fractions, bytes, transports, error."""
     for engine, s, bound_ms, h2d_bytes, err, _ in rows:
         g = s["gpus"][0]
         print(

@@ -69,15 +69,59 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
+def rel_err(got, ref) -> float:
+    """The largest absolute difference, relative to the largest reference logit."""
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def first_and_best(fn, repeat: int) -> tuple[float, float, object]:
+    """Seconds of the first call, the best of `repeat` calls after it, and the first's result."""
+    first, out = timed(fn)
+    best = min(timed(fn)[0] for _ in range(repeat))
+    return first, best, out
+
+
+def run_transformers(path: Path, x: torch.Tensor, repeat: int) -> tuple[float, float, object]:
+    """transformers with the whole model in memory: the reference logits."""
+    import transformers
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return first_and_best(lambda: hf(x).logits[0], repeat)
+
+
+def run_accelerate(path: Path, x: torch.Tensor, repeat: int, budget: int) -> tuple[str, float, float, object]:
+    """accelerate's disk offload at the budget; its row's name says what it put on disk."""
+    import transformers
+
+    with tempfile.TemporaryDirectory(prefix="bench-offload-") as folder:
+        t0 = time.perf_counter()
+        acc = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, device_map="auto", max_memory={"cpu": budget}, offload_folder=folder
+        ).eval()
+        load = time.perf_counter() - t0
+        on_disk = sum(1 for d in acc.hf_device_map.values() if d == "disk")
+        with torch.no_grad():
+            first, best, got = first_and_best(lambda: acc(x).logits[0], repeat)
+    return f"accelerate disk offload ({on_disk} modules on disk; load {load:.1f} s)", first, best, got
+
+
+def run_disco(path: Path, ids: torch.Tensor, repeat: int, **kw) -> tuple[float, float, object, int]:
+    """disco-ray's prefill on the local engine; also the bytes its plans reload."""
+    from disco_ray.models import LlamaModel
+
+    with LlamaModel(str(path), engine="local", **kw) as m:
+        first, best, got = first_and_best(lambda: m.prefill(ids.tolist()), repeat)
+        moved = sum(p["bytes_reloaded"] for p in m.plans)
+    return first, best, got, moved
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/bench_llama", help="where the checkpoint is (made if missing)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args(argv)
-    import transformers
-
-    from disco_ray.models import LlamaModel
     from disco_ray.models.llama import capacity_bounds
     from workloads.checkpoint import Checkpoint
 
@@ -86,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     bounds = capacity_bounds(str(path), prompt=args.prompt, new_tokens=1)
     budget = max(bounds["min"][0], weights // 3)
     ids = torch.randint(0, SHAPE["vocab_size"], (args.prompt,), generator=torch.Generator().manual_seed(0))
-    x = ids[None]
     bw = probe(path)
     print(
         f"checkpoint {path}: {weights / 1e9:.2f} GB float32; prompt {args.prompt}; budget "
@@ -94,73 +137,50 @@ def main(argv: list[str] | None = None) -> int:
         f"threads, CPU only; disk probe (O_DIRECT, 16 MiB reads of the checkpoint): {bw:.2f} GB/s, so "
         f"reading the weights takes {weights / bw / 1e9:.3f} s"
     )
-    rows = []
-    dropped = []
-
-    # transformers, everything in memory
+    dropped = [drop_caches()]
+    first, compute, ref = run_transformers(path, ids[None], args.repeat)
+    rows = [("transformers, in memory", first, compute, 0.0)]
     dropped.append(drop_caches())
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        first, ref = timed(lambda m=hf: m(x).logits[0])
-        best = min(timed(lambda m=hf: m(x))[0] for _ in range(args.repeat))
-    rows.append(("transformers, in memory", first, best, 0.0))
-    compute = best
-    del hf
-
-    # accelerate's disk offload at the budget
-    with tempfile.TemporaryDirectory(prefix="bench-offload-") as folder:
-        dropped.append(drop_caches())
-        t0 = time.perf_counter()
-        acc = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, device_map="auto", max_memory={"cpu": budget}, offload_folder=folder
-        ).eval()
-        load = time.perf_counter() - t0
-        on_disk = sum(1 for d in acc.hf_device_map.values() if d == "disk")
-        with torch.no_grad():
-            first, got = timed(lambda m=acc: m(x).logits[0])
-            best = min(timed(lambda m=acc: m(x))[0] for _ in range(args.repeat))
-        err = float((got - ref).abs().max() / ref.abs().max())
-        rows.append(
-            (f"accelerate disk offload ({on_disk} modules on disk; load {load:.1f} s)", first, best, err)
-        )
-        del acc
-
-    # disco-ray, weights streamed from the checkpoint
+    name, first, best, got = run_accelerate(path, ids[None], args.repeat, budget)
+    rows.append((name, first, best, rel_err(got, ref)))
     dropped.append(drop_caches())
-    with LlamaModel(str(path), capacity=budget, weights="disk", engine="local") as m:
-        first, got = timed(lambda: m.prefill(ids.tolist()))
-        best = min(timed(lambda: m.prefill(ids.tolist()))[0] for _ in range(args.repeat))
-        moved = sum(p["bytes_reloaded"] for p in m.plans)
-    err = float((got - ref).abs().max() / ref.abs().max())
-    rows.append((f"disco-ray, weights from the checkpoint (reloaded {moved / 1e9:.2f} GB)", first, best, err))
-    disco = best
-
+    first, disco, got, moved = run_disco(path, ids, args.repeat, capacity=budget, weights="disk")
+    name = f"disco-ray, weights from the checkpoint (reloaded {moved / 1e9:.2f} GB)"
+    rows.append((name, first, disco, rel_err(got, ref)))
     # disco-ray with everything in memory: its own compute, apart from the streaming
-    with LlamaModel(str(path), capacity=bounds["roomy"][0], engine="local") as m:
-        first, got = timed(lambda: m.prefill(ids.tolist()))
-        best = min(timed(lambda: m.prefill(ids.tolist()))[0] for _ in range(args.repeat))
-    err = float((got - ref).abs().max() / ref.abs().max())
-    rows.append(("disco-ray, in memory (arena holds all, weights kept in host memory)", first, best, err))
+    first, best, got, _ = run_disco(path, ids, args.repeat, capacity=bounds["roomy"][0])
+    rows.append(
+        (
+            "disco-ray, in memory (arena holds all, weights kept in host memory)",
+            first,
+            best,
+            rel_err(got, ref),
+        )
+    )
+    report(rows, compute, disco, weights / bw / 1e9, all(dropped))
+    return 0
 
+
+def report(rows: list[tuple], compute: float, disco: float, read_s: float, dropped: bool) -> None:
+    """The table, disco-ray's ratio to its goal and accelerate's to disco-ray."""
     print()
     print("| run | first prefill s | prefill s (best) | logits rel. err |")
     print("| --- | --- | --- | --- |")
     for name, f, b, e in rows:
         print(f"| {name} | {f:.3f} | {b:.3f} | {e:.1e} |")
-    goal = max(compute, weights / bw / 1e9)
+    goal = max(compute, read_s)
     print()
     print(
-        f"disco-ray / max(compute in memory {compute:.3f} s, file read {weights / bw / 1e9:.3f} s) = "
+        f"disco-ray / max(compute in memory {compute:.3f} s, file read {read_s:.3f} s) = "
         f"{disco / goal:.2f}x (goal 1.15x); accelerate / disco-ray = {rows[1][2] / disco:.2f}x warm, "
         f"{rows[1][1] / rows[2][1]:.2f}x first run (goal 1.5x cold)"
     )
-    if not all(dropped):
+    if not dropped:
         print(
             "page cache NOT dropped (no permission for /proc/sys/vm/drop_caches): accelerate's "
             "offload folder and the checkpoint may be served from memory; disco-ray's reads are "
             "O_DIRECT, from the disk"
         )
-    return 0
 
 
 if __name__ == "__main__":

@@ -129,59 +129,69 @@ def main(argv: list[str] | None = None) -> int:
             f"read {p['read_gb_s']:.2f} GB/s"
         )
         print()
-        print(
-            "| setting | makespan | offloaded host / disk | reloaded host / disk | peak gpu / host / disk "
-            "| disk write | disk read | disk lanes busy |"
-        )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-        for name, r in rows:
-            s, st = r["summary"], r["plan"]
-            off_d, rel_d = st["bytes_offloaded_disk"], st["bytes_reloaded_disk"]
-            d = s.get("disk")
-
-            def io(way: str, secs: str, rate: str, d=d) -> str:
-                if not d or not d[f"bytes_{way}"]:
-                    return "-"
-                return f"{format_size(d[f'bytes_{way}'])} in {d[secs] * 1e3:.0f} ms ({d[rate]:.2f} GB/s)"
-
-            print(
-                f"| {name} | {s['makespan_s'] * 1e3:.0f} ms "
-                f"| {format_size(st['bytes_offloaded'] - off_d)} / {format_size(off_d)} "
-                f"| {format_size(st['bytes_reloaded'] - rel_d)} / {format_size(rel_d)} "
-                f"| {format_size(max(st['peak_gpu_bytes']))} / {format_size(max(st['peak_host_bytes']))} / "
-                f"{format_size(max(st['peak_disk_bytes']))} "
-                f"| {io('written', 'write_s', 'write_gb_per_s')} | {io('read', 'read_s', 'read_gb_per_s')} "
-                f"| {max(g.get('busy_disk', 0) for g in s['gpus']):.0%} |"
-            )
+        _print_table(rows)
         print()
-        for name, r in rows:
-            d = r["summary"].get("disk")
-            if d:
-                w0 = d["workers"][0]
-                ra = w0["read_ahead"]
-                io_bytes = w0["buffer_bytes"] + ra["staging_bytes"]
-                store = max(r["plan"]["peak_host_bytes"])
-                print(
-                    f"{name}: host RAM for the tiers {format_size(store + io_bytes)}: the host store's peak "
-                    f"{format_size(store)} + I/O buffers {format_size(w0['buffer_bytes'])} (bounce, writes "
-                    f"behind) and {format_size(ra['staging_bytes'])} (read-ahead staging); "
-                    f"reloads read ahead {ra['hits']}, read by the reload itself {ra['misses']}; "
-                    f"compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}"
-                )
-            else:
-                print(
-                    f"{name}: host RAM for the tiers {format_size(max(r['plan']['peak_host_bytes']))} (the host "
-                    f"store's peak); compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}"
-                )
-        print(
-            "(reloaded host includes weights reloaded from the caller's copy; disk I/O counts whole "
-            "4 KiB blocks and only the seconds of file I/O; disk lanes busy: the share of the makespan "
-            "with a disk offload or reload running, beside compute; CPU figures)"
-        )
+        _print_host_ram(rows)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _print_table(rows: list[tuple[str, dict]]) -> None:
+    """A markdown row per setting: makespan, bytes per tier, peaks, disk I/O."""
+    print(
+        "| setting | makespan | offloaded host / disk | reloaded host / disk | peak gpu / host / disk "
+        "| disk write | disk read | disk lanes busy |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in rows:
+        s, st = r["summary"], r["plan"]
+        off_d, rel_d = st["bytes_offloaded_disk"], st["bytes_reloaded_disk"]
+        d = s.get("disk")
+
+        def io(way: str, secs: str, rate: str, d=d) -> str:
+            if not d or not d[f"bytes_{way}"]:
+                return "-"
+            return f"{format_size(d[f'bytes_{way}'])} in {d[secs] * 1e3:.0f} ms ({d[rate]:.2f} GB/s)"
+
+        print(
+            f"| {name} | {s['makespan_s'] * 1e3:.0f} ms "
+            f"| {format_size(st['bytes_offloaded'] - off_d)} / {format_size(off_d)} "
+            f"| {format_size(st['bytes_reloaded'] - rel_d)} / {format_size(rel_d)} "
+            f"| {format_size(max(st['peak_gpu_bytes']))} / {format_size(max(st['peak_host_bytes']))} / "
+            f"{format_size(max(st['peak_disk_bytes']))} "
+            f"| {io('written', 'write_s', 'write_gb_per_s')} | {io('read', 'read_s', 'read_gb_per_s')} "
+            f"| {max(g.get('busy_disk', 0) for g in s['gpus']):.0%} |"
+        )
+
+
+def _print_host_ram(rows: list[tuple[str, dict]]) -> None:
+    """A line per setting: the host RAM the tiers took, read-ahead hits, compute busy."""
+    for name, r in rows:
+        d = r["summary"].get("disk")
+        if d:
+            w0 = d["workers"][0]
+            ra = w0["read_ahead"]
+            io_bytes = w0["buffer_bytes"] + ra["staging_bytes"]
+            store = max(r["plan"]["peak_host_bytes"])
+            print(
+                f"{name}: host RAM for the tiers {format_size(store + io_bytes)}: the host store's peak "
+                f"{format_size(store)} + I/O buffers {format_size(w0['buffer_bytes'])} (bounce, writes "
+                f"behind) and {format_size(ra['staging_bytes'])} (read-ahead staging); "
+                f"reloads read ahead {ra['hits']}, read by the reload itself {ra['misses']}; "
+                f"compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}"
+            )
+        else:
+            print(
+                f"{name}: host RAM for the tiers {format_size(max(r['plan']['peak_host_bytes']))} (the host "
+                f"store's peak); compute busy {r['summary']['gpus'][0]['busy_compute']:.0%}"
+            )
+    print(
+        "(reloaded host includes weights reloaded from the caller's copy; disk I/O counts whole "
+        "4 KiB blocks and only the seconds of file I/O; disk lanes busy: the share of the makespan "
+        "with a disk offload or reload running, beside compute; CPU figures)"
+    )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ The public API, imported lazily (so `import disco_ray` pulls in neither torch no
     disco_ray.DiscoError, GraphError, RunError, ...  the error hierarchy (disco_ray.graph.errors)
 
 The packages, in the direction imports flow: `disco_ray.graph` (data model) <- `planner`,
-`actors`, `workloads` <- `disco_ray.driver`, `disco_ray.bench` <- `disco_ray.models` <-
-`disco_ray.cli`.
+`actors`, `workloads` <- `disco_ray.driver` <- `disco_ray.bench`, `disco_ray.models`,
+`disco_ray.frontend` <- `disco_ray.cli`.
 """
 
 from __future__ import annotations

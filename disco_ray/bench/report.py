@@ -1,7 +1,7 @@
 """The pure part of `disco-ray bench`: output checks, rows, the table, simulated timelines.
 
 No Ray and no runtime here: these functions take run summaries or simulator results and turn
-them into figures. `disco_ray.cli.bench` runs the modes and calls them; the lower bound is
+them into figures. `disco_ray.bench.run` runs the modes and calls them; the lower bound is
 `disco_ray.bench.bound`, the timeline plot `disco_ray.bench.plot`.
 """
 

@@ -1,6 +1,7 @@
 """The `disco-ray` command line: the parser, the entry point and the argument types every command shares.
 
-Every subcommand NAME is a pair `add_NAME(subparsers)` (adds the parser NAME and its arguments)
+Every subcommand NAME is a pair `add_NAME(subparsers)` (adds the parser NAME and its arguments;
+written as `@command(NAME, help=..., description=...) def add_NAME(p)`, which fills the parser)
 and `cmd_NAME(args) -> int` (runs it, returns the exit status), in the module that COMMANDS names
 for it; adding a command is one line in COMMANDS. A module listed there keeps heavy imports (ray, torch) inside `cmd_NAME`, so that
 `disco-ray plan` stays quick.
@@ -15,6 +16,7 @@ INFO by default, `-q` warnings only, `-v` debug too; results go to stdout or fil
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -66,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in COMMANDS.items():
         getattr(importlib.import_module(module), f"add_{name}")(sub)
     return parser
+
+
+def command(name: str, help: str, description: str | None = None):
+    """Makes `add_NAME(p)`, which adds a command's arguments to its parser, the `add_NAME(sub)`
+    that COMMANDS calls: it makes the parser NAME with this help and description, then fills it."""
+
+    def make(add_args):
+        @functools.wraps(add_args)
+        def add(sub) -> None:
+            add_args(sub.add_parser(name, help=help, description=description))
+
+        return add
+
+    return make
 
 
 _SIGTERM: list[bool] = []  # set when SIGTERM came: the KeyboardInterrupt it raised means "terminated"

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .app import command
+
 # Per backend: workload parameters and the arena per GPU as a fraction of that GPU's weights.
 SETTINGS: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
     ("llama_prefill", "cpu"): ({"preset": "tiny", "layers": 4, "gpus": 2, "seq": 256, "tile": 64}, 0.35),
@@ -35,8 +37,8 @@ SETTINGS: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
 }
 
 
-def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="plan, run and check a workload far larger than its memory budget")
+@command("demo", help="plan, run and check a workload far larger than its memory budget")
+def add_demo(p) -> None:
     p.add_argument("--workload", default="llama_prefill", choices=sorted({w for w, _ in SETTINGS}))
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--engine", default="ray", choices=["ray", "local"])

@@ -20,17 +20,17 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, add_tier_args, capacity_of, seconds_arg, seed_arg
+from .app import add_capacity_args, add_tier_args, capacity_of, command, seconds_arg, seed_arg
 from .run import add_model_run_args, model_run_kwargs
 
 
-def add_finetune(sub) -> None:
-    p = sub.add_parser(
-        "finetune",
-        help="LoRA fine-tuning of a Hugging Face LLaMA checkpoint",
-        description="Train a LoRA adapter of MODEL_DIR on TOKENS.npy for K optimizer steps and write it "
-        "to DIR in PEFT's layout.",
-    )
+@command(
+    "finetune",
+    help="LoRA fine-tuning of a Hugging Face LLaMA checkpoint",
+    description="Train a LoRA adapter of MODEL_DIR on TOKENS.npy for K optimizer steps and write it "
+    "to DIR in PEFT's layout.",
+)
+def add_finetune(p) -> None:
     p.add_argument("model", metavar="MODEL_DIR")
     p.add_argument("--data", required=True, metavar="TOKENS.npy", help="int64 token ids [batch, seq]")
     p.add_argument("--steps", type=int, required=True, metavar="K")

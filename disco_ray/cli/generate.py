@@ -21,7 +21,7 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, add_tier_args, capacity_of, seconds_arg
+from .app import add_capacity_args, add_tier_args, capacity_of, command, seconds_arg
 from .run import add_model_run_args, model_run_kwargs
 
 
@@ -36,13 +36,13 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
-def add_generate(sub) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="greedy generation with a Hugging Face LLaMA checkpoint",
-        description="Load MODEL_DIR onto GPUS workers with CAPACITY arena bytes each, prefill the "
-        "prompt and decode greedily with a KV cache the workers keep. Prints the new token ids.",
-    )
+@command(
+    "generate",
+    help="greedy generation with a Hugging Face LLaMA checkpoint",
+    description="Load MODEL_DIR onto GPUS workers with CAPACITY arena bytes each, prefill the "
+    "prompt and decode greedily with a KV cache the workers keep. Prints the new token ids.",
+)
+def add_generate(p) -> None:
     p.add_argument("model", metavar="MODEL_DIR", help="config.json + model.safetensors (or shards)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt-ids", type=token_ids, metavar="IDS", help="prompt token ids, e.g. 1,2,3")

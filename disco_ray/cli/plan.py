@@ -18,6 +18,7 @@ from .app import (
     add_capacity_args,
     add_tier_args,
     capacity_of,
+    command,
     host_capacity_of,
     output_path,
     positive_int,
@@ -127,12 +128,12 @@ def summary_lines(st: dict, what: str) -> list[str]:
 
 
 # ---- plan --------------------------------------------------------------------------------------
-def add_plan(sub) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="build a MemGraph from a TaskGraph (BUILDMEMGRAPH)",
-        description="Plan TASKGRAPH for GPUs of the given capacity and write the MemGraph.",
-    )
+@command(
+    "plan",
+    help="build a MemGraph from a TaskGraph (BUILDMEMGRAPH)",
+    description="Plan TASKGRAPH for GPUs of the given capacity and write the MemGraph.",
+)
+def add_plan(p) -> None:
     p.add_argument("taskgraph", metavar="TASKGRAPH", help="TaskGraph file (.json or .msgpack)")
     add_capacity_args(p, required=True)
     add_tier_args(p, disk=False)
@@ -195,13 +196,13 @@ def cmd_plan(args) -> int:
 
 
 # ---- verify ------------------------------------------------------------------------------------
-def add_verify(sub) -> None:
-    p = sub.add_parser(
-        "verify",
-        help="check that a MemGraph is a correct plan of a TaskGraph",
-        description="Exit 0 if MEMGRAPH is correct for TASKGRAPH (FORMATS.md), else print "
-        "one violation per line and exit 1.",
-    )
+@command(
+    "verify",
+    help="check that a MemGraph is a correct plan of a TaskGraph",
+    description="Exit 0 if MEMGRAPH is correct for TASKGRAPH (FORMATS.md), else print "
+    "one violation per line and exit 1.",
+)
+def add_verify(p) -> None:
     p.add_argument("taskgraph", metavar="TASKGRAPH")
     p.add_argument("memgraph", metavar="MEMGRAPH")
     p.add_argument("--limit", type=positive_int, default=20, help="report at most this many violations")
@@ -223,12 +224,12 @@ def cmd_verify(args) -> int:
 
 
 # ---- info --------------------------------------------------------------------------------------
-def add_info(sub) -> None:
-    p = sub.add_parser(
-        "info",
-        help="statistics of a TaskGraph or MemGraph file",
-        description="Print vertices by kind, edges, bytes offloaded/reloaded, peak bytes.",
-    )
+@command(
+    "info",
+    help="statistics of a TaskGraph or MemGraph file",
+    description="Print vertices by kind, edges, bytes offloaded/reloaded, peak bytes.",
+)
+def add_info(p) -> None:
     p.add_argument("file", metavar="FILE", help="a TaskGraph or MemGraph (.json or .msgpack)")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
 
@@ -245,8 +246,8 @@ def cmd_info(args) -> int:
 
 
 # ---- ops ---------------------------------------------------------------------------------------
-def add_ops(sub) -> None:
-    p = sub.add_parser("ops", help="list the op set", description="Print the op table (docs/OPS.md).")
+@command("ops", help="list the op set", description="Print the op table (docs/OPS.md).")
+def add_ops(p) -> None:
     p.add_argument("--markdown", action="store_true", help="print docs/OPS.md")
 
 

@@ -16,16 +16,18 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
+from .app import command
+
 log = logging.getLogger("disco_ray")
 
 
-def add_plot(sub) -> None:
-    p = sub.add_parser(
-        "plot",
-        help="draw trace files (Chrome/Perfetto JSON) as a timeline PNG",
-        description="Draw each TRACE (trace-event JSON) as a panel of one PNG: lanes per process, "
-        "counters under them.",
-    )
+@command(
+    "plot",
+    help="draw trace files (Chrome/Perfetto JSON) as a timeline PNG",
+    description="Draw each TRACE (trace-event JSON) as a panel of one PNG: lanes per process, "
+    "counters under them.",
+)
+def add_plot(p) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE.json", help="trace-event JSON files")
     p.add_argument("-o", "--output", default="timeline.png", metavar="OUT.png", help="default timeline.png")
     p.add_argument("--title", help="the figure's title (default: the files' names)")

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import DiscoError, UsageError
 
+from .app import command, seconds_arg
+
 log = logging.getLogger("disco_ray")
 
 
@@ -42,19 +44,16 @@ def delay_arg(text: str) -> tuple[float, float]:
     return lo, hi
 
 
-def add_run(sub) -> None:
-    from .app import add_capacity_args, add_tier_args, seconds_arg
-    from .target import add_target_args
+@command(
+    "run",
+    help="run a TaskGraph file or a workload (plan, execute, write outputs)",
+    description="Plan TASKGRAPH (a file, or a built-in WORKLOAD) for GPUs of --capacity bytes "
+    "(or use --plan) and run it; write the outputs, keyed by TaskGraph id, to --out.",
+)
+def add_run(p) -> None:
+    from .target import add_run_target_args
 
-    p = sub.add_parser(
-        "run",
-        help="run a TaskGraph file or a workload (plan, execute, write outputs)",
-        description="Plan TASKGRAPH (a file, or a built-in WORKLOAD) for GPUs of --capacity bytes "
-        "(or use --plan) and run it; write the outputs, keyed by TaskGraph id, to --out.",
-    )
-    add_target_args(p)  # TARGET [key=value ...] --inputs --seed
-    add_capacity_args(p, default="everything fits")
-    add_tier_args(p)  # --host-capacity, --disk
+    add_run_target_args(p)  # TARGET [key=value ...] --inputs --seed --capacity --host-capacity --disk
     p.add_argument("--plan", metavar="MEMGRAPH", help="run this MemGraph instead of planning")
     p.add_argument(
         "--trusted-plan",

@@ -42,6 +42,16 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_run_target_args(p: argparse.ArgumentParser) -> None:
+    """What `run` and `bench` take: TARGET [key=value ...] --inputs --seed, and the budget it runs
+    under: --capacity (default: everything fits), --capacity-gpu, --host-capacity, --disk."""
+    from .app import add_capacity_args, add_tier_args
+
+    add_target_args(p)
+    add_capacity_args(p, default="everything fits")
+    add_tier_args(p)
+
+
 def is_file(target: str) -> bool:
     """A path (it exists, or ends in .json/.msgpack) rather than a workload name."""
     return Path(target).suffix.lower() in formats.SUFFIXES or Path(target).exists()

@@ -17,15 +17,17 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
+from .app import command
 
-def add_workload(sub) -> None:
+
+@command(
+    "workload",
+    help="write a built-in workload (TaskGraph + inputs)",
+    description="Build workload NAME with key=value parameters; write its TaskGraph and inputs.",
+)
+def add_workload(p) -> None:
     from .app import output_path
 
-    p = sub.add_parser(
-        "workload",
-        help="write a built-in workload (TaskGraph + inputs)",
-        description="Build workload NAME with key=value parameters; write its TaskGraph and inputs.",
-    )
     p.add_argument("name", nargs="?", metavar="NAME", help="workload name (see --list)")
     p.add_argument("params", nargs="*", metavar="key=value", help="builder parameters, e.g. n=8 gpus=2")
     p.add_argument("--list", action="store_true", help="list the workloads and their parameters")

@@ -204,9 +204,6 @@ def measure_links(
     Raises:
         RunError: a worker is not reachable (named), or target has no live workers.
     """
-    import ray
-    from ray.exceptions import RayActorError, RayTaskError
-
     workers, placement, backend = _unpack(target, placement, backend)
     n = len(workers)
     node_of = [w["node_id"] for w in placement["workers"][:n]]
@@ -216,24 +213,60 @@ def measure_links(
     links = []
     for a, b in pairs:
         path = opened.get(f"{a}->{b}") or transfer_path(node_of[a], node_of[b], backend)
-        try:
-            r = ray.get(workers[b].call.remote(_pull, a, workers[a], nbytes, repeats))
-        except (RayActorError, RayTaskError) as e:
-            raise RunError(f"link probe gpu:{a} -> gpu:{b} failed: {type(e).__name__}: {e}") from None
+        via, gbps = _probe_link(workers, a, b, nbytes, repeats)
         links.append(
             {
                 "src": a,
                 "dst": b,
                 "path": path,
-                "via": path if r["via"] == "transport" else r["via"],
+                "via": path if via == "transport" else via,
                 "src_node": node_of[a],
                 "dst_node": node_of[b],
-                "gbps": _gbps(nbytes, r["seconds"]),
+                "gbps": gbps,
             }
         )
+    return {
+        "probe_bytes": nbytes,
+        "repeats": repeats,
+        "backend": backend,
+        "links": links,
+        "paths": _path_figures(links),
+        "nodes": _node_figures(workers, node_of, nbytes, repeats),
+    }
+
+
+def _probe_link(workers: list, a: int, b: int, nbytes: int, repeats: int) -> tuple[str, float]:
+    """Worker b pulls `nbytes` from worker a `repeats` times: what carried them, and the rate."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        r = ray.get(workers[b].call.remote(_pull, a, workers[a], nbytes, repeats))
+    except (RayActorError, RayTaskError) as e:
+        raise RunError(f"link probe gpu:{a} -> gpu:{b} failed: {type(e).__name__}: {e}") from None
+    return r["via"], _gbps(nbytes, r["seconds"])
+
+
+def _path_figures(links: list[dict]) -> dict:
+    """Per path: how many links take it and their median, lowest and highest rates."""
     by_path: dict[str, list[float]] = {}
     for ln in links:
         by_path.setdefault(ln["path"], []).append(ln["gbps"])
+    return {
+        p: {
+            "links": len(v),
+            "gbps_median": round(statistics.median(v), 4),
+            "gbps_min": min(v),
+            "gbps_max": max(v),
+        }
+        for p, v in sorted(by_path.items())
+    }
+
+
+def _node_figures(workers: list, node_of: list, nbytes: int, repeats: int) -> list[dict]:
+    """Per node: its address, GPUs and resources, and a host memcpy timed on its first worker."""
+    import ray
+
     info = {x["node_id"]: x for x in nodes()}
     per_node = []
     for node in dict.fromkeys(node_of):
@@ -243,27 +276,12 @@ def measure_links(
             {
                 "node_id": node,
                 "ip": info.get(node, {}).get("ip"),
-                "gpus": [g for g in range(n) if node_of[g] == node],
+                "gpus": [g for g in range(len(workers)) if node_of[g] == node],
                 "memcpy_gbps": _gbps(nbytes, secs),
                 "resources": info.get(node, {}).get("resources", {}),
             }
         )
-    return {
-        "probe_bytes": nbytes,
-        "repeats": repeats,
-        "backend": backend,
-        "links": links,
-        "paths": {
-            p: {
-                "links": len(v),
-                "gbps_median": round(statistics.median(v), 4),
-                "gbps_min": min(v),
-                "gbps_max": max(v),
-            }
-            for p, v in sorted(by_path.items())
-        },
-        "nodes": per_node,
-    }
+    return per_node
 
 
 def _unpack(target: Any, placement: dict | None, backend: str) -> tuple[list, dict, str]:

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal, TypeAlias, overload
 
 import torch
 
@@ -32,6 +32,7 @@ from disco_ray.graph.trace import summarize, write_trace
 ENGINES = ("ray", "local")
 log = logging.getLogger("disco_ray")
 _WARNED: set[str] = set()  # low-precision dtypes already warned about on the cpu backend
+Capacity: TypeAlias = int | str | Sequence[int] | Mapping[int, int] | None  # bytes per GPU: see `compile`
 RUN_KEYS = ("trace", "details", *RunOptions.__dataclass_fields__)  # what Program.run takes
 
 
@@ -344,7 +345,7 @@ def _warn_low_precision(tg: TaskGraph) -> None:
 
 def compile(
     tg: TaskGraph,
-    capacity: int | str | Sequence[int] | Mapping[int, int] | None = None,
+    capacity: Capacity = None,
     *,
     order: Sequence[str] | None = None,
     alignment: int = 256,
@@ -407,11 +408,8 @@ def run_memgraph(
 def run(
     tg: TaskGraph,
     inputs: Mapping[str, object],
-    capacity: int | str | Sequence[int] | None = None,
+    capacity: Capacity = None,
     *,
-    order: Sequence[str] | None = None,
-    alignment: int = 256,
-    host_capacity: int | str | Sequence[int | None] | None = None,
     details: Literal[False] = False,
     **kw,
 ) -> dict[str, torch.Tensor]: ...
@@ -419,51 +417,27 @@ def run(
 
 @overload
 def run(
-    tg: TaskGraph,
-    inputs: Mapping[str, object],
-    capacity: int | str | Sequence[int] | None = None,
-    *,
-    order: Sequence[str] | None = None,
-    alignment: int = 256,
-    host_capacity: int | str | Sequence[int | None] | None = None,
-    details: Literal[True],
-    **kw,
+    tg: TaskGraph, inputs: Mapping[str, object], capacity: Capacity = None, *, details: Literal[True], **kw
 ) -> RunResult: ...
 
 
 @overload
 def run(
-    tg: TaskGraph,
-    inputs: Mapping[str, object],
-    capacity: int | str | Sequence[int] | None = None,
-    *,
-    order: Sequence[str] | None = None,
-    alignment: int = 256,
-    host_capacity: int | str | Sequence[int | None] | None = None,
-    details: bool,
-    **kw,
+    tg: TaskGraph, inputs: Mapping[str, object], capacity: Capacity = None, *, details: bool, **kw
 ) -> dict[str, torch.Tensor] | RunResult: ...
 
 
 def run(
-    tg: TaskGraph,
-    inputs: Mapping[str, object],
-    capacity: int | str | Sequence[int] | None = None,
-    *,
-    order: Sequence[str] | None = None,
-    alignment: int = 256,
-    host_capacity: int | str | Sequence[int | None] | None = None,
-    details: bool = False,
-    **kw,
+    tg: TaskGraph, inputs: Mapping[str, object], capacity: Capacity = None, *, details: bool = False, **kw
 ) -> dict[str, torch.Tensor] | RunResult:
-    """Plans `tg` for `capacity` bytes per GPU (default: everything fits; `host_capacity`: the host
-    stores' budget, beyond which offloads go to disk) and runs it once.
+    """Plans `tg` for `capacity` bytes per GPU (default: everything fits) and runs it once.
 
-    `kw`: Program's options (engine, backend, streams, ...) and `Program.run`'s (trace, details,
-    check, delay, seed, timeout, progress). Inputs are checked before planning, so a bad input
-    costs nothing. With `details=True` it returns a `RunResult` (outputs, plan, statistics).
+    `kw`: `compile`'s options (order, alignment, host_capacity: the host stores' budget, beyond
+    which offloads go to disk), Program's (engine, backend, streams, ...) and `Program.run`'s
+    (trace, check, delay, seed, timeout, progress). Inputs are checked before planning, so a bad
+    input costs nothing. With `details=True` it returns a `RunResult` (outputs, plan, statistics).
     """
     check_inputs(tg, inputs)
     run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
-    with compile(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity, **kw) as prog:
+    with compile(tg, capacity, **kw) as prog:
         return prog.run(inputs, details=details, **run_kw)

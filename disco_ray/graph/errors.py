@@ -35,3 +35,20 @@ class FrontendError(DiscoError):
 
 class UsageError(DiscoError):
     """Bad command-line usage or an unparsable argument value."""
+
+
+def check_header(doc: object, what: str, fmt: str, version: int) -> dict:
+    """`doc`, a document's top level; FormatError unless it is an object of this format and version.
+
+    Args:
+        what: the document's kind, the messages' prefix ("taskgraph", "memgraph").
+        fmt: the "format" it must name (e.g. "disco-taskgraph").
+        version: the one "version" this reader reads.
+    """
+    if not isinstance(doc, dict):
+        raise FormatError(f"{what}: top level must be an object")
+    if doc.get("format") != fmt:
+        raise FormatError(f'{what}: "format" must be {fmt!r}, got {doc.get("format")!r}')
+    if doc.get("version") != version:
+        raise FormatError(f"{what}: unsupported version {doc.get('version')!r} (this reads {version})")
+    return doc

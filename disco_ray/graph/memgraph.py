@@ -14,7 +14,7 @@ from typing import overload
 
 import numpy as np
 
-from .errors import FormatError
+from .errors import FormatError, check_header
 
 FORMAT = "disco-memgraph"
 VERSION = 1
@@ -286,12 +286,7 @@ class MemGraph:
 
     @classmethod
     def from_dict(cls, doc: object) -> MemGraph:
-        if not isinstance(doc, dict):
-            raise FormatError("memgraph: top level must be an object")
-        if doc.get("format") != FORMAT:
-            raise FormatError(f'memgraph: "format" must be {FORMAT!r}, got {doc.get("format")!r}')
-        if doc.get("version") != VERSION:
-            raise FormatError(f"memgraph: unsupported version {doc.get('version')!r} (this reads {VERSION})")
+        doc = check_header(doc, "memgraph", FORMAT, VERSION)
         try:
             devs = doc["devices"]
             cap = [0] * len(devs)

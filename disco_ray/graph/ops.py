@@ -14,7 +14,22 @@ from __future__ import annotations
 
 from . import ops_llm, ops_nn, ops_train
 from .ops_llm import attention_pairs
-from .opspec import BUILTIN, OPS, REQUIRED, OpSpec, Shape, _broadcast, _same_dtype, get, numel, register
+from .opspec import (
+    BUILTIN,
+    OPS,
+    REQUIRED,
+    OpSpec,
+    Shape,
+    _broadcast,
+    _same_dtype,
+    elementwise,
+    get,
+    no_flops,
+    numel,
+    reduce_flops,
+    register,
+    sum_flops,
+)
 
 __all__ = [
     "OPS",
@@ -95,10 +110,6 @@ def _infer_transpose(shapes, dtypes, attrs):
     return (*s[:-2], s[-1], s[-2]), dtypes[0]
 
 
-def _elementwise(k: float):
-    return lambda shapes, out, attrs: k * numel(out)
-
-
 register(
     OpSpec(
         "matmul", 2, 2, _infer_matmul, flops=_flops_matmul, doc="a [.., m, k] @ b [.., k, n] -> [.., m, n]"
@@ -110,7 +121,7 @@ register(
         1,
         None,
         _infer_broadcast("add"),
-        flops=lambda s, o, a: (len(s) - 1) * numel(o),
+        flops=sum_flops,
         doc="elementwise sum of 1 or more tensors of one shape, or of shapes that broadcast as numpy's "
         "do (a bias b [n] added to x [.., n])",
     )
@@ -121,7 +132,7 @@ register(
         2,
         2,
         _infer_broadcast("mul"),
-        flops=_elementwise(1),
+        flops=elementwise(1),
         doc="elementwise product a * b (shapes broadcast as numpy's do)",
     )
 )
@@ -132,7 +143,7 @@ register(
         1,
         _infer_unary_float("scale"),
         attrs={"factor": REQUIRED},
-        flops=_elementwise(1),
+        flops=elementwise(1),
         doc="x * factor",
     )
 )
@@ -143,11 +154,11 @@ register(
         1,
         _infer_softmax,
         attrs={"axis": -1},
-        flops=_elementwise(5),
+        flops=elementwise(5),
         doc="softmax over dim axis (the last by default)",
     )
 )
-register(OpSpec("silu", 1, 1, _infer_unary_float("silu"), flops=_elementwise(4), doc="x * sigmoid(x)"))
+register(OpSpec("silu", 1, 1, _infer_unary_float("silu"), flops=elementwise(4), doc="x * sigmoid(x)"))
 register(
     OpSpec(
         "rmsnorm",
@@ -155,11 +166,11 @@ register(
         2,
         _infer_rmsnorm,
         attrs={"eps": 1e-6},
-        flops=_elementwise(4),
+        flops=elementwise(4),
         doc="x / sqrt(mean(x^2, last dim) + eps) [* w]",
     )
 )
-register(OpSpec("transpose", 1, 1, _infer_transpose, flops=lambda s, o, a: 0.0, doc="swap the last two dims"))
+register(OpSpec("transpose", 1, 1, _infer_transpose, flops=no_flops, doc="swap the last two dims"))
 
 
 def _infer_reduce_sum(shapes, dtypes, attrs):
@@ -176,7 +187,7 @@ register(
         1,
         _infer_reduce_sum,
         attrs={"scale": 1.0},
-        flops=lambda s, o, a: float(numel(s[0])),
+        flops=reduce_flops,
         doc="scale * the sum of every element of x, as a tensor [1] (summed in float32)",
     )
 )
@@ -188,7 +199,7 @@ register(
         1,
         None,
         _infer_same_shape("accumulate"),
-        flops=lambda s, o, a: (len(s) - 1) * numel(o),
+        flops=sum_flops,
         doc="the sum of 1 or more tensors of one shape, which a plan may compute as sum-into kernels: one "
         "per operand, each adding its operand into the sum as soon as it exists, in any order, one at a "
         "time (TURNIP appendix A)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .opspec import REQUIRED, OpSpec, _same_dtype, numel, register
+from .opspec import REQUIRED, OpSpec, _same_dtype, no_flops, numel, register
 
 
 def _infer_concat(shapes, dtypes, attrs):
@@ -155,7 +155,7 @@ register(
         None,
         _infer_concat,
         attrs={"axis": -1},
-        flops=lambda s, o, a: 0.0,
+        flops=no_flops,
         doc="operands of one shape but along `axis` joined along it",
     )
 )
@@ -206,7 +206,7 @@ register(
         3,
         _infer_kv_write,
         attrs={"start": 0},
-        flops=lambda s, o, a: 0.0,
+        flops=no_flops,
         doc="a KV cache block [b, c] (positions start..start+b-1) with new rows [t, c] written at positions "
         "pos..pos+t-1 (pos: int [1], read on the device)",
     )
@@ -230,7 +230,7 @@ register(
         2,
         _infer_embedding,
         attrs={"start": 0},
-        flops=lambda s, o, a: 0.0,
+        flops=no_flops,
         doc="rows of table [r, d] for ids [t] or [.., t] (int): row id - start, zeros for ids outside "
         "start..start+r-1 (a vocabulary shard: the shards' lookups sum to the whole table's)",
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from .dtypes import ITEMSIZE
-from .opspec import REQUIRED, OpSpec, Shape, _same_dtype, numel, register
+from .opspec import REQUIRED, OpSpec, Shape, _same_dtype, elementwise, numel, reduce_flops, register
 
 GELU_FORMS = ("none", "tanh")
 
@@ -150,10 +150,6 @@ def _infer_cast(shapes, dtypes, attrs):
     return shapes[0], attrs["dtype"]
 
 
-def _elementwise(k: float):
-    return lambda shapes, out, attrs: k * numel(out)
-
-
 def _free(shapes, out, attrs) -> float:
     return 0.0
 
@@ -163,7 +159,7 @@ for _name, _k, _doc in (
     ("tanh", 4, "tanh(x)"),
     ("sigmoid", 4, "1 / (1 + exp(-x))"),
 ):
-    register(OpSpec(_name, 1, 1, _infer_unary(_name), flops=_elementwise(_k), doc=_doc))
+    register(OpSpec(_name, 1, 1, _infer_unary(_name), flops=elementwise(_k), doc=_doc))
 register(
     OpSpec(
         "gelu",
@@ -171,7 +167,7 @@ register(
         1,
         _infer_gelu,
         attrs={"approximate": "none"},
-        flops=_elementwise(8),
+        flops=elementwise(8),
         doc="x * Phi(x) (approximate 'none': the exact erf form; 'tanh': "
         "0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))))",
     )
@@ -183,7 +179,7 @@ register(
         1,
         _infer_add_scalar,
         attrs={"value": REQUIRED},
-        flops=_elementwise(1),
+        flops=elementwise(1),
         doc="x + value",
     )
 )
@@ -194,7 +190,7 @@ for _name, _doc in (("sub", "a - b"), ("div", "a / b")):
             2,
             2,
             _infer_binary(_name),
-            flops=_elementwise(1),
+            flops=elementwise(1),
             doc=f"elementwise {_doc}, broadcast as numpy does (e.g. b [n] against a [.., n])",
         )
     )
@@ -205,7 +201,7 @@ register(
         3,
         _infer_layernorm,
         attrs={"eps": 1e-5},
-        flops=_elementwise(8),
+        flops=elementwise(8),
         doc="(x - mean) / sqrt(var + eps) over the last dim [* w [+ b]] (torch.nn.LayerNorm)",
     )
 )
@@ -239,7 +235,7 @@ for _name in ("sum", "mean"):
             1,
             _infer_reduce(_name),
             attrs={"axes": REQUIRED, "keepdim": False},
-            flops=lambda s, o, a: float(numel(s[0])),
+            flops=reduce_flops,
             doc=f"{_name} over the dims in axes (kept as size 1 when keepdim)",
         )
     )
@@ -263,7 +259,7 @@ register(
         1,
         _infer_cast,
         attrs={"dtype": REQUIRED},
-        flops=_elementwise(1),
+        flops=elementwise(1),
         doc="x converted to dtype",
     )
 )

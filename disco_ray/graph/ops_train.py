@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from .ops_llm import _check_kv, _heads, _int_attr, attention_pairs
-from .opspec import REQUIRED, OpSpec, Shape, _same_dtype, numel, register
+from .opspec import REQUIRED, OpSpec, Shape, _same_dtype, elementwise, no_flops, numel, register
 
 INTS = ("int32", "int64")
 
@@ -233,10 +233,6 @@ def _infer_slice(shapes, dtypes, attrs):
     return tuple(out), dtypes[0]
 
 
-def _elementwise(k: float):
-    return lambda shapes, out, attrs: k * numel(out)
-
-
 ATTENTION = {"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True, "kv_heads": None}
 
 register(
@@ -246,7 +242,7 @@ register(
         3,
         _infer_rmsnorm_grad,
         attrs={"eps": 1e-6},
-        flops=_elementwise(8),
+        flops=elementwise(8),
         doc="dx of y = rmsnorm(x) * w for x [.., d], w [d] (frozen), dy [.., d]: "
         "r * (dy*w - x * r^2 * mean(dy*w*x)) with r = 1/sqrt(mean(x^2) + eps), in float32",
     )
@@ -257,7 +253,7 @@ register(
         2,
         2,
         _infer_silu_grad,
-        flops=_elementwise(6),
+        flops=elementwise(6),
         doc="dh * silu'(a) for a, dh of one shape: silu'(a) = s * (1 + a * (1 - s)), s = sigmoid(a)",
     )
 )
@@ -328,7 +324,7 @@ register(
         2,
         _infer_cross_entropy_parts,
         attrs={"start": 0},
-        flops=_elementwise(3),  # per logit: exp, sum; one gather per row
+        flops=elementwise(3),  # per logit: exp, sum; one gather per row
         doc="a vocabulary shard's part of cross-entropy: logits [t, v] (ids start..start+v-1), labels "
         "[t] (int; -100 ignored) -> [t, 2]: the shard's log-sum-exp per row, the label's logit if the "
         "shard holds it else 0 (float32 inside, logits' dtype)",
@@ -352,7 +348,7 @@ register(
         3,
         _infer_cross_entropy_grad,
         attrs={"start": 0, "scale": 1.0},
-        flops=_elementwise(4),
+        flops=elementwise(4),
         doc="dlogits of a vocabulary shard: logits [t, v], labels [t], combined [t, 2] "
         "(cross_entropy_combine) -> scale * (exp(logits - lse) - onehot(label - start)), rows with "
         "label -100 zero (the shards' results side by side: the gradient of scale * sum of losses)",
@@ -390,7 +386,7 @@ register(
         2,
         _infer_sgd,
         attrs={"lr": REQUIRED, "weight_decay": 0.0},
-        flops=_elementwise(3),
+        flops=elementwise(3),
         doc="one torch.optim.SGD step without momentum: param - lr * (grad + weight_decay * param)",
     )
 )
@@ -401,7 +397,7 @@ register(
         1,
         _infer_slice,
         attrs={"axis": REQUIRED, "start": REQUIRED, "stop": REQUIRED},
-        flops=lambda s, o, a: 0.0,
+        flops=no_flops,
         doc="a copy of x's indices start..stop-1 along axis",
     )
 )

@@ -140,6 +140,27 @@ def numel(shape: Shape) -> int:
     return math.prod(shape)
 
 
+# FLOP counts (`OpSpec.flops`) that several ops share
+def elementwise(k: float) -> Callable[[list[Shape], Shape, Mapping[str, Any]], float]:
+    """`k` operations per output element."""
+    return lambda shapes, out, attrs: k * numel(out)
+
+
+def no_flops(shapes: list[Shape], out: Shape, attrs: Mapping[str, Any]) -> float:
+    """None: the op moves or selects data."""
+    return 0.0
+
+
+def sum_flops(shapes: list[Shape], out: Shape, attrs: Mapping[str, Any]) -> float:
+    """An n-ary sum: n - 1 additions per output element."""
+    return (len(shapes) - 1) * numel(out)
+
+
+def reduce_flops(shapes: list[Shape], out: Shape, attrs: Mapping[str, Any]) -> float:
+    """A reduction: one operation per element of the first operand."""
+    return float(numel(shapes[0]))
+
+
 def _same_dtype(name: str, dtypes: list[str], floats: bool = True) -> str:
     if len(set(dtypes)) != 1:
         raise ValueError(f"{name} operands have different dtypes {dtypes}")

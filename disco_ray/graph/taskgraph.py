@@ -24,7 +24,7 @@ from typing import cast
 from . import ops
 from .builder import OpMethods
 from .dtypes import ITEMSIZE, nbytes
-from .errors import FormatError, GraphError
+from .errors import FormatError, GraphError, check_header
 from .sources import Source
 
 FORMAT = "disco-taskgraph"
@@ -324,12 +324,7 @@ class TaskGraph(OpMethods):
 
     @classmethod
     def from_dict(cls, doc: object) -> TaskGraph:
-        if not isinstance(doc, dict):
-            raise FormatError("taskgraph: top level must be an object")
-        if doc.get("format") != FORMAT:
-            raise FormatError(f'taskgraph: "format" must be {FORMAT!r}, got {doc.get("format")!r}')
-        if doc.get("version") != VERSION:
-            raise FormatError(f"taskgraph: unsupported version {doc.get('version')!r} (this reads {VERSION})")
+        doc = check_header(doc, "taskgraph", FORMAT, VERSION)
         raw = doc.get("vertices")
         if not isinstance(raw, list):
             raise FormatError('taskgraph: "vertices" must be a list')
