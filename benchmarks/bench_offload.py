@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from disco_ray.models import LlamaModel
     from disco_ray.models.llama import capacity_bounds
-    from workloads.checkpoint import Checkpoint
+    from workloads.llm.checkpoint import Checkpoint
 
     path = checkpoint(Path(args.dir))
     weights = Checkpoint(path).weight_bytes()

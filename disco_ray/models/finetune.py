@@ -6,7 +6,7 @@
     trainer.save_adapter("adapter/")             # PEFT's layout: PeftModel.from_pretrained loads it
     trainer.close()
 
-One step is one run of one TaskGraph (`workloads.llama_train`): forward, loss, backward and the
+One step is one run of one TaskGraph (`workloads.llm.train`): forward, loss, backward and the
 optimizer on the batch's sequences. The graph is planned once per batch shape and reused for
 every step. The adapter's matrices and the optimizer's moments are worker states: written once
 before the first step, updated in place by every step's optimizer vertices, read back only when
@@ -23,7 +23,7 @@ import torch
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.errors import UsageError
 from planner import build_memgraph
-from workloads.llama_train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
+from workloads.llm.train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
 from . import adapter
 from .programs import Programs, open_checkpoint

@@ -9,7 +9,7 @@ greedy generation with a KV cache the workers keep.
 Every graph of the model runs on one pool of workers (`RayPool` or `LocalPool`), so they share
 each worker's arena, its resident weights (each worker reads its own shards from the checkpoint
 once) and the KV cache states. Graphs are planned once and kept: a prefill per number of row
-tiles of the prompt, a decode step per number of cache blocks (`workloads.llama_model` says how
+tiles of the prompt, a decode step per number of cache blocks (`workloads.llm.model` says how
 the cache is cut), so planning is off the per-token path: a new plan is made once per `block`
 tokens at most, and never for a length seen before. A decode step is one run: the driver ships
 the token, its position and its rotary row, and reads back the logits (one round trip).
@@ -29,8 +29,8 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
 from planner import build_memgraph, min_capacity
-from workloads.checkpoint import Checkpoint
-from workloads.llama_model import ModelGraph, decode_graph, prefill_graph
+from workloads.llm.checkpoint import Checkpoint
+from workloads.llm.model import ModelGraph, decode_graph, prefill_graph
 
 from .programs import Programs, open_checkpoint
 

@@ -9,7 +9,7 @@ from disco_ray.driver.program import Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.sizes import parse_capacity
-from workloads.checkpoint import Checkpoint
+from workloads.llm.checkpoint import Checkpoint
 
 
 def open_checkpoint(path: str, gpus: int, dtype: str | None) -> tuple[Checkpoint, str]:

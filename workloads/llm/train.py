@@ -5,7 +5,7 @@ What the papers evaluate (TURNIP section 8, DISCO section 5): rank-r adapters on
 layers of a frozen model, the base weights streamed from host exactly as in inference. A step:
 
 - **forward**, per sequence of the batch and row tile of `block` tokens, layer by layer (the
-  inference graph's tensor-parallel split, `workloads.llama_model`), keeping only each layer's
+  inference graph's tensor-parallel split, `workloads.llm.model`), keeping only each layer's
   input (activation checkpointing);
 - **the loss**: the final norm, the LM head's logits per vocabulary shard, the mean next-token
   cross-entropy (transformers' `labels=input_ids`: row i predicts token i+1, the last row and
@@ -21,7 +21,7 @@ layers of a frozen model, the base weights streamed from host exactly as in infe
   (AdamW or SGD) on each adapter matrix, whose state (parameter, and AdamW's moments, packed in
   one tensor) is a worker state carried from step to step: the adapter never leaves the workers.
 
-The adapters, their split over the GPUs and their backward are in `workloads.lora`.
+The adapters, their split over the GPUs and their backward are in `workloads.llm.lora`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
-from .llama_model import rope_tables
+from .model import rope_tables
 from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, module_dims
 
 IGNORE = -100  # transformers' ignored label

@@ -2,7 +2,7 @@
 linear layers they adapt, forward and backward.
 
 y = x W^T + (alpha/r) (x A^T) B^T with A [r, in], B [out, r] (PEFT's lora_A, lora_B); W frozen.
-Split over G GPUs as the base weights are (`workloads.llama_model`):
+Split over G GPUs as the base weights are (`workloads.llm.model`):
 - a layer whose output rows are split (q, k, v, gate, up) has B split by rows like W; A is needed
   whole on every GPU: its state lives on the layer's owner GPU, which sends the parameter to the
   others and receives their gradient partials;
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from disco_ray.graph.errors import UsageError
 
-from .llama_model import _Builder
+from .model import _Builder
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COLUMN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}  # rows split
