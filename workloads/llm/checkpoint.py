@@ -21,6 +21,8 @@ from pathlib import Path
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.sources import FILE_DTYPES, Source
 
+from .layer import LayerSpec
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -135,6 +137,21 @@ class LlamaConfig:
             max_positions=max_pos,
             dtype=dtype,
             eos=eos_ids,
+        )
+
+    @property
+    def spec(self) -> LayerSpec:
+        """Its decoder layers, as the layer builder takes them."""
+        return LayerSpec(
+            dim=self.dim,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            ffn=self.ffn,
+            eps=self.eps,
+            scale=self.head_dim**-0.5,
+            rope_theta=self.rope_theta,
+            rope=self.rope,
         )
 
     def check_split(self, gpus: int) -> None:

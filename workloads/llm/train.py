@@ -35,7 +35,7 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
-from .model import rope_tables
+from .layer import rope_tables
 from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, module_dims
 
 IGNORE = -100  # transformers' ignored label
@@ -64,7 +64,7 @@ class TrainGraph:
         ids[:, : self.seq] = tokens
         labels = torch.full((self.batch, rows), IGNORE, dtype=torch.int64)
         labels[:, : self.seq - 1] = tokens[:, 1:]
-        cos, sin = rope_tables(cfg, torch.arange(rows), getattr(torch, self.dtype))
+        cos, sin = rope_tables(cfg.spec, torch.arange(rows), getattr(torch, self.dtype))
         out: dict[str, torch.Tensor] = {}
         for j in range(g):
             out[f"step_g{j}"] = torch.tensor([float(step)], dtype=torch.float32)
