@@ -91,7 +91,11 @@ class LayerSpec:
     weights: LayerWeights = field(default_factory=LayerWeights)
     layout: Layout = Layout.OUT_IN
     order: Order = Order.BY_STEP
-    mlp_ids: tuple[str, str, str] = ("gate", "up", "mul")  # vertex ids of the gate and up projections, and their product
+    mlp_ids: tuple[str, str, str] = (
+        "gate",
+        "up",
+        "mul",
+    )  # vertex ids of the gate and up projections, and their product
 
     @property
     def kv(self) -> int:
@@ -149,7 +153,9 @@ class Split:
             return (self.kv_first[j] * head_dim, (self.kv_first[j] + self.kv_heads) * head_dim)
         return (j * self.ffn, (j + 1) * self.ffn)
 
-    def block(self, spec: LayerSpec, role: str, j: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    def block(
+        self, spec: LayerSpec, role: str, j: int
+    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all)."""
         if role in ROW_SPLIT:
             return self.shard(role, j, spec.head_dim), None
@@ -166,7 +172,9 @@ class Split:
         return tuple(shape[::-1]) if spec.layout is Layout.IN_OUT else tuple(shape)
 
 
-def rope_tables(spec: LayerSpec, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    spec: LayerSpec, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [len(positions), head_dim] of the rotate-half rotary embedding, computed as
     transformers' LlamaRotaryEmbedding does (float32, then cast), for RoPE types default,
     linear and llama3."""
@@ -203,7 +211,9 @@ class Layer:
     method is given: `{stem}.norm1_g{j}`, `{stem}.q_g{j}`, `{stem}.h1`, ...
     """
 
-    def __init__(self, g: TaskGraph, spec: LayerSpec, split: Split, weights: Callable[[int, int], Mapping[str, str]]):
+    def __init__(
+        self, g: TaskGraph, spec: LayerSpec, split: Split, weights: Callable[[int, int], Mapping[str, str]]
+    ):
         self.g, self.spec, self.split, self.weights = g, spec, split, weights
         self.G = g.gpus
 
@@ -234,13 +244,17 @@ class Layer:
     def attention(self, q: str, ks: list[str], vs: list[str], id: str, offset: int) -> str:
         """Causal attention of a query tile whose first row is at position `offset` over key and
         value tiles from position 0."""
-        return self.g.kernel("attention", q, *ks, *vs, id=id, **self.attention_attrs(), offset=offset, causal=True)
+        return self.g.kernel(
+            "attention", q, *ks, *vs, id=id, **self.attention_attrs(), offset=offset, causal=True
+        )
 
     def qkv(self, li: int, h: str, cos: str, sin: str, stem: str, j: int, need_q: bool = True):
         """GPU j's normed input projected to q, k, v, with q (unless not `need_q`) and k rotated."""
         x = self.norm(li, "attn_norm", h, j, f"{stem}.norm1_g{j}")
         if self.spec.order is Order.BY_GPU:
-            q, k, v = (self.project(li, r, x, j, f"{stem}.{r}_g{j}") if r != "q" or need_q else "" for r in "qkv")
+            q, k, v = (
+                self.project(li, r, x, j, f"{stem}.{r}_g{j}") if r != "q" or need_q else "" for r in "qkv"
+            )
             q = q and self.rope(q, cos, sin, f"{stem}.qr_g{j}")
             return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
         q = ""

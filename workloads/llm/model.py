@@ -36,7 +36,7 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, LlamaConfig
-from .layer import Layer, Split, rope_tables
+from .layer import Attend, Layer, Split, rope_tables
 
 
 @dataclass(slots=True)
@@ -195,15 +195,7 @@ def prefill_graph(
         last = li == b.cfg.layers - 1
         for t, (r0, r) in enumerate(spans):
             stem = f"l{li}.t{t}"
-
-            def attend(j: int, q: str, k: str, v: str) -> str:
-                ks[j].append(k)
-                vs[j].append(v)
-                if cache:
-                    _save_blocks(g, k, f"kc.l{li}", r0, r, block, j)
-                    _save_blocks(g, v, f"vc.l{li}", r0, r, block, j)
-                return q and b.layer.attention(q, ks[j], vs[j], f"{stem}.attn_g{j}", offset=r0)
-
+            attend = _tile_attend(b, li, stem, ks, vs, r0, r, block if cache else 0)
             # the last layer of a tile whose logits nobody wants only gives the cache its k, v
             needed = not (last and logits == "last" and t < n - 1)
             h1 = b.layer.attention_block(li, h[t], cos[t], sin[t], stem, t % G, attend, needed)
@@ -214,6 +206,48 @@ def prefill_graph(
         if logits == "all" or t == n - 1:
             out.append((r0, b.head(h[t][0], t % G, f"t{t}")))
     return ModelGraph("prefill", g, rows, block, blocks, b.dtype, out, b.split, spans)
+
+
+def _tile_attend(
+    b: _Builder, li: int, stem: str, ks: list[list[str]], vs: list[list[str]], r0: int, rows: int, cache: int
+) -> Attend:
+    """The attention of layer li's prefill tile at rows r0..r0+rows over the keys and values of the
+    tiles up to it (`ks`, `vs` per GPU, this tile's appended), carried into KV cache blocks of
+    `cache` rows (0: no cache)."""
+
+    def attend(j: int, q: str, k: str, v: str) -> str:
+        ks[j].append(k)
+        vs[j].append(v)
+        if cache:
+            _save_blocks(b.g, k, f"kc.l{li}", r0, rows, cache, j)
+            _save_blocks(b.g, v, f"vc.l{li}", r0, rows, cache, j)
+        return q and b.layer.attention(q, ks[j], vs[j], f"{stem}.attn_g{j}", offset=r0)
+
+    return attend
+
+
+def _cached_attend(b: _Builder, li: int, stem: str, pos: list[str], blocks: int, block: int) -> Attend:
+    """The attention of one token at run-time position pos over layer li's KV cache blocks
+    0..blocks-1 (states), its key and value written into the last one."""
+    g, cur = b.g, blocks - 1
+    kvw = b.split.kv_heads * b.cfg.head_dim
+
+    def attend(j: int, q: str, k: str, v: str) -> str:
+        kc, vc = (
+            [
+                g.input(f"{c}c.l{li}.b{n}_g{j}", (block, kvw), b.dtype, gpu=j, state=True)
+                for n in range(blocks)
+            ]
+            for c in "kv"
+        )
+        kn = g.kernel("kv_write", kc[cur], k, pos[j], id=f"{stem}.kw_g{j}", start=cur * block)
+        vn = g.kernel("kv_write", vc[cur], v, pos[j], id=f"{stem}.vw_g{j}", start=cur * block)
+        g.save_state(kn, kc[cur])
+        g.save_state(vn, vc[cur])
+        kv = (*kc[:cur], kn, *vc[:cur], vn)
+        return g.kernel("attention_at", q, pos[j], *kv, id=f"{stem}.attn_g{j}", **b.layer.attention_attrs())
+
+    return attend
 
 
 def _save_blocks(g: TaskGraph, x: str, stem: str, r0: int, rows: int, block: int, j: int) -> None:
@@ -232,31 +266,15 @@ def decode_graph(ck: Checkpoint, gpus: int, blocks: int, block: int, dtype: str 
     b = _Builder(ck, gpus, dtype or ck.config.dtype)
     g, cfg, s, G = b.g, b.cfg, b.split, gpus
     hd = cfg.head_dim
-    kvw = s.kv_heads * hd
     tok = [g.input(f"tok_g{j}", (1,), "int64", gpu=j) for j in range(G)]
     pos = [g.input(f"pos_g{j}", (1,), "int64", gpu=j) for j in range(G)]
     cos = [g.input(f"cos_g{j}", (1, hd), b.dtype, gpu=j) for j in range(G)]
     sin = [g.input(f"sin_g{j}", (1, hd), b.dtype, gpu=j) for j in range(G)]
     h = b.embed(tok, 0, "d")
-    cur = blocks - 1
     for li in range(cfg.layers):
         stem = f"d.l{li}"
 
-        def attend(j: int, q: str, k: str, v: str) -> str:
-            kc, vc = (
-                [
-                    g.input(f"{c}c.l{li}.b{n}_g{j}", (block, kvw), b.dtype, gpu=j, state=True)
-                    for n in range(blocks)
-                ]
-                for c in "kv"
-            )
-            kn = g.kernel("kv_write", kc[cur], k, pos[j], id=f"{stem}.kw_g{j}", start=cur * block)
-            vn = g.kernel("kv_write", vc[cur], v, pos[j], id=f"{stem}.vw_g{j}", start=cur * block)
-            g.save_state(kn, kc[cur])
-            g.save_state(vn, vc[cur])
-            kv = (*kc[:cur], kn, *vc[:cur], vn)
-            return g.kernel("attention_at", q, pos[j], *kv, id=f"{stem}.attn_g{j}", **b.layer.attention_attrs())
-
+        attend = _cached_attend(b, li, stem, pos, blocks, block)
         h1 = b.layer.attention_block(li, h, cos, sin, stem, 0, attend)
         h = b.layer.mlp_block(li, h1, 0, stem, li == cfg.layers - 1)
     return ModelGraph("decode", g, 1, block, blocks, b.dtype, [(0, b.head(h[0], 0, "d"))], s, [(0, 1)])
