@@ -266,12 +266,10 @@ class _Step(LoraLayers):
         projection's and attention's, one key tile at a time. Returns per key tile and GPU the
         dk|dv partials of every query tile, per tile and GPU the gradient of the rotated q, and
         per tile the gradient of the attention block's output (dh1, on the owner)."""
-        g, G, T, cfg, sp = self.g, self.G, self.tiles, self.cfg, self.split
-        hd = cfg.head_dim
+        g, G, T, cfg = self.g, self.G, self.tiles, self.cfg
         dkv: list[list[list[str]]] = [[[] for _ in range(G)] for _ in range(T)]
         dqr: list[list[str]] = [[""] * G for _ in range(T)]
         dh1s: list[str] = [""] * T
-        common = dict(heads=sp.heads, kv_heads=sp.kv_heads, scale=hd**-0.5)
         for t in reversed(range(T)):
             stem = f"g.b{s}.t{t}.l{li}"
             keep, w = keeps[t], keeps[t]["w"]
@@ -290,50 +288,26 @@ class _Step(LoraLayers):
             dy1 = self.layer.broadcast(dh1s[t], f"{stem}.dh1b")
             dO = self.row_backward(li, "o_proj", dy1, keep["att"], keep, stem)
             for j in range(G):
-                qr, att = keep["qr"][j], keep["att"][j]
-                kk = [keeps[n]["kr"][j] for n in range(t + 1)]
-                vv = [keeps[n]["v"][j] for n in range(t + 1)]
-                st = g.kernel(
-                    "attention_stats",
-                    qr,
-                    *kk,
-                    *vv,
-                    att,
-                    dO[j],
-                    id=f"{stem}.stats_g{j}",
-                    offset=t * self.block,
-                    causal=True,
-                    **common,
-                )
-                dqr[t][j] = g.kernel(
-                    "attention_grad_q",
-                    qr,
-                    st,
-                    dO[j],
-                    *kk,
-                    *vv,
-                    id=f"{stem}.dq_g{j}",
-                    offset=t * self.block,
-                    causal=True,
-                    **common,
-                )
-                for n in range(t + 1):
-                    dkv[n][j].append(
-                        g.kernel(
-                            "attention_grad_kv",
-                            qr,
-                            st,
-                            dO[j],
-                            kk[n],
-                            vv[n],
-                            id=f"{stem}.dkv{n}_g{j}",
-                            q_offset=t * self.block,
-                            k_offset=n * self.block,
-                            causal=True,
-                            **common,
-                        )
-                    )
+                dqr[t][j] = self.attention_backward(keeps, t, j, dO[j], dkv, stem)
         return dkv, dqr, dh1s
+
+    def attention_backward(self, keeps: list[dict], t: int, j: int, dO: str, dkv: list, stem: str) -> str:
+        """Query tile t's attention backward on GPU j, given dO, the gradient of its output:
+        appends the dk|dv partial of each key tile n <= t to dkv[n][j]; returns the gradient of
+        the rotated q."""
+        g, b, attrs = self.g, self.block, self.layer.attention_attrs()
+        qr, att = keeps[t]["qr"][j], keeps[t]["att"][j]
+        kk = [keeps[n]["kr"][j] for n in range(t + 1)]
+        vv = [keeps[n]["v"][j] for n in range(t + 1)]
+        tile = dict(offset=t * b, causal=True, **attrs)
+        st = g.kernel("attention_stats", qr, *kk, *vv, att, dO, id=f"{stem}.stats_g{j}", **tile)
+        dq = g.kernel("attention_grad_q", qr, st, dO, *kk, *vv, id=f"{stem}.dq_g{j}", **tile)
+        for n in range(t + 1):
+            pair = dict(q_offset=t * b, k_offset=n * b, causal=True, **attrs)
+            dkv[n][j].append(
+                g.kernel("attention_grad_kv", qr, st, dO, kk[n], vv[n], id=f"{stem}.dkv{n}_g{j}", **pair)
+            )
+        return dq
 
     def qkv_backward(
         self, li: int, s: int, t: int, keep: dict, dkv: list[list[str]], dqr: list[str], dh1: str
