@@ -107,19 +107,9 @@ def _check(p: dict) -> None:
 def layer_spec(dim: int, heads: int, ffn: int) -> LayerSpec:
     """The workload's decoder layer: LLaMA's, with random weights stored [in, out] (`WEIGHTS`)."""
     hd = dim // heads
+    layout = dict(layout=Layout.IN_OUT, order=Order.BY_GPU, mlp_ids=("up1", "up3", "gate"))
     return LayerSpec(
-        dim=dim,
-        heads=heads,
-        kv_heads=None,
-        head_dim=hd,
-        ffn=ffn,
-        eps=EPS,
-        scale=1.0 / math.sqrt(hd),
-        rope_theta=THETA,
-        weights=LayerWeights(*WEIGHTS),
-        layout=Layout.IN_OUT,
-        order=Order.BY_GPU,
-        mlp_ids=("up1", "up3", "gate"),
+        dim, heads, None, hd, ffn, EPS, 1.0 / math.sqrt(hd), THETA, weights=LayerWeights(*WEIGHTS), **layout
     )
 
 

@@ -163,7 +163,14 @@ class LlamaModel(Programs):
             if key[0] == "prefill":
                 _, blocks, logits, cache = key
                 mgraph = prefill_graph(
-                    self.ck, self.gpus, blocks, self.block, self.dtype, logits, cache, self.tile
+                    self.ck,
+                    self.gpus,
+                    blocks,
+                    self.block,
+                    self.dtype,
+                    logits=logits,
+                    cache=cache,
+                    tile=self.tile,
                 )
             else:
                 mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
@@ -357,7 +364,9 @@ def capacity_bounds(
 
     ck = Checkpoint(path)
     blocks = math.ceil(prompt / block)
-    graphs = [prefill_graph(ck, gpus, blocks, block, dtype, "all", new_tokens > 1, tile or 4 * block)]
+    graphs = [
+        prefill_graph(ck, gpus, blocks, block, dtype=dtype, cache=new_tokens > 1, tile=tile or 4 * block)
+    ]
     last = prompt + new_tokens - 2  # the position the last decode step feeds
     if new_tokens > 1:
         graphs += [

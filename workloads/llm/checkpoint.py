@@ -94,16 +94,9 @@ class LlamaConfig:
     @property
     def spec(self) -> LayerSpec:
         """Its decoder layers, as the layer builder takes them."""
+        hd, theta = self.head_dim, self.rope_theta
         return LayerSpec(
-            dim=self.dim,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            ffn=self.ffn,
-            eps=self.eps,
-            scale=self.head_dim**-0.5,
-            rope_theta=self.rope_theta,
-            rope=self.rope,
+            self.dim, self.heads, self.kv_heads, hd, self.ffn, self.eps, hd**-0.5, theta, self.rope
         )
 
     def check_split(self, gpus: int) -> None:

@@ -157,6 +157,7 @@ def prefill_graph(
     gpus: int,
     blocks: int,
     block: int,
+    *,
     dtype: str | None = None,
     logits: str = "all",
     cache: bool = False,
