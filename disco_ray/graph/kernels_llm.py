@@ -13,12 +13,26 @@ import torch
 
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
+KERNELS: dict[str, Impl] = {}
+TEMPS: dict[str, TempBytes] = {}
 
 
+def _into(table: dict, name: str):
+    """Decorator: the function is op `name`'s entry of `table` (KERNELS or TEMPS)."""
+
+    def deco(fn):
+        table[name] = fn
+        return fn
+
+    return deco
+
+
+@_into(KERNELS, "concat")
 def _concat(out, ins, attrs):
     torch.cat(ins, dim=attrs["axis"], out=out)
 
 
+@_into(KERNELS, "rope")
 def _rope(out, ins, attrs):
     x, cos, sin = ins
     d = cos.shape[-1]
@@ -63,6 +77,7 @@ def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
     out.unflatten(-1, (h, -1)).copy_(o[0].transpose(0, 1))
 
 
+@_into(KERNELS, "attention")
 def _attention(out, ins, attrs):
     q, kv = ins[0], ins[1:]
     m = len(kv) // 2
@@ -82,6 +97,7 @@ def _attention(out, ins, attrs):
     _sdpa(out, q, kv[:m], kv[m:], h, kvh, attrs["scale"], mask)
 
 
+@_into(KERNELS, "attention_at")
 def _attention_at(out, ins, attrs):
     # the mask is made on the device from pos: a decode step never waits for the host
     q, pos, kv = ins[0], ins[1], ins[2:]
@@ -93,6 +109,7 @@ def _attention_at(out, ins, attrs):
     _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask)
 
 
+@_into(KERNELS, "kv_write")
 def _kv_write(out, ins, attrs):
     block, new, pos = ins
     if out.data_ptr() != block.data_ptr():
@@ -101,6 +118,7 @@ def _kv_write(out, ins, attrs):
     out.index_copy_(0, rows, new)
 
 
+@_into(KERNELS, "linear")
 def _linear(out, ins, attrs):
     x, w = ins[:2]
     torch.matmul(x, w.t(), out=out)
@@ -110,6 +128,7 @@ def _linear(out, ins, attrs):
         out.add_(ins[2])
 
 
+@_into(KERNELS, "embedding")
 def _embedding(out, ins, attrs):
     ids, table = ins
     rows = table.shape[0]
@@ -120,22 +139,12 @@ def _embedding(out, ins, attrs):
     flat.mul_(inside.unsqueeze(1).to(out.dtype))
 
 
-KERNELS: dict[str, Impl] = {
-    "concat": _concat,
-    "rope": _rope,
-    "attention": _attention,
-    "attention_at": _attention_at,
-    "kv_write": _kv_write,
-    "linear": _linear,
-    "embedding": _embedding,
-}
-
-
 # ---- temporaries (see `kernels.TEMPS`) --------------------------------------------------------
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@_into(TEMPS, "rope")
 def _rope_temps(out, ins, attrs):
     return 2 * _nbytes(ins[0])  # the rotated half-swapped copy and the negated half
 
@@ -157,27 +166,22 @@ def _attention_temps(q: torch.Tensor, kv: list[torch.Tensor], attrs: Mapping, ma
     return kv_bytes + mask + o + scores
 
 
+@_into(TEMPS, "attention")
 def _attention_temps_op(out, ins, attrs):
     return _attention_temps(ins[0], ins[1:], attrs, attrs["causal"])
 
 
+@_into(TEMPS, "attention_at")
 def _attention_at_temps(out, ins, attrs):
     return _attention_temps(ins[0], ins[2:], attrs, True)
 
 
+@_into(TEMPS, "kv_write")
 def _kv_write_temps(out, ins, attrs):
     return 8 * ins[1].shape[0]  # the row indices
 
 
+@_into(TEMPS, "embedding")
 def _embedding_temps(out, ins, attrs):
     ids = ins[0].numel()
     return 3 * 8 * ids + out.shape[0] * out.element_size()  # shifted, clamped ids, mask, its cast
-
-
-TEMPS: dict[str, TempBytes] = {
-    "rope": _rope_temps,
-    "attention": _attention_temps_op,
-    "attention_at": _attention_at_temps,
-    "kv_write": _kv_write_temps,
-    "embedding": _embedding_temps,
-}
