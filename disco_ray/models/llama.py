@@ -154,7 +154,7 @@ class LlamaModel(Programs):
                     self.gpus,
                     blocks,
                     self.block,
-                    self.dtype,
+                    dtype=self.dtype,
                     logits=logits,
                     cache=cache,
                     tile=self.tile,

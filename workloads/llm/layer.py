@@ -25,13 +25,12 @@ import torch
 
 from disco_ray.graph.taskgraph import TaskGraph
 
-ROLES = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 ROW_SPLIT = ("q", "k", "v", "gate", "up")  # output rows split over the GPUs
 COL_SPLIT = ("o", "down")  # input columns split over the GPUs
 
 
 class Activation(Enum):
-    """The gated MLP's activation: act(x W_gate) * (x W_up)."""
+    """The gated MLP's activation, act(x W_gate) * (x W_up); its value is the op's name."""
 
     SILU = "silu"
 
@@ -74,6 +73,9 @@ class LayerWeights:
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
 
+ROLES = tuple(f.name for f in fields(LayerWeights))  # a layer's weights, by what they do
+
+
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """One decoder layer: what the layer builder needs to know of a model family."""
@@ -91,11 +93,8 @@ class LayerSpec:
     weights: LayerWeights = field(default_factory=LayerWeights)
     layout: Layout = Layout.OUT_IN
     order: Order = Order.BY_STEP
-    mlp_ids: tuple[str, str, str] = (
-        "gate",
-        "up",
-        "mul",
-    )  # vertex ids of the gate and up projections, and their product
+    # the vertex ids of the MLP's gate and up projections, and of their product
+    mlp_ids: tuple[str, str, str] = ("gate", "up", "mul")
 
     @property
     def kv(self) -> int:
@@ -232,9 +231,7 @@ class Layer:
         return self.g.kernel("rope", x, cos, sin, id=id)
 
     def act(self, x: str, id: str) -> str:
-        if self.spec.act is Activation.SILU:
-            return self.g.silu(x, id=id)
-        raise ValueError(f"activation {self.spec.act} has no op")
+        return self.g.kernel(self.spec.act.value, x, id=id)
 
     def attention_attrs(self) -> dict:
         """The attention ops' heads, key/value heads (unless multi-head) and scale on one GPU."""
@@ -248,7 +245,9 @@ class Layer:
             "attention", q, *ks, *vs, id=id, **self.attention_attrs(), offset=offset, causal=True
         )
 
-    def qkv(self, li: int, h: str, cos: str, sin: str, stem: str, j: int, need_q: bool = True):
+    def qkv(
+        self, li: int, h: str, cos: str, sin: str, stem: str, j: int, need_q: bool = True
+    ) -> tuple[str, str, str]:
         """GPU j's normed input projected to q, k, v, with q (unless not `need_q`) and k rotated."""
         x = self.norm(li, "attn_norm", h, j, f"{stem}.norm1_g{j}")
         if self.spec.order is Order.BY_GPU:
@@ -271,9 +270,9 @@ class Layer:
         gate = self.project(li, "gate", x, j, f"{stem}.{gate_id}_g{j}")
         if self.spec.order is Order.BY_GPU:
             up = self.project(li, "up", x, j, f"{stem}.{up_id}_g{j}")
-            a = self.act(gate, f"{stem}.silu_g{j}")
+            a = self.act(gate, f"{stem}.{self.spec.act.value}_g{j}")
         else:
-            a = self.act(gate, f"{stem}.silu_g{j}")
+            a = self.act(gate, f"{stem}.{self.spec.act.value}_g{j}")
             up = self.project(li, "up", x, j, f"{stem}.{up_id}_g{j}")
         m = self.g.mul(a, up, id=f"{stem}.{mul_id}_g{j}")
         return self.project(li, "down", m, j, f"{stem}.down_g{j}")
