@@ -16,6 +16,7 @@ that is run as is (the deterministic ablation) work to do while a tile's partial
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
@@ -107,10 +108,11 @@ def _check(p: dict) -> None:
 def layer_spec(dim: int, heads: int, ffn: int) -> LayerSpec:
     """The workload's decoder layer: LLaMA's, with random weights stored [in, out] (`WEIGHTS`)."""
     hd = dim // heads
-    layout = dict(layout=Layout.IN_OUT, order=Order.BY_GPU, mlp_ids=("up1", "up3", "gate"))
-    return LayerSpec(
-        dim, heads, None, hd, ffn, EPS, 1.0 / math.sqrt(hd), THETA, weights=LayerWeights(*WEIGHTS), **layout
+    spec = LayerSpec(
+        dim, heads, None, hd, ffn, EPS, 1.0 / math.sqrt(hd), THETA, weights=LayerWeights(*WEIGHTS)
     )
+    # the order and ids its plans were made with (see Order)
+    return dataclasses.replace(spec, layout=Layout.IN_OUT, order=Order.BY_GPU, mlp_ids=("up1", "up3", "gate"))
 
 
 def _graph(

@@ -76,7 +76,7 @@ class Programs:
             self.pool = RayPool(**cluster)
         else:
             self.pool = LocalPool()
-        self._prog_kw = dict(
+        self._prog_kw: dict[str, Any] = dict(
             engine=engine,
             pool=self.pool,
             backend=backend,
