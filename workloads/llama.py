@@ -6,7 +6,9 @@ hidden units are split over G GPUs (Megatron-style): each GPU computes a partial
 and a partial down projection, which are moved to the tile's owner GPU (t mod G) and summed with the
 residual there, and the sum is sent back to every GPU. The sequence is cut into query tiles of
 `tile` rows; each attention vertex scores one query tile against the key/value tiles up to it, so
-scores never exceed [heads/G, tile, seq]. Weights are random (no downloads).
+scores never exceed [heads/G, tile, seq]. Weights are random (no downloads). The layers are
+built by the checkpoint models' layer builder (`workloads.llm.layer`) from this workload's
+`layer_spec`; the plain torch reference below is independent of it.
 
 The TaskGraph is built tile-major within each layer, which is also the serial order `order()`
 gives the planner: projections of tile t, its attention (keys of tiles <= t exist by then), its MLP;
