@@ -2,7 +2,7 @@
 linear layers they adapt, forward and backward.
 
 y = x W^T + (alpha/r) (x A^T) B^T with A [r, in], B [out, r] (PEFT's lora_A, lora_B); W frozen.
-Split over G GPUs as the base weights are (`workloads.llm.model`):
+Split over G GPUs as the base weights are (`workloads.llm.layer.Split`):
 - a layer whose output rows are split (q, k, v, gate, up) has B split by rows like W; A is needed
   whole on every GPU: its state lives on the layer's owner GPU, which sends the parameter to the
   others and receives their gradient partials;

@@ -2,10 +2,12 @@
 
 The graphs follow LlamaForCausalLM: token embedding, decoder layers (RMSNorm, Q/K/V projections,
 rotary embedding, causal grouped-query attention, output projection, SwiGLU MLP, residuals), the
-final RMSNorm and the LM head. They are tensor-parallel over G GPUs as `workloads.llama` is
-(Megatron-style): each GPU holds heads/G query heads, kv_heads/G key/value heads and ffn/G MLP
-units, computes partial output and down projections, which the row tile's owner GPU sums with
-the residual and sends back to every GPU. The vocabulary is split over the GPUs too: each holds
+final RMSNorm and the LM head. The decoder layers are the layer builder's (`workloads.llm.layer`,
+from `LlamaConfig.spec`), tensor-parallel over G GPUs (Megatron-style): each GPU holds heads/G
+query heads, kv_heads/G key/value heads and ffn/G MLP units, computes partial output and down
+projections, which the row tile's owner GPU sums with the residual and sends back to every GPU;
+between a layer's q/k/v and its attention a graph keeps its keys and values (prefill tiles, the
+KV cache). The vocabulary is split over the GPUs too: each holds
 rows [lo, hi) of the embedding table and of the LM head; an embedding lookup gives zeros for ids
 outside a GPU's rows, so the shards' lookups sum to the whole table's, and each GPU computes its
 columns of the logits. Every weight is a graph input whose `Source` names its block of the
