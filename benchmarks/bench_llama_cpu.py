@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     path = checkpoint(Path(args.dir))
     from disco_ray.models.llama import capacity_bounds
-    from workloads.checkpoint import Checkpoint
+    from workloads.llm.checkpoint import Checkpoint
 
     ids = prompt_ids(args.prompt)
     weights = Checkpoint(path).weight_bytes()

@@ -62,7 +62,7 @@ def run_one(kind: str, path: str, batch: int, seq: int, steps: int, capacity: in
         plans: list = []
     else:
         from disco_ray.models.finetune import LoraTrainer
-        from workloads.llama_train import LoraSpec, OptimSpec
+        from workloads.llm.train import LoraSpec, OptimSpec
 
         spec = LoraSpec(16, 32.0, TARGETS)
         with LoraTrainer(
@@ -86,8 +86,8 @@ def cpu(args) -> int:
     import torch
     from bench_llama_cpu import checkpoint
 
-    from workloads.checkpoint import Checkpoint
-    from workloads.llama_train import LoraSpec, OptimSpec, train_graph
+    from workloads.llm.checkpoint import Checkpoint
+    from workloads.llm.train import LoraSpec, OptimSpec, train_graph
 
     path = str(checkpoint(Path(args.dir)))
     ck = Checkpoint(path)
@@ -141,8 +141,8 @@ def paper(args) -> int:
     from disco_ray.bench.profiles import a100
     from disco_ray.bench.simulate import simulate
     from planner import build_memgraph
-    from workloads.checkpoint import Checkpoint, LlamaConfig
-    from workloads.llama_train import LoraSpec, OptimSpec, train_graph
+    from workloads.llm.checkpoint import Checkpoint, LlamaConfig
+    from workloads.llm.train import LoraSpec, OptimSpec, train_graph
 
     cfg = LlamaConfig.from_dict(
         {

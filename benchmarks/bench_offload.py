@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args(argv)
     from disco_ray.models.llama import capacity_bounds
-    from workloads.checkpoint import Checkpoint
+    from workloads.llm.checkpoint import Checkpoint
 
     path = checkpoint(Path(args.dir))
     weights = Checkpoint(path).weight_bytes()

@@ -60,8 +60,8 @@ def partials_graph(n: int, grad_sum: str) -> TaskGraph:
 
 
 def lora_graph(layers: int, seq: int, grad_sum: str, big: bool = False) -> TaskGraph:
-    from workloads.checkpoint import Checkpoint, LlamaConfig
-    from workloads.llama_train import TARGETS, LoraSpec, OptimSpec, train_graph
+    from workloads.llm.checkpoint import Checkpoint, LlamaConfig
+    from workloads.llm.train import TARGETS, LoraSpec, OptimSpec, train_graph
 
     dims = (32000, 4096, 11008, 32, 32) if big else (4096, 512, 1376, 8, 4)
     cfg = LlamaConfig.from_dict(

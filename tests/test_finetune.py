@@ -24,8 +24,8 @@ from planner import min_capacity, roomy_capacity  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from tests.test_models import make_checkpoint  # noqa: E402
-from workloads.checkpoint import Checkpoint  # noqa: E402
-from workloads.llama_train import LoraSpec, OptimSpec, train_graph  # noqa: E402
+from workloads.llm.checkpoint import Checkpoint  # noqa: E402
+from workloads.llm.train import LoraSpec, OptimSpec, train_graph  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BLOCK = 4

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from disco_ray.graph import ops
 from disco_ray.graph.errors import GraphError
-from disco_ray.graph.kernels import run_kernel
+from disco_ray.graph.kernels import IMPLS, TEMPS, run_kernel
+from disco_ray.graph.kernels_llm import KERNELS
+from disco_ray.graph.kernels_llm import TEMPS as LLM_TEMPS
 from disco_ray.graph.taskgraph import TaskGraph
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -137,3 +139,10 @@ def test_bad_shapes_and_attrs_are_refused():
         g.kernel("kv_write", blk, g.input("big", (3, 16)), g.input("p", (1,), "int64"))
     with pytest.raises(GraphError, match="start must be an integer"):
         g.kernel("kv_write", blk, q, g.input("p2", (1,), "int64"), start=1.5)
+
+
+def test_the_transformer_ops_kernels_are_those_of_kernels_llm():
+    llm = {op for op, spec in ops.OPS.items() if spec.infer.__module__.endswith("ops_llm")}
+    assert llm == set(KERNELS)
+    assert all(IMPLS[op] is KERNELS[op] for op in KERNELS)
+    assert all(TEMPS[op] is LLM_TEMPS[op] for op in LLM_TEMPS)

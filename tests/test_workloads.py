@@ -16,7 +16,8 @@ from disco_ray.graph.kernels import run_kernel
 from disco_ray.graph.reference import evaluate
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 from workloads import baselines
-from workloads.llama import apply_rope, rope_tables
+from workloads.llama import apply_rope, layer_spec
+from workloads.llm.layer import rope_tables
 
 CASES = [
     ("matmul_chain", dict(n=3, gpus=2, tokens=8, hidden=16)),
@@ -182,7 +183,7 @@ def test_attention_flops_count_only_unmasked_pairs():
 
 
 def test_rope_op_matches_reference_rotation():
-    cos, sin = rope_tables(6, 4, torch.float32)
+    cos, sin = rope_tables(layer_spec(dim=8, heads=2, ffn=8), torch.arange(6), torch.float32)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
     out = torch.empty(6, 8)
     run_kernel("rope", out, [x, cos, sin], {})

@@ -23,7 +23,8 @@ import torch
 from disco_ray.graph.errors import UsageError
 
 from . import Workload
-from .llama import full_weights, llama_layer, rope_tables
+from .llama import full_weights, layer_spec, llama_layer
+from .llm.layer import rope_tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,9 @@ def _program(w: Workload) -> _Program[Any]:
         levels = [full_weights(ins, names) for names in w.meta["layer_weights"]]
 
         def init(dev, h):
-            cos, sin = rope_tables(p["seq"], p["dim"] // p["heads"], h.dtype)
+            cos, sin = rope_tables(
+                layer_spec(p["dim"], p["heads"], p["ffn"]), torch.arange(p["seq"]), h.dtype
+            )
             return h, cos.to(dev), sin.to(dev)
 
         def step(state, wt):

@@ -6,7 +6,9 @@ hidden units are split over G GPUs (Megatron-style): each GPU computes a partial
 and a partial down projection, which are moved to the tile's owner GPU (t mod G) and summed with the
 residual there, and the sum is sent back to every GPU. The sequence is cut into query tiles of
 `tile` rows; each attention vertex scores one query tile against the key/value tiles up to it, so
-scores never exceed [heads/G, tile, seq]. Weights are random (no downloads).
+scores never exceed [heads/G, tile, seq]. Weights are random (no downloads). The layers are
+built by the checkpoint models' layer builder (`workloads.llm.layer`) from this workload's
+`layer_spec`; the plain torch reference below is independent of it.
 
 The TaskGraph is built tile-major within each layer, which is also the serial order `order()`
 gives the planner: projections of tile t, its attention (keys of tiles <= t exist by then), its MLP;
@@ -16,6 +18,8 @@ that is run as is (the deterministic ablation) work to do while a tile's partial
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +32,7 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from . import Workload
+from .llm.layer import Layer, LayerSpec, LayerWeights, Layout, Order, Split, rope_tables
 
 EPS = 1e-6  # LLaMA's norm_eps
 THETA = 10000.0  # rotary base
@@ -69,7 +74,9 @@ def llama_prefill(
     def reference(ins: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         tiles = cfg["seq"] // cfg["tile"]
         h = torch.cat([ins[f"h0_t{t}"] for t in range(tiles)], dim=0)
-        cos, sin = rope_tables(cfg["seq"], cfg["dim"] // cfg["heads"], h.dtype)
+        cos, sin = rope_tables(
+            layer_spec(cfg["dim"], cfg["heads"], cfg["ffn"]), torch.arange(cfg["seq"]), h.dtype
+        )
         for names in layer_weights:
             h = llama_layer(h, full_weights(ins, names), cos, sin, cfg["heads"])
         return {o: h[t * cfg["tile"] : (t + 1) * cfg["tile"]] for t, o in enumerate(outs)}
@@ -100,6 +107,16 @@ def _check(p: dict) -> None:
         raise UsageError(f"llama_prefill: seq {p['seq']} is not a multiple of tile {p['tile']}")
 
 
+def layer_spec(dim: int, heads: int, ffn: int) -> LayerSpec:
+    """The workload's decoder layer: LLaMA's, with random weights stored [in, out] (`WEIGHTS`)."""
+    hd = dim // heads
+    spec = LayerSpec(
+        dim, heads, None, hd, ffn, EPS, 1.0 / math.sqrt(hd), THETA, weights=LayerWeights(*WEIGHTS)
+    )
+    # the order and ids its plans were made with (see Order)
+    return dataclasses.replace(spec, layout=Layout.IN_OUT, order=Order.BY_GPU, mlp_ids=("up1", "up3", "gate"))
+
+
 def _graph(
     layers: int,
     gpus: int,
@@ -114,132 +131,77 @@ def _graph(
     """The TaskGraph, its levels (one per layer), weight ids, per-layer weight ids and output ids."""
     G = gpus
     g = TaskGraph(G)
-    hd = dim // heads
-    hg, fg = heads // G, ffn // G  # heads and MLP units per GPU
-    tiles = seq // tile
-    levels: list[list[str]] = [[] for _ in range(layers)]
-    lv = levels[0]
-
-    def add(x: str) -> str:
-        lv.append(x)
-        return x
-
-    def broadcast(x: str, owner: int, stem: str) -> list[str]:
-        return [x if j == owner else add(g.transfer(x, j, id=f"{stem}_to{j}")) for j in range(G)]
-
-    def reduce(parts: list[str], residual: str, owner: int, stem: str) -> str:
-        moved = [
-            p if j == owner else add(g.transfer(p, owner, id=f"{stem}_p{j}")) for j, p in enumerate(parts)
-        ]
-        return add(g.add(residual, *moved, id=stem, gpu=owner))
-
+    spec = layer_spec(dim, heads, ffn)
+    split = Split.of(spec, G)
+    layer_weights: list[dict[str, list[str]]] = []
+    lay = Layer(g, spec, split, lambda li, j: {r: layer_weights[li][n][j] for r, n in spec.weights.items()})
     # h[t][j]: the hidden state of tile t on GPU j; the prompt's embeddings start on the tile's owner
-    h = []
-    for t in range(tiles):
-        x = add(g.input(f"h0_t{t}", (tile, dim), dtype, gpu=t % G))
-        h.append(broadcast(x, t % G, f"h0_t{t}"))
-    cos = [
-        [add(g.input(f"{c}_t{t}_g{j}", (tile, hd), dtype, gpu=j)) for j in range(G)]
-        for t in range(tiles)
+    tiles = range(seq // tile)
+    h = [lay.broadcast(g.input(f"h0_t{t}", (tile, dim), dtype, gpu=t % G), f"h0_t{t}") for t in tiles]
+    rot = [
+        [g.input(f"{c}_t{t}_g{j}", (tile, spec.head_dim), dtype, gpu=j) for j in range(G)]
+        for t in tiles
         for c in ("cos", "sin")
     ]
-    cos, sin = cos[0::2], cos[1::2]
-    weights: list[str] = []
-    layer_weights: list[dict[str, list[str]]] = []
-    shapes = {
-        "attn_norm": (dim,),
-        "wq": (dim, hg * hd),
-        "wk": (dim, hg * hd),
-        "wv": (dim, hg * hd),
-        "wo": (hg * hd, dim),
-        "mlp_norm": (dim,),
-        "w1": (dim, fg),
-        "w3": (dim, fg),
-        "w2": (fg, dim),
-    }
-    outs: list[str] = []
-
-    def layer(li: int, h: list[list[str]]) -> list[list[str]]:
-        """Adds layer `li` on hidden tiles h[t][gpu]; returns the next layer's (or the outputs)."""
-        nonlocal lv
-        lv = levels[li]
-        w = {n: [add(g.input(f"l{li}.{n}_g{j}", shapes[n], dtype, gpu=j)) for j in range(G)] for n in WEIGHTS}
-        layer_weights.append(w)
-        weights.extend(x for ids in w.values() for x in ids)
-        ks: list[list[str]] = [[] for _ in range(G)]
-        vs: list[list[str]] = [[] for _ in range(G)]
-        last = li == layers - 1
-        nxt: list[list[str]] = [[] for _ in range(tiles)]
-
-        def attend(t: int) -> list[str]:
-            own = t % G
-            s = f"l{li}.t{t}"
-            parts = []
-            for j in range(G):
-                x = add(g.rmsnorm(h[t][j], w["attn_norm"][j], eps=EPS, id=f"{s}.norm1_g{j}"))
-                q = add(g.matmul(x, w["wq"][j], id=f"{s}.q_g{j}"))
-                k = add(g.matmul(x, w["wk"][j], id=f"{s}.k_g{j}"))
-                v = add(g.matmul(x, w["wv"][j], id=f"{s}.v_g{j}"))
-                q = add(g.kernel("rope", q, cos[t][j], sin[t][j], id=f"{s}.qr_g{j}"))
-                ks[j].append(add(g.kernel("rope", k, cos[t][j], sin[t][j], id=f"{s}.kr_g{j}")))
-                vs[j].append(v)
-                a = add(
-                    g.kernel(
-                        "attention",
-                        q,
-                        *ks[j],
-                        *vs[j],
-                        id=f"{s}.attn_g{j}",
-                        heads=hg,
-                        scale=1.0 / math.sqrt(hd),
-                        offset=t * tile,
-                        causal=True,
-                    )
-                )
-                parts.append(add(g.matmul(a, w["wo"][j], id=f"{s}.o_g{j}")))
-            return broadcast(reduce(parts, h[t][own], own, f"{s}.h1"), own, f"{s}.h1")
-
-        def mlp(t: int, h1: list[str]) -> None:
-            own = t % G
-            s = f"l{li}.t{t}"
-            parts = []
-            for j in range(G):
-                x = add(g.rmsnorm(h1[j], w["mlp_norm"][j], eps=EPS, id=f"{s}.norm2_g{j}"))
-                a1 = add(g.matmul(x, w["w1"][j], id=f"{s}.up1_g{j}"))
-                a3 = add(g.matmul(x, w["w3"][j], id=f"{s}.up3_g{j}"))
-                m = add(g.mul(add(g.silu(a1, id=f"{s}.silu_g{j}")), a3, id=f"{s}.gate_g{j}"))
-                parts.append(add(g.matmul(m, w["w2"][j], id=f"{s}.down_g{j}")))
-            h2 = reduce(parts, h1[own], own, f"{s}.h2")
-            nxt[t] = [h2] if last else broadcast(h2, own, f"{s}.h2")
-
-        # software pipelining: the attention of tile t + lookahead is laid out before the MLP of tile t
-        h1s: dict[int, list[str]] = {}
-        for t in range(tiles + lookahead):
-            if t < tiles:
-                h1s[t] = attend(t)
-            if t >= lookahead:
-                mlp(t - lookahead, h1s.pop(t - lookahead))
-        return nxt
-
+    starts = []  # where each layer's vertices start (level 0 has the inputs before it too)
     for li in range(layers):
-        h = layer(li, h)
+        starts.append(len(g))
+        layer_weights.append(
+            {
+                n: [g.input(f"l{li}.{n}_g{j}", split.block_shape(spec, r, j), dtype, gpu=j) for j in range(G)]
+                for r, n in spec.weights.items()
+            }
+        )
+        h = _layer(lay, li, h, rot[0::2], rot[1::2], tile, lookahead, li == layers - 1)
+    order = list(g.vertices)
+    bounds = [0, *starts[1:], len(order)]
+    levels = [order[a:b] for a, b in itertools.pairwise(bounds)]
+    weights = [x for w in layer_weights for ids in w.values() for x in ids]
     outs = [x[0] for x in h]
     g.output(*outs)
     return g, levels, weights, layer_weights, outs
 
 
-def rope_tables(seq: int, hd: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [seq, hd] of the rotate-half rotary embedding (HF LLaMA layout)."""
-    inv = THETA ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
-    ang = torch.cat((ang, ang), dim=-1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+def _layer(
+    lay: Layer,
+    li: int,
+    h: list[list[str]],
+    cos: list[list[str]],
+    sin: list[list[str]],
+    tile: int,
+    lookahead: int,
+    last: bool,
+) -> list[list[str]]:
+    """Adds layer `li` on hidden tiles h[t][gpu] tile by tile; returns the next layer's (the
+    outputs, on each tile's owner, when `last`)."""
+    G = lay.G
+    ks: list[list[str]] = [[] for _ in range(G)]
+    vs: list[list[str]] = [[] for _ in range(G)]
+
+    def attention_block(t: int) -> list[str]:
+        def attend(j: int, q: str, k: str, v: str) -> str:
+            ks[j].append(k)  # keys of tiles <= t exist by now
+            vs[j].append(v)
+            return lay.attention(q, ks[j], vs[j], f"l{li}.t{t}.attn_g{j}", offset=t * tile)
+
+        return lay.attention_block(li, h[t], cos[t], sin[t], f"l{li}.t{t}", t % G, attend)
+
+    # software pipelining: the attention of tile t + lookahead is laid out before the MLP of tile t
+    nxt: list[list[str]] = [[] for _ in h]
+    h1s: dict[int, list[str]] = {}
+    for t in range(len(h) + lookahead):
+        if t < len(h):
+            h1s[t] = attention_block(t)
+        if t >= lookahead:
+            u = t - lookahead
+            nxt[u] = lay.mlp_block(li, h1s.pop(u), u % G, f"l{li}.t{u}", last)
+    return nxt
 
 
 def _inputs(g: TaskGraph, p: dict, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     dt = torch_dtype(p["dtype"])
-    cos, sin = rope_tables(p["seq"], p["dim"] // p["heads"], dt)
+    cos, sin = rope_tables(layer_spec(p["dim"], p["heads"], p["ffn"]), torch.arange(p["seq"]), dt)
     out: dict[str, torch.Tensor] = {}
     norms: dict[str, torch.Tensor] = {}  # every GPU gets the same copy of a norm weight
     for v in g.inputs():

@@ -83,7 +83,7 @@ def _tokens(path: str):
 
 def cmd_finetune(args) -> int:
     from disco_ray.models.finetune import LoraTrainer
-    from workloads.llama_train import LoraSpec, OptimSpec
+    from workloads.llm.train import LoraSpec, OptimSpec
 
     capacity = capacity_of(args, args.gpus)
     if capacity is None:

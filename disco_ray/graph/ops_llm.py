@@ -1,5 +1,6 @@
 """The transformer ops: concat, rotary embedding, attention (prefill tiles and cached decode),
-KV cache writes, linear layers in the checkpoint's [out, in] layout, and embedding lookups."""
+KV cache writes, linear layers in the checkpoint's [out, in] layout, and embedding lookups.
+Kernels live in `kernels_llm`."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from disco_ray.graph.errors import UsageError
-from workloads.llama_train import TARGETS, LoraSpec
+from workloads.llm.train import TARGETS, LoraSpec
 
 PREFIX = "base_model.model.model.layers."
 CONFIG = "adapter_config.json"

@@ -6,7 +6,7 @@
     trainer.save_adapter("adapter/")             # PEFT's layout: PeftModel.from_pretrained loads it
     trainer.close()
 
-One step is one run of one TaskGraph (`workloads.llama_train`): forward, loss, backward and the
+One step is one run of one TaskGraph (`workloads.llm.train`): forward, loss, backward and the
 optimizer on the batch's sequences. The graph is planned once per batch shape and reused for
 every step. The adapter's matrices and the optimizer's moments are worker states: written once
 before the first step, updated in place by every step's optimizer vertices, read back only when
@@ -20,13 +20,13 @@ from collections.abc import Sequence
 
 import torch
 
-from disco_ray.driver.program import ENGINES, Program
+from disco_ray.driver.program import Program
 from disco_ray.graph.errors import UsageError
 from planner import build_memgraph
-from workloads.llama_train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
+from workloads.llm.train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
 from . import adapter
-from .programs import Programs, open_checkpoint
+from .programs import Programs, open_checkpoint, plan_entry
 
 
 class LoraTrainer(Programs):
@@ -68,11 +68,9 @@ class LoraTrainer(Programs):
         disk_dir: str | None = None,
         **cluster: object,
     ):
-        if engine not in ENGINES:
-            raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
-        self.ck, self.dtype = open_checkpoint(path, gpus, dtype)
+        self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine)
         self.config = self.ck.config
-        self.gpus, self.block, self.grad_sum, self.check = gpus, block, grad_sum, check
+        self.gpus, self.block, self.grad_sum = gpus, block, grad_sum
         self.optim = optim or OptimSpec()
         self.optim.check()
         dims = {m: module_dims(self.config, m) for m in TARGETS}
@@ -83,22 +81,12 @@ class LoraTrainer(Programs):
             self.lora.check()
             self._start = adapter.init(self.lora, self.config.layers, dims, seed)
         super().__init__(
-            engine,
-            pool,
-            cluster,
-            capacity,
-            host_capacity,
-            backend=backend,
-            streams=streams,
-            ahead=ahead,
-            sources=weights,
-            disk_dir=disk_dir,
+            engine, pool, cluster, capacity, host_capacity, backend, streams, ahead, weights, disk_dir, check
         )
         self._written = False  # the adapter's initial states are on the workers
         self.steps_done = 0
         self.losses: list[float] = []
         self.step_s: list[float] = []
-        self.plans: list[dict] = []
 
     def _program(self, batch: int, seq: int) -> tuple[TrainGraph, Program]:
         got = self._programs.get((batch, seq))
@@ -110,18 +98,8 @@ class LoraTrainer(Programs):
         )
         tg = tgraph.taskgraph
         mg = build_memgraph(tg, self.capacity, order=list(tg.vertices), host_capacity=self.host_capacity)
-        self.plans.append(
-            {
-                "graph": f"train/{batch}x{seq}",
-                "vertices": len(tg),
-                "memgraph_vertices": len(mg),
-                "planning_s": round(time.perf_counter() - t, 4),
-                "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
-                "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
-                "sum_into": mg.stats.get("sum_into"),
-                "bytes_offloaded_disk": mg.stats.get("bytes_offloaded_disk", 0),
-            }
-        )
+        dt = time.perf_counter() - t
+        self.plans.append(plan_entry(f"train/{batch}x{seq}", tg, mg, dt, sum_into=mg.stats.get("sum_into")))
         prog = Program(tg, mg, **self._prog_kw)
         prog.engine  # noqa: B018  (loads the graph, and makes its states, now)
         if not self._written:

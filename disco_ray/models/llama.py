@@ -9,7 +9,7 @@ greedy generation with a KV cache the workers keep.
 Every graph of the model runs on one pool of workers (`RayPool` or `LocalPool`), so they share
 each worker's arena, its resident weights (each worker reads its own shards from the checkpoint
 once) and the KV cache states. Graphs are planned once and kept: a prefill per number of row
-tiles of the prompt, a decode step per number of cache blocks (`workloads.llama_model` says how
+tiles of the prompt, a decode step per number of cache blocks (`workloads.llm.model` says how
 the cache is cut), so planning is off the per-token path: a new plan is made once per `block`
 tokens at most, and never for a length seen before. A decode step is one run: the driver ships
 the token, its position and its rotary row, and reads back the logits (one round trip).
@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from disco_ray.driver.program import ENGINES, Program
+from disco_ray.driver.program import Program
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
 from planner import build_memgraph, min_capacity
-from workloads.checkpoint import Checkpoint
-from workloads.llama_model import ModelGraph, decode_graph, prefill_graph
+from workloads.llm.checkpoint import Checkpoint
+from workloads.llm.model import ModelGraph, decode_graph, prefill_graph
 
-from .programs import Programs, open_checkpoint
+from .programs import Programs, open_checkpoint, plan_entry
 
 
 @dataclass(slots=True)
@@ -109,8 +109,6 @@ class LlamaModel(Programs):
         host_capacity: int | str | Sequence[int | None] | None = None,
         disk_dir: str | None = None,
     ):
-        if engine not in ENGINES:
-            raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
         if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
             raise UsageError(f"gpus must be a positive integer, got {gpus!r}")
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
@@ -119,22 +117,12 @@ class LlamaModel(Programs):
         if not isinstance(tile, int) or isinstance(tile, bool) or tile < block or tile % block:
             raise UsageError(f"tile must be a multiple of block {block}, got {tile!r}")
         self.tile = tile
-        self.ck, self.dtype = open_checkpoint(path, gpus, dtype)
+        self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine)
         self.config = self.ck.config
-        self.gpus, self.block, self.check = gpus, block, check
-        self.engine, self.backend = engine, backend
+        self.gpus, self.block = gpus, block
         cluster = dict(num_cpus=num_cpus, placement=placement, address=address)
         super().__init__(
-            engine,
-            pool,
-            cluster,
-            capacity,
-            host_capacity,
-            backend=backend,
-            streams=streams,
-            ahead=ahead,
-            sources=weights,
-            disk_dir=disk_dir,
+            engine, pool, cluster, capacity, host_capacity, backend, streams, ahead, weights, disk_dir, check
         )
         self._plans: dict[tuple, tuple[ModelGraph, MemGraph]] = {}  # (key, capacity) -> plan
         self.clamped = 0  # plans made at a vertex's minimum because the capacity was below it
@@ -143,7 +131,6 @@ class LlamaModel(Programs):
         self._budget_seq = 0
         self.planning_s = 0.0
         self.load_s = 0.0  # loading graphs into the workers (the first also reads the weights)
-        self.plans: list[dict] = []  # one entry per plan made: what, vertices, seconds, bytes moved
 
     # ---- plans -------------------------------------------------------------------------------
     def _caps(self) -> list[int]:
@@ -163,7 +150,14 @@ class LlamaModel(Programs):
             if key[0] == "prefill":
                 _, blocks, logits, cache = key
                 mgraph = prefill_graph(
-                    self.ck, self.gpus, blocks, self.block, self.dtype, logits, cache, self.tile
+                    self.ck,
+                    self.gpus,
+                    blocks,
+                    self.block,
+                    dtype=self.dtype,
+                    logits=logits,
+                    cache=cache,
+                    tile=self.tile,
                 )
             else:
                 mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
@@ -178,18 +172,7 @@ class LlamaModel(Programs):
             mg = build_memgraph(tg, caps, order=list(tg.vertices), host_capacity=self.host_capacity)
             dt = time.perf_counter() - t
             self.planning_s += dt
-            self.plans.append(
-                {
-                    "graph": "/".join(str(k) for k in key),
-                    "capacity": caps,
-                    "vertices": len(tg),
-                    "memgraph_vertices": len(mg),
-                    "planning_s": round(dt, 4),
-                    "bytes_offloaded": mg.stats.get("bytes_offloaded", 0),
-                    "bytes_reloaded": mg.stats.get("bytes_reloaded", 0),
-                    "bytes_offloaded_disk": mg.stats.get("bytes_offloaded_disk", 0),
-                }
-            )
+            self.plans.append(plan_entry("/".join(str(k) for k in key), tg, mg, dt, capacity=caps))
             planned = self._plans[(key, tuple(self._caps()))] = (mgraph, mg)
         mgraph, mg = planned
         prog = Program(mgraph.taskgraph, mg, **self._prog_kw)
@@ -357,7 +340,9 @@ def capacity_bounds(
 
     ck = Checkpoint(path)
     blocks = math.ceil(prompt / block)
-    graphs = [prefill_graph(ck, gpus, blocks, block, dtype, "all", new_tokens > 1, tile or 4 * block)]
+    graphs = [
+        prefill_graph(ck, gpus, blocks, block, dtype=dtype, cache=new_tokens > 1, tile=tile or 4 * block)
+    ]
     last = prompt + new_tokens - 2  # the position the last decode step feeds
     if new_tokens > 1:
         graphs += [

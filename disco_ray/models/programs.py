@@ -5,21 +5,41 @@ from __future__ import annotations
 from typing import Any
 
 from disco_ray.driver.engine_local import LocalPool
-from disco_ray.driver.program import Program
+from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
-from workloads.checkpoint import Checkpoint
+from disco_ray.graph.taskgraph import TaskGraph
+from workloads.llm.checkpoint import Checkpoint
 
 
-def open_checkpoint(path: str, gpus: int, dtype: str | None) -> tuple[Checkpoint, str]:
+def open_checkpoint(path: str, gpus: int, dtype: str | None, engine: str) -> tuple[Checkpoint, str]:
     """The checkpoint at `path`, its config checked to split over `gpus`, and the compute dtype
-    (`dtype`, checked, else the checkpoint's): what a model driver runs."""
+    (`dtype`, checked, else the checkpoint's), to run on `engine`: what a model driver runs."""
+    if engine not in ENGINES:
+        raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
     ck = Checkpoint(path)
     ck.config.check_split(gpus)
     if dtype is not None and dtype not in FLOATS:
         raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
     return ck, dtype or ck.config.dtype
+
+
+def plan_entry(graph: str, tg: TaskGraph, mg: MemGraph, seconds: float, **extra: object) -> dict:
+    """What a driver records of one plan: the graph's name, its size, the seconds planning took,
+    the bytes the plan moves (and `extra`)."""
+    stats = mg.stats
+    return {
+        "graph": graph,
+        "vertices": len(tg),
+        "memgraph_vertices": len(mg),
+        "planning_s": round(seconds, 4),
+        "bytes_offloaded": stats.get("bytes_offloaded", 0),
+        "bytes_reloaded": stats.get("bytes_reloaded", 0),
+        "bytes_offloaded_disk": stats.get("bytes_offloaded_disk", 0),
+        **extra,
+    }
 
 
 class Programs:
@@ -33,9 +53,16 @@ class Programs:
         cluster: dict[str, Any],
         capacity,
         host_capacity,
-        **program_kw: Any,
+        backend: str,
+        streams: int,
+        ahead: int | None,
+        weights: str,
+        disk_dir: str | None,
+        check: bool,
     ):
-        """`capacity`, `host_capacity`: as `disco_ray.compile` takes them ("64MiB" strings too)."""
+        """`capacity`, `host_capacity`: as `disco_ray.compile` takes them ("64MiB" strings too);
+        the others as `LlamaModel` takes them."""
+        self.engine, self.backend, self.check = engine, backend, check
         self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
         self.host_capacity = (
             parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity
@@ -49,7 +76,16 @@ class Programs:
             self.pool = RayPool(**cluster)
         else:
             self.pool = LocalPool()
-        self._prog_kw = dict(engine=engine, pool=self.pool, **program_kw)
+        self._prog_kw: dict[str, Any] = dict(
+            engine=engine,
+            pool=self.pool,
+            backend=backend,
+            streams=streams,
+            ahead=ahead,
+            sources=weights,
+            disk_dir=disk_dir,
+        )
+        self.plans: list[dict] = []  # one entry per plan made (`plan_entry`)
         self._programs: dict[tuple, tuple[Any, Program]] = {}
 
     def _close_programs(self) -> None:

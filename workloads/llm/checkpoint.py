@@ -13,6 +13,7 @@ SiLU MLPs without biases. Anything else is refused with one `UsageError` naming 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.sources import FILE_DTYPES, Source
+
+from .layer import LayerSpec
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -44,39 +47,8 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, cfg: dict, where: str, gen: dict | None = None) -> LlamaConfig:
         """Parses a config.json object; UsageError naming `where` and the field for what is unsupported."""
-
-        def field(
-            name: str,
-            typ: type[int] | tuple[type[int], type[float]] = int,
-            default: object = ...,
-            positive: bool = True,
-        ):
-            if name not in cfg or cfg[name] is None:
-                if default is ...:
-                    raise UsageError(f"{where}: missing {name!r}")
-                return default
-            x = cfg[name]
-            if isinstance(x, bool) or not isinstance(x, typ):
-                raise UsageError(
-                    f"{where}: {name!r} must be {getattr(typ, '__name__', 'a number')}, got {x!r}"
-                )
-            if positive and not x > 0:
-                raise UsageError(f"{where}: {name!r} must be positive, got {x!r}")
-            return x
-
-        mt = cfg.get("model_type")
-        if mt != "llama":
-            arch = cfg.get("architectures")
-            raise UsageError(
-                f"{where}: model_type {mt!r} (architectures {arch}) is not supported: only LLaMA "
-                "checkpoints (model_type 'llama', LlamaForCausalLM) are"
-            )
-        for flag in ("attention_bias", "mlp_bias"):
-            if cfg.get(flag):
-                raise UsageError(f"{where}: {flag} true is not supported (LLaMA layers have no biases)")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UsageError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
+        field = functools.partial(_field, cfg, where)
+        _check_llama(cfg, where)
         dim, heads = field("hidden_size"), field("num_attention_heads")
         kv = field("num_key_value_heads", default=heads)
         if heads % kv:
@@ -90,25 +62,7 @@ class LlamaConfig:
             hd = dim // heads
         if hd % 2:
             raise UsageError(f"{where}: head_dim {hd} must be even (rotary embedding)")
-        # transformers 5 writes "rope_parameters"; 4.x "rope_theta" and "rope_scaling"
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise UsageError(f"{where}: rope_scaling must be an object, got {rope!r}")
-        rope = dict(rope)
-        rtype = rope.get("rope_type", rope.get("type", "default"))
-        if rtype not in ROPE_TYPES:
-            raise UsageError(
-                f"{where}: rope_scaling type {rtype!r} is not supported (one of {', '.join(ROPE_TYPES)})"
-            )
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-            raise UsageError(f"{where}: rope_theta must be a positive number, got {theta!r}")
-        rope["rope_type"] = rtype
-        need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
-        for key in need.get(rtype, ()):
-            x = rope.get(key)
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
-                raise UsageError(f"{where}: rope_scaling {rtype} needs a positive {key!r}, got {x!r}")
+        theta, rope = _rope(cfg, where)
         eps = field("rms_norm_eps", (int, float), 1e-6)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         if dtype not in ("float32", "float16", "bfloat16"):
@@ -118,7 +72,7 @@ class LlamaConfig:
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
             raise UsageError(f"{where}: eos_token_id must be an integer or a list of them, got {eos!r}")
         max_pos = field("max_position_embeddings", default=2048)
-        if rtype == "llama3":
+        if rope["rope_type"] == "llama3":
             rope.setdefault("original_max_position_embeddings", max_pos)
         return cls(
             vocab=field("vocab_size"),
@@ -129,12 +83,20 @@ class LlamaConfig:
             head_dim=hd,
             ffn=field("intermediate_size"),
             eps=float(eps),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope=rope,
             tie=bool(cfg.get("tie_word_embeddings", False)),
             max_positions=max_pos,
             dtype=dtype,
             eos=eos_ids,
+        )
+
+    @property
+    def spec(self) -> LayerSpec:
+        """Its decoder layers, as the layer builder takes them."""
+        hd, theta = self.head_dim, self.rope_theta
+        return LayerSpec(
+            self.dim, self.heads, self.kv_heads, hd, self.ffn, self.eps, hd**-0.5, theta, self.rope
         )
 
     def check_split(self, gpus: int) -> None:
@@ -151,6 +113,68 @@ class LlamaConfig:
                 f"config num_key_value_heads {self.kv_heads} does not split over {gpus} GPUs (one must "
                 "divide the other)"
             )
+
+
+def _field(
+    cfg: dict,
+    where: str,
+    name: str,
+    typ: type[int] | tuple[type[int], type[float]] = int,
+    default: object = ...,
+    positive: bool = True,
+):
+    """Field `name` of config.json object `cfg` (at `where`), checked: of `typ`, positive."""
+    if name not in cfg or cfg[name] is None:
+        if default is ...:
+            raise UsageError(f"{where}: missing {name!r}")
+        return default
+    x = cfg[name]
+    if isinstance(x, bool) or not isinstance(x, typ):
+        raise UsageError(f"{where}: {name!r} must be {getattr(typ, '__name__', 'a number')}, got {x!r}")
+    if positive and not x > 0:
+        raise UsageError(f"{where}: {name!r} must be positive, got {x!r}")
+    return x
+
+
+def _check_llama(cfg: dict, where: str) -> None:
+    """A LLaMA architecture: model_type "llama", no biases, SiLU."""
+    mt = cfg.get("model_type")
+    if mt != "llama":
+        arch = cfg.get("architectures")
+        raise UsageError(
+            f"{where}: model_type {mt!r} (architectures {arch}) is not supported: only LLaMA "
+            "checkpoints (model_type 'llama', LlamaForCausalLM) are"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise UsageError(f"{where}: {flag} true is not supported (LLaMA layers have no biases)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UsageError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
+
+
+def _rope(cfg: dict, where: str) -> tuple[float, dict]:
+    """The rotary base and the scaling (its type under "rope_type") of a config.json object."""
+    # transformers 5 writes "rope_parameters"; 4.x "rope_theta" and "rope_scaling"
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UsageError(f"{where}: rope_scaling must be an object, got {rope!r}")
+    rope = dict(rope)
+    rtype = rope.get("rope_type", rope.get("type", "default"))
+    if rtype not in ROPE_TYPES:
+        raise UsageError(
+            f"{where}: rope_scaling type {rtype!r} is not supported (one of {', '.join(ROPE_TYPES)})"
+        )
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise UsageError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    rope["rope_type"] = rtype
+    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    for key in need.get(rtype, ()):
+        x = rope.get(key)
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
+            raise UsageError(f"{where}: rope_scaling {rtype} needs a positive {key!r}, got {x!r}")
+    return float(theta), rope
 
 
 class Checkpoint:
@@ -233,26 +257,15 @@ class Checkpoint:
 
 def _shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The tensors a LLaMA checkpoint of config `c` holds, with their shapes."""
-    hd = c.head_dim
     want: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab, c.dim),
         "model.norm.weight": (c.dim,),
     }
     if not c.tie:
         want["lm_head.weight"] = (c.vocab, c.dim)
+    spec = c.spec
     for i in range(c.layers):
-        p = f"model.layers.{i}."
-        want |= {
-            p + "input_layernorm.weight": (c.dim,),
-            p + "post_attention_layernorm.weight": (c.dim,),
-            p + "self_attn.q_proj.weight": (c.heads * hd, c.dim),
-            p + "self_attn.k_proj.weight": (c.kv_heads * hd, c.dim),
-            p + "self_attn.v_proj.weight": (c.kv_heads * hd, c.dim),
-            p + "self_attn.o_proj.weight": (c.dim, c.heads * hd),
-            p + "mlp.gate_proj.weight": (c.ffn, c.dim),
-            p + "mlp.up_proj.weight": (c.ffn, c.dim),
-            p + "mlp.down_proj.weight": (c.dim, c.ffn),
-        }
+        want |= {f"model.layers.{i}.{name}": spec.whole(role) for role, name in spec.weights.items()}
     return want
 
 

@@ -5,7 +5,7 @@ What the papers evaluate (TURNIP section 8, DISCO section 5): rank-r adapters on
 layers of a frozen model, the base weights streamed from host exactly as in inference. A step:
 
 - **forward**, per sequence of the batch and row tile of `block` tokens, layer by layer (the
-  inference graph's tensor-parallel split, `workloads.llama_model`), keeping only each layer's
+  inference graph's tensor-parallel split, `workloads.llm.model`), keeping only each layer's
   input (activation checkpointing);
 - **the loss**: the final norm, the LM head's logits per vocabulary shard, the mean next-token
   cross-entropy (transformers' `labels=input_ids`: row i predicts token i+1, the last row and
@@ -21,7 +21,7 @@ layers of a frozen model, the base weights streamed from host exactly as in infe
   (AdamW or SGD) on each adapter matrix, whose state (parameter, and AdamW's moments, packed in
   one tensor) is a worker state carried from step to step: the adapter never leaves the workers.
 
-The adapters, their split over the GPUs and their backward are in `workloads.lora`.
+The adapters, their split over the GPUs and their backward are in `workloads.llm.lora`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
-from .llama_model import rope_tables
+from .layer import rope_tables
 from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, module_dims
 
 IGNORE = -100  # transformers' ignored label
@@ -64,7 +64,7 @@ class TrainGraph:
         ids[:, : self.seq] = tokens
         labels = torch.full((self.batch, rows), IGNORE, dtype=torch.int64)
         labels[:, : self.seq - 1] = tokens[:, 1:]
-        cos, sin = rope_tables(cfg, torch.arange(rows), getattr(torch, self.dtype))
+        cos, sin = rope_tables(cfg.spec, torch.arange(rows), getattr(torch, self.dtype))
         out: dict[str, torch.Tensor] = {}
         for j in range(g):
             out[f"step_g{j}"] = torch.tensor([float(step)], dtype=torch.float32)
@@ -103,66 +103,41 @@ class _Step(LoraLayers):
     def layer_forward(self, li: int, h: str, t: int, stem: str) -> tuple[int, dict]:
         """The attention inputs of layer li on hidden tile h (held by its owner GPU w): returns w
         and the values made (what the backward reads)."""
-        g, eps, w = self.g, self.cfg.eps, self.g[h].gpu
+        lay, w = self.layer, self.g[h].gpu
         keep: dict = {"h": h}
-        hs = self.bcast(h, f"{stem}.h")
-        x1 = [
-            g.rmsnorm(hs[j], self.layer_weights(li, j)["attn_norm"], eps=eps, id=f"{stem}.norm1_g{j}")
-            for j in range(self.G)
-        ]
+        hs = lay.broadcast(h, f"{stem}.h")
+        x1 = [lay.norm(li, "attn_norm", hs[j], j, f"{stem}.norm1_g{j}") for j in range(self.G)]
         keep["x1"] = x1
         q = self.col_forward(li, "q_proj", x1, stem, keep)
         k = self.col_forward(li, "k_proj", x1, stem, keep)
         v = self.col_forward(li, "v_proj", x1, stem, keep)
         cos, sin = self.cos[t], self.sin[t]
-        keep["qr"] = [g.kernel("rope", q[j], cos[j], sin[j], id=f"{stem}.qr_g{j}") for j in range(self.G)]
-        keep["kr"] = [g.kernel("rope", k[j], cos[j], sin[j], id=f"{stem}.kr_g{j}") for j in range(self.G)]
+        keep["qr"] = [lay.rope(q[j], cos[j], sin[j], f"{stem}.qr_g{j}") for j in range(self.G)]
+        keep["kr"] = [lay.rope(k[j], cos[j], sin[j], f"{stem}.kr_g{j}") for j in range(self.G)]
         keep["v"] = v
         return w, keep
-
-    def attention(self, li, qr, ks, vs, t, stem, j) -> str:
-        s, hd = self.split, self.cfg.head_dim
-        return self.g.kernel(
-            "attention",
-            qr,
-            *ks,
-            *vs,
-            id=f"{stem}.attn_g{j}",
-            heads=s.heads,
-            kv_heads=s.kv_heads,
-            scale=hd**-0.5,
-            offset=t * self.block,
-            causal=True,
-        )
 
     def layer_rest(self, li: int, keep: dict, att: list[str], w: int, stem: str, full: bool) -> str:
         """From the attention output: o projection, residual, MLP (the down projection's base matmul
         and the second residual only when `full`); returns h out on w (or "")."""
-        g, eps = self.g, self.cfg.eps
+        g, lay = self.g, self.layer
         keep["att"] = att
-        o_parts = [
-            g.linear(att[j], self.layer_weights(li, j)["o"], id=f"{stem}.o_g{j}") for j in range(self.G)
-        ]
+        o_parts = [lay.project(li, "o", att[j], j, f"{stem}.o_g{j}") for j in range(self.G)]
         lo = self.row_lora(li, "o_proj", att, stem, keep)
         h1 = self.reduce(o_parts, [keep["h"], *([lo] if lo else [])], w, f"{stem}.h1")
         keep["h1"] = h1
-        h1s = self.bcast(h1, f"{stem}.h1b")
-        x2 = [
-            g.rmsnorm(h1s[j], self.layer_weights(li, j)["mlp_norm"], eps=eps, id=f"{stem}.norm2_g{j}")
-            for j in range(self.G)
-        ]
+        h1s = lay.broadcast(h1, f"{stem}.h1b")
+        x2 = [lay.norm(li, "mlp_norm", h1s[j], j, f"{stem}.norm2_g{j}") for j in range(self.G)]
         keep["x2"] = x2
         gt = self.col_forward(li, "gate_proj", x2, stem, keep)
         up = self.col_forward(li, "up_proj", x2, stem, keep)
-        a = [g.silu(gt[j], id=f"{stem}.silu_g{j}") for j in range(self.G)]
+        a = [lay.act(gt[j], f"{stem}.silu_g{j}") for j in range(self.G)]
         m = [g.mul(a[j], up[j], id=f"{stem}.m_g{j}") for j in range(self.G)]
         keep |= {"gate": gt, "up": up, "a": a, "m": m}
         ld = self.row_lora(li, "down_proj", m, stem, keep, need_out=full)
         if not full:
             return ""
-        d_parts = [
-            g.linear(m[j], self.layer_weights(li, j)["down"], id=f"{stem}.down_g{j}") for j in range(self.G)
-        ]
+        d_parts = [lay.project(li, "down", m[j], j, f"{stem}.down_g{j}") for j in range(self.G)]
         return self.reduce(d_parts, [h1, *([ld] if ld else [])], w, f"{stem}.h2")
 
     # ---- the phases of a step ---------------------------------------------------------------------
@@ -202,7 +177,7 @@ class _Step(LoraLayers):
                 stem = f"loss.b{s}.t{t}"
                 hL = self.saved[cfg.layers][s][t]
                 w = g[hL].gpu
-                hs = self.bcast(hL, f"{stem}.h")
+                hs = self.layer.broadcast(hL, f"{stem}.h")
                 lab = [g.input(f"lab_b{s}_t{t}_g{j}", (self.block,), "int64", gpu=j) for j in range(G)]
                 logits, parts = [], []
                 for j in range(G):
@@ -222,7 +197,7 @@ class _Step(LoraLayers):
                 comb = g.kernel("cross_entropy_combine", *moved, lab[w], id=f"{stem}.comb")
                 col = g.kernel("slice", comb, id=f"{stem}.rows", axis=1, start=0, stop=1)
                 losses.append(g.kernel("reduce_sum", col, id=f"{stem}.loss", scale=inv_n))
-                combs = self.bcast(comb, f"{stem}.combb")
+                combs = self.layer.broadcast(comb, f"{stem}.combb")
                 dxf = []
                 for j in range(G):
                     dl = g.kernel(
@@ -278,7 +253,9 @@ class _Step(LoraLayers):
             for j in range(G):
                 ks[j].append(keep["kr"][j])
                 vs[j].append(keep["v"][j])
-                att.append(self.attention(li, keep["qr"][j], ks[j], vs[j], t, stem, j))
+                att.append(
+                    self.layer.attention(keep["qr"][j], ks[j], vs[j], f"{stem}.attn_g{j}", t * self.block)
+                )
             out = self.layer_rest(li, keep, att, w, stem, full)
             keep["w"] = w
             tiles.append((out, keep))
@@ -289,16 +266,14 @@ class _Step(LoraLayers):
         projection's and attention's, one key tile at a time. Returns per key tile and GPU the
         dk|dv partials of every query tile, per tile and GPU the gradient of the rotated q, and
         per tile the gradient of the attention block's output (dh1, on the owner)."""
-        g, G, T, cfg, sp = self.g, self.G, self.tiles, self.cfg, self.split
-        hd = cfg.head_dim
+        g, G, T, cfg = self.g, self.G, self.tiles, self.cfg
         dkv: list[list[list[str]]] = [[[] for _ in range(G)] for _ in range(T)]
         dqr: list[list[str]] = [[""] * G for _ in range(T)]
         dh1s: list[str] = [""] * T
-        common = dict(heads=sp.heads, kv_heads=sp.kv_heads, scale=hd**-0.5)
         for t in reversed(range(T)):
             stem = f"g.b{s}.t{t}.l{li}"
             keep, w = keeps[t], keeps[t]["w"]
-            dys = self.bcast(dh2[t], f"{stem}.dh2")
+            dys = self.layer.broadcast(dh2[t], f"{stem}.dh2")
             dm = self.row_backward(li, "down_proj", dys, keep["m"], keep, stem)
             da = [g.mul(dm[j], keep["up"][j], id=f"{stem}.da_g{j}") for j in range(G)]
             dup = [g.mul(dm[j], keep["a"][j], id=f"{stem}.dup_g{j}") for j in range(G)]
@@ -310,53 +285,29 @@ class _Step(LoraLayers):
             mlp_norm = self.layer_weights(li, w)["mlp_norm"]
             dn2 = g.kernel("rmsnorm_grad", keep["h1"], mlp_norm, dx2w, id=f"{stem}.dn2", eps=cfg.eps)
             dh1s[t] = g.add(dh2[t], dn2, id=f"{stem}.dh1", gpu=w)
-            dy1 = self.bcast(dh1s[t], f"{stem}.dh1b")
+            dy1 = self.layer.broadcast(dh1s[t], f"{stem}.dh1b")
             dO = self.row_backward(li, "o_proj", dy1, keep["att"], keep, stem)
             for j in range(G):
-                qr, att = keep["qr"][j], keep["att"][j]
-                kk = [keeps[n]["kr"][j] for n in range(t + 1)]
-                vv = [keeps[n]["v"][j] for n in range(t + 1)]
-                st = g.kernel(
-                    "attention_stats",
-                    qr,
-                    *kk,
-                    *vv,
-                    att,
-                    dO[j],
-                    id=f"{stem}.stats_g{j}",
-                    offset=t * self.block,
-                    causal=True,
-                    **common,
-                )
-                dqr[t][j] = g.kernel(
-                    "attention_grad_q",
-                    qr,
-                    st,
-                    dO[j],
-                    *kk,
-                    *vv,
-                    id=f"{stem}.dq_g{j}",
-                    offset=t * self.block,
-                    causal=True,
-                    **common,
-                )
-                for n in range(t + 1):
-                    dkv[n][j].append(
-                        g.kernel(
-                            "attention_grad_kv",
-                            qr,
-                            st,
-                            dO[j],
-                            kk[n],
-                            vv[n],
-                            id=f"{stem}.dkv{n}_g{j}",
-                            q_offset=t * self.block,
-                            k_offset=n * self.block,
-                            causal=True,
-                            **common,
-                        )
-                    )
+                dqr[t][j] = self.attention_backward(keeps, t, j, dO[j], dkv, stem)
         return dkv, dqr, dh1s
+
+    def attention_backward(self, keeps: list[dict], t: int, j: int, dO: str, dkv: list, stem: str) -> str:
+        """Query tile t's attention backward on GPU j, given dO, the gradient of its output:
+        appends the dk|dv partial of each key tile n <= t to dkv[n][j]; returns the gradient of
+        the rotated q."""
+        g, b, attrs = self.g, self.block, self.layer.attention_attrs()
+        qr, att = keeps[t]["qr"][j], keeps[t]["att"][j]
+        kk = [keeps[n]["kr"][j] for n in range(t + 1)]
+        vv = [keeps[n]["v"][j] for n in range(t + 1)]
+        tile = dict(offset=t * b, causal=True, **attrs)
+        st = g.kernel("attention_stats", qr, *kk, *vv, att, dO, id=f"{stem}.stats_g{j}", **tile)
+        dq = g.kernel("attention_grad_q", qr, st, dO, *kk, *vv, id=f"{stem}.dq_g{j}", **tile)
+        for n in range(t + 1):
+            pair = dict(q_offset=t * b, k_offset=n * b, causal=True, **attrs)
+            dkv[n][j].append(
+                g.kernel("attention_grad_kv", qr, st, dO, kk[n], vv[n], id=f"{stem}.dkv{n}_g{j}", **pair)
+            )
+        return dq
 
     def qkv_backward(
         self, li: int, s: int, t: int, keep: dict, dkv: list[list[str]], dqr: list[str], dh1: str

@@ -2,7 +2,7 @@
 linear layers they adapt, forward and backward.
 
 y = x W^T + (alpha/r) (x A^T) B^T with A [r, in], B [out, r] (PEFT's lora_A, lora_B); W frozen.
-Split over G GPUs as the base weights are (`workloads.llama_model`):
+Split over G GPUs as the base weights are (`workloads.llm.layer.Split`):
 - a layer whose output rows are split (q, k, v, gate, up) has B split by rows like W; A is needed
   whole on every GPU: its state lives on the layer's owner GPU, which sends the parameter to the
   others and receives their gradient partials;
@@ -20,26 +20,19 @@ from dataclasses import dataclass
 
 from disco_ray.graph.errors import UsageError
 
-from .llama_model import _Builder
+from .model import _Builder
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COLUMN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}  # rows split
 ROW = {"o_proj": "o", "down_proj": "down"}  # input columns split
+ROLES = COLUMN | ROW  # module -> the layer builder's name of its weight
 GRAD_SUMS = ("sum_into", "add", "chain")  # sum_into: an `accumulate`, planned as sum-into kernels
 
 
 def module_dims(cfg, mod: str) -> tuple[int, int]:
     """(out, in) of a decoder layer's linear module `mod`, whole."""
-    hd = cfg.head_dim
-    return {
-        "q_proj": (cfg.heads * hd, cfg.dim),
-        "k_proj": (cfg.kv_heads * hd, cfg.dim),
-        "v_proj": (cfg.kv_heads * hd, cfg.dim),
-        "o_proj": (cfg.dim, cfg.heads * hd),
-        "gate_proj": (cfg.ffn, cfg.dim),
-        "up_proj": (cfg.ffn, cfg.dim),
-        "down_proj": (cfg.dim, cfg.ffn),
-    }[mod]
+    out, inn = cfg.spec.whole(ROLES[mod])
+    return out, inn
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +124,7 @@ class LoraLayers(_Builder):
 
     def shard(self, mod: str, j: int) -> tuple[int, int]:
         """GPU j's rows of a row-split module's output, or columns of a column-split one's input."""
-        s, hd = self.split, self.cfg.head_dim
-        if mod in ("q_proj", "o_proj"):
-            return (j * s.heads * hd, (j + 1) * s.heads * hd)
-        if mod in ("k_proj", "v_proj"):
-            return (j * s.kv_heads * hd, (j + 1) * s.kv_heads * hd)
-        return (j * s.ffn, (j + 1) * s.ffn)
+        return self.split.shard(ROLES[mod], j, self.cfg.head_dim)
 
     def state(self, li: int, mod: str, which: str, j: int) -> str:
         """The state input of one adapter block (made on first use): [slots * rows, cols]."""
@@ -191,7 +179,7 @@ class LoraLayers(_Builder):
         g = self.g
         out = []
         for j in range(self.G):
-            y = g.linear(x[j], self.layer_weights(li, j)[COLUMN[mod]], id=f"{stem}.{mod}_g{j}")
+            y = self.layer.project(li, COLUMN[mod], x[j], j, f"{stem}.{mod}_g{j}")
             if self.targeted(mod):
                 a = self.param(self.state(li, mod, "A", self.owner(li)), j)
                 b = self.param(self.state(li, mod, "B", j), j)
@@ -227,10 +215,6 @@ class LoraLayers(_Builder):
             p if g[p].gpu == w else g.transfer(p, w, id=f"{stem}_p{n}") for n, p in enumerate(parts + extra)
         ]
         return moved[0] if len(moved) == 1 else g.add(*moved, id=stem, gpu=w)
-
-    def bcast(self, x: str, stem: str) -> list[str]:
-        g, w = self.g, self.g[x].gpu
-        return [x if j == w else g.transfer(x, j, id=f"{stem}_to{j}") for j in range(self.G)]
 
     # ---- backward of linear layers ---------------------------------------------------------------
     def col_backward(
@@ -289,7 +273,7 @@ class LoraLayers(_Builder):
             sb, g.kernel("linear_grad_w", dy[o], u, id=f"{stem}.{mod}.gB", scale=sc), o, f"{stem}.{mod}.gB"
         )
         du = g.scale(g.matmul(dy[o], self.param(sb, o), id=f"{stem}.{mod}.du0"), sc, id=f"{stem}.{mod}.du")
-        dus = self.bcast(du, f"{stem}.{mod}.dub")
+        dus = self.layer.broadcast(du, f"{stem}.{mod}.dub")
         for j in range(self.G):
             sa = self.state(li, mod, "A", j)
             self.grad(

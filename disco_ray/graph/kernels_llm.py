@@ -1,0 +1,187 @@
+"""Torch implementations of the transformer ops (`ops_llm`), each writing into a given output view.
+
+`KERNELS` maps op names to functions `(out, ins, attrs)` and `TEMPS` to what they allocate
+besides `out` (bytes, an upper bound on CUDA); `kernels` merges both (this module imports nothing
+of the project, so no cycle). The same code runs on CPU tensors and on CUDA views of a GPU arena.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
+TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
+KERNELS: dict[str, Impl] = {}
+TEMPS: dict[str, TempBytes] = {}
+
+
+def _into(table: dict, name: str):
+    """Decorator: the function is op `name`'s entry of `table` (KERNELS or TEMPS)."""
+
+    def deco(fn):
+        table[name] = fn
+        return fn
+
+    return deco
+
+
+@_into(KERNELS, "concat")
+def _concat(out, ins, attrs):
+    torch.cat(ins, dim=attrs["axis"], out=out)
+
+
+@_into(KERNELS, "rope")
+def _rope(out, ins, attrs):
+    x, cos, sin = ins
+    d = cos.shape[-1]
+    xv = x.unflatten(-1, (-1, d))  # [.., s, heads, d]
+    ov = out.unflatten(-1, (-1, d))
+    if attrs.get("inverse", False):  # .get: vertices saved before the attribute existed
+        # the transpose of x -> x*cos + rot(x)*sin, since rot^T = -rot: x*cos - rot(x*sin)
+        xs = xv * sin.unsqueeze(-2)
+        torch.mul(xv, cos.unsqueeze(-2), out=ov)
+        ov[..., : d // 2].add_(xs[..., d // 2 :])
+        ov[..., d // 2 :].sub_(xs[..., : d // 2])
+        return
+    rot = torch.cat((-xv[..., d // 2 :], xv[..., : d // 2]), dim=-1)
+    torch.mul(xv, cos.unsqueeze(-2), out=ov)
+    ov.addcmul_(rot, sin.unsqueeze(-2))
+
+
+def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
+    """softmax(q k^T * scale + mask) v per head, written into out [t, h*d]; k/v tiles [t_j, kvh*d]
+    (grouped-query attention when kvh < h: each key/value head serves h/kvh query heads)."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    def heads(x, n):  # [rows, n*d] -> [1, n, rows, d], the layout the fused kernels take
+        return x.unflatten(-1, (n, -1)).transpose(0, 1).unsqueeze(0)
+
+    k = heads(ks[0] if len(ks) == 1 else torch.cat(ks, dim=0), kvh)
+    v = heads(vs[0] if len(vs) == 1 else torch.cat(vs, dim=0), kvh)
+    t, g = q.shape[0], h // kvh
+    if g > 1 and t * g <= 64:
+        # a few query rows (a decode step): each key/value head's group of query heads in one
+        # product, instead of copying keys and values per query head for the fused kernel
+        qg = q.unflatten(-1, (kvh, g, -1)).permute(1, 2, 0, 3).reshape(kvh, g * t, -1)
+        sc = torch.matmul(qg, k[0].transpose(-1, -2)).mul_(scale)
+        if mask is not None:
+            sc.masked_fill_(~mask.repeat(g, 1), float("-inf"))
+        o = torch.matmul(sc.softmax(-1), v[0])  # [kvh, g*t, d]
+        out.unflatten(-1, (kvh, g, -1)).copy_(o.unflatten(1, (g, t)).permute(2, 0, 1, 3))
+        return
+    if kvh != h:
+        k, v = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)
+    o = scaled_dot_product_attention(heads(q, h), k, v, attn_mask=mask, scale=scale)
+    out.unflatten(-1, (h, -1)).copy_(o[0].transpose(0, 1))
+
+
+@_into(KERNELS, "attention")
+def _attention(out, ins, attrs):
+    q, kv = ins[0], ins[1:]
+    m = len(kv) // 2
+    h = attrs["heads"]
+    kvh = attrs["kv_heads"] or h
+    t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
+    mask = None
+    if attrs["causal"] and attrs["offset"] == s - t and q.is_cuda:
+        # a query tile ending at the last key: the fused causal kernels (importing the bias
+        # module costs ~2 s once, which the cpu backend, with no fused kernel to gain, skips)
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(t, s)
+    elif attrs["causal"]:
+        rows = torch.arange(t, device=q.device).unsqueeze(1) + attrs["offset"]
+        mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
+    _sdpa(out, q, kv[:m], kv[m:], h, kvh, attrs["scale"], mask)
+
+
+@_into(KERNELS, "attention_at")
+def _attention_at(out, ins, attrs):
+    # the mask is made on the device from pos: a decode step never waits for the host
+    q, pos, kv = ins[0], ins[1], ins[2:]
+    m = len(kv) // 2
+    h = attrs["heads"]
+    t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
+    rows = torch.arange(t, device=q.device).unsqueeze(1) + pos
+    mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
+    _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask)
+
+
+@_into(KERNELS, "kv_write")
+def _kv_write(out, ins, attrs):
+    block, new, pos = ins
+    if out.data_ptr() != block.data_ptr():
+        out.copy_(block)
+    rows = torch.arange(new.shape[0], device=new.device) + (pos - attrs["start"])
+    out.index_copy_(0, rows, new)
+
+
+@_into(KERNELS, "linear")
+def _linear(out, ins, attrs):
+    x, w = ins[:2]
+    torch.matmul(x, w.t(), out=out)
+    if attrs["scale"] != 1.0:
+        out.mul_(attrs["scale"])
+    if len(ins) == 3:
+        out.add_(ins[2])
+
+
+@_into(KERNELS, "embedding")
+def _embedding(out, ins, attrs):
+    ids, table = ins
+    rows = table.shape[0]
+    local = (ids - attrs["start"]).reshape(-1)
+    inside = (local >= 0) & (local < rows)
+    flat = out.view(-1, table.shape[1])  # ids [.., t]: one lookup of every id, rows in order
+    torch.index_select(table, 0, local.clamp(0, rows - 1), out=flat)
+    flat.mul_(inside.unsqueeze(1).to(out.dtype))
+
+
+# ---- temporaries (see `kernels.TEMPS`) --------------------------------------------------------
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@_into(TEMPS, "rope")
+def _rope_temps(out, ins, attrs):
+    return 2 * _nbytes(ins[0])  # the rotated half-swapped copy and the negated half
+
+
+def _attention_temps(q: torch.Tensor, kv: list[torch.Tensor], attrs: Mapping, masked: bool) -> int:
+    m = len(kv) // 2
+    h = attrs["heads"]
+    kvh = attrs["kv_heads"] or h
+    t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
+    d = q.shape[1] // h
+    esz = q.element_size()
+    kv_bytes = 2 * s * kvh * d * esz if m > 1 else 0  # the concatenated key and value tiles
+    if kvh != h:
+        kv_bytes += 2 * s * h * d * esz  # grouped heads repeated to every query head
+    mask = t * s + 16 * (t + s) if masked else 0  # a boolean mask made from two aranges
+    o = t * h * d * esz + t * h * 4  # SDPA's output and its log-sum-exp
+    # the math fallback (masks the fused kernels refuse) materializes scores and probabilities
+    scores = 2 * t * s * h * max(esz, 4)
+    return kv_bytes + mask + o + scores
+
+
+@_into(TEMPS, "attention")
+def _attention_temps_op(out, ins, attrs):
+    return _attention_temps(ins[0], ins[1:], attrs, attrs["causal"])
+
+
+@_into(TEMPS, "attention_at")
+def _attention_at_temps(out, ins, attrs):
+    return _attention_temps(ins[0], ins[2:], attrs, True)
+
+
+@_into(TEMPS, "kv_write")
+def _kv_write_temps(out, ins, attrs):
+    return 8 * ins[1].shape[0]  # the row indices
+
+
+@_into(TEMPS, "embedding")
+def _embedding_temps(out, ins, attrs):
+    ids = ins[0].numel()
+    return 3 * 8 * ids + out.shape[0] * out.element_size()  # shifted, clamped ids, mask, its cast

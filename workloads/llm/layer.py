@@ -1,0 +1,329 @@
+"""The tensor-parallel decoder layer of LLaMA-style models, built once for every graph that has one.
+
+A layer (Touvron et al., 2023): RMSNorm, Q/K/V projections, rotary embedding, causal
+(grouped-query) attention, output projection, residual add, RMSNorm, gated MLP, residual add.
+Split over G GPUs Megatron-style (Shoeybi et al., 2019): each GPU holds heads/G query heads, its
+key/value heads and ffn/G MLP units, computes partial output and down projections, which the row
+tile's owner GPU sums with the residual and sends back to every GPU (`Layer.all_reduce`).
+
+`LayerSpec` describes a layer: its sizes, norm epsilon, rotary embedding, attention scale,
+activation and the name of each weight. A model family is a `LayerSpec` (from its config.json)
+plus what its layer adds; `Layer` adds a layer's vertices to a TaskGraph, and is what the
+synthetic workload (`workloads.llama`) and the checkpoint models (`workloads.llm.model`,
+`workloads.llm.train`) build their layers with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+import torch
+
+from disco_ray.graph.taskgraph import TaskGraph
+
+ROW_SPLIT = ("q", "k", "v", "gate", "up")  # output rows split over the GPUs
+COL_SPLIT = ("o", "down")  # input columns split over the GPUs
+
+
+class Activation(Enum):
+    """The gated MLP's activation, act(x W_gate) * (x W_up); its value is the op's name."""
+
+    SILU = "silu"
+
+
+class Layout(Enum):
+    """How a projection's weight is stored, and the op that applies it."""
+
+    IN_OUT = "matmul"  # [in, out]: x @ w
+    OUT_IN = "linear"  # [out, in], as checkpoints and torch.nn.Linear store it: x @ w^T
+
+
+class Order(Enum):
+    """The order a layer's vertices are added in: a TaskGraph's order is the planner's serial order,
+    so each graph keeps the one its plans were made and measured with."""
+
+    # per GPU: norm, q, k, v, rotations, attention, o; MLP: gate, up, act (the synthetic workload)
+    BY_GPU = "by_gpu"
+    # per GPU: norm, q, rotated q, k, v, rotated k; then attention, then o on every GPU (what a
+    # KV cache writes goes in between); MLP: gate, act, up (the checkpoint models)
+    BY_STEP = "by_step"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """The name of each weight of a layer: a checkpoint tensor's, after the layer's prefix
+    (`model.layers.{i}.`), or a random weight's input id stem."""
+
+    attn_norm: str = "input_layernorm.weight"
+    q: str = "self_attn.q_proj.weight"
+    k: str = "self_attn.k_proj.weight"
+    v: str = "self_attn.v_proj.weight"
+    o: str = "self_attn.o_proj.weight"
+    mlp_norm: str = "post_attention_layernorm.weight"
+    gate: str = "mlp.gate_proj.weight"
+    up: str = "mlp.up_proj.weight"
+    down: str = "mlp.down_proj.weight"
+
+    def items(self) -> list[tuple[str, str]]:
+        """(role, name) of every weight, in `ROLES` order."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+ROLES = tuple(f.name for f in fields(LayerWeights))  # a layer's weights, by what they do
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One decoder layer: what the layer builder needs to know of a model family."""
+
+    dim: int  # hidden size
+    heads: int  # query heads
+    kv_heads: int | None  # key/value heads; None: multi-head attention (its vertices name none)
+    head_dim: int
+    ffn: int  # MLP hidden units
+    eps: float  # RMSNorm epsilon
+    scale: float  # attention's softmax scale (head_dim ** -0.5 in LLaMA)
+    rope_theta: float = 10000.0
+    rope: Mapping = field(default_factory=lambda: {"rope_type": "default"})  # scaling and its parameters
+    act: Activation = Activation.SILU
+    weights: LayerWeights = field(default_factory=LayerWeights)
+    layout: Layout = Layout.OUT_IN
+    order: Order = Order.BY_STEP
+    # the vertex ids of the MLP's gate and up projections, and of their product
+    mlp_ids: tuple[str, str, str] = ("gate", "up", "mul")
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads (query heads in multi-head attention)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    def whole(self, role: str) -> tuple[int, ...]:
+        """The whole weight `role`'s shape, [out, in] for a projection."""
+        q, kv = self.heads * self.head_dim, self.kv * self.head_dim
+        return {
+            "attn_norm": (self.dim,),
+            "mlp_norm": (self.dim,),
+            "q": (q, self.dim),
+            "k": (kv, self.dim),
+            "v": (kv, self.dim),
+            "o": (self.dim, q),
+            "gate": (self.ffn, self.dim),
+            "up": (self.ffn, self.dim),
+            "down": (self.dim, self.ffn),
+        }[role]
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How a model is cut over `gpus` GPUs."""
+
+    gpus: int
+    heads: int  # query heads per GPU
+    kv_heads: int  # key/value heads per GPU
+    ffn: int  # MLP units per GPU
+    vocab: tuple[tuple[int, int], ...]  # each GPU's vocabulary rows [lo, hi)
+    kv_first: tuple[int, ...]  # each GPU's first key/value head
+
+    @classmethod
+    def of(cls, spec: LayerSpec, gpus: int, vocab: int = 0) -> Split:
+        """The split of layers `spec` (and a vocabulary of `vocab` rows) over `gpus` GPUs; fewer
+        key/value heads than GPUs: each GPU holds a copy of the one its query heads share."""
+        bounds = [round(j * vocab / gpus) for j in range(gpus + 1)]
+        hg = spec.heads // gpus
+        group = spec.heads // spec.kv  # query heads per key/value head
+        return cls(
+            gpus,
+            hg,
+            max(1, spec.kv // gpus),
+            spec.ffn // gpus,
+            tuple(itertools.pairwise(bounds)),
+            tuple(j * hg // group for j in range(gpus)),
+        )
+
+    def shard(self, role: str, j: int, head_dim: int) -> tuple[int, int]:
+        """GPU j's rows of a row-split weight's output, or columns of a column-split one's input."""
+        if role in ("q", "o"):
+            return (j * self.heads * head_dim, (j + 1) * self.heads * head_dim)
+        if role in ("k", "v"):
+            return (self.kv_first[j] * head_dim, (self.kv_first[j] + self.kv_heads) * head_dim)
+        return (j * self.ffn, (j + 1) * self.ffn)
+
+    def block(
+        self, spec: LayerSpec, role: str, j: int
+    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all)."""
+        if role in ROW_SPLIT:
+            return self.shard(role, j, spec.head_dim), None
+        if role in COL_SPLIT:
+            return None, self.shard(role, j, spec.head_dim)
+        return None, None
+
+    def block_shape(self, spec: LayerSpec, role: str, j: int) -> tuple[int, ...]:
+        """The shape of GPU j's block of weight `role`, as `spec.layout` stores it."""
+        shape = list(spec.whole(role))
+        for axis, span in enumerate(self.block(spec, role, j)):
+            if span is not None:
+                shape[axis] = span[1] - span[0]
+        return tuple(shape[::-1]) if spec.layout is Layout.IN_OUT else tuple(shape)
+
+
+def rope_tables(
+    spec: LayerSpec, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [len(positions), head_dim] of the rotate-half rotary embedding, computed as
+    transformers' LlamaRotaryEmbedding does (float32, then cast), for RoPE types default,
+    linear and llama3."""
+    hd = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    r = spec.rope
+    if r["rope_type"] == "linear":
+        inv = inv / r["factor"]
+    elif r["rope_type"] == "llama3":
+        factor, lo, hi = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+        old = r["original_max_position_embeddings"]
+        lo_wave, hi_wave = old / lo, old / hi
+        wave = 2 * math.pi / inv
+        scaled = torch.where(wave > lo_wave, inv / factor, inv)
+        smooth = (old / wave - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wave < hi_wave) & ~(wave > lo_wave)
+        inv = torch.where(medium, smoothed, scaled)
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# attend(j, q, k, v) -> GPU j's attention output ("" when q is not needed): the caller's part of
+# the attention block, where it keeps keys and values (tiles, a KV cache) as its graph needs
+Attend = Callable[[int, str, str, str], str]
+
+
+class Layer:
+    """Adds decoder layers described by `spec`, split by `split`, to TaskGraph `g`.
+
+    `weights(li, j)` gives the input ids of layer li's weights on GPU j by role (`ROLES`); the
+    caller makes them (random inputs, checkpoint sources). Vertex ids stem from the `stem` each
+    method is given: `{stem}.norm1_g{j}`, `{stem}.q_g{j}`, `{stem}.h1`, ...
+    """
+
+    def __init__(
+        self, g: TaskGraph, spec: LayerSpec, split: Split, weights: Callable[[int, int], Mapping[str, str]]
+    ):
+        self.g, self.spec, self.split, self.weights = g, spec, split, weights
+        self.G = g.gpus
+
+    # ---- one step on one GPU -----------------------------------------------------------------
+    def norm(self, li: int, role: str, x: str, j: int, id: str) -> str:
+        return self.g.rmsnorm(x, self.weights(li, j)[role], eps=self.spec.eps, id=id)
+
+    def project(self, li: int, role: str, x: str, j: int, id: str) -> str:
+        """x times GPU j's block of projection `role`."""
+        w = self.weights(li, j)[role]
+        if self.spec.layout is Layout.IN_OUT:
+            return self.g.matmul(x, w, id=id)
+        return self.g.linear(x, w, id=id)
+
+    def rope(self, x: str, cos: str, sin: str, id: str) -> str:
+        return self.g.kernel("rope", x, cos, sin, id=id)
+
+    def act(self, x: str, id: str) -> str:
+        return self.g.kernel(self.spec.act.value, x, id=id)
+
+    def attention_attrs(self) -> dict:
+        """The attention ops' heads, key/value heads (unless multi-head) and scale on one GPU."""
+        kv = {} if self.spec.kv_heads is None else {"kv_heads": self.split.kv_heads}
+        return {"heads": self.split.heads, **kv, "scale": self.spec.scale}
+
+    def attention(self, q: str, ks: list[str], vs: list[str], id: str, offset: int) -> str:
+        """Causal attention of a query tile whose first row is at position `offset` over key and
+        value tiles from position 0."""
+        return self.g.kernel(
+            "attention", q, *ks, *vs, id=id, **self.attention_attrs(), offset=offset, causal=True
+        )
+
+    def qkv(
+        self, li: int, h: str, cos: str, sin: str, stem: str, j: int, need_q: bool = True
+    ) -> tuple[str, str, str]:
+        """GPU j's normed input projected to q, k, v, with q (unless not `need_q`) and k rotated."""
+        x = self.norm(li, "attn_norm", h, j, f"{stem}.norm1_g{j}")
+        if self.spec.order is Order.BY_GPU:
+            q, k, v = (
+                self.project(li, r, x, j, f"{stem}.{r}_g{j}") if r != "q" or need_q else "" for r in "qkv"
+            )
+            q = q and self.rope(q, cos, sin, f"{stem}.qr_g{j}")
+            return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
+        q = ""
+        if need_q:
+            q = self.rope(self.project(li, "q", x, j, f"{stem}.q_g{j}"), cos, sin, f"{stem}.qr_g{j}")
+        k = self.project(li, "k", x, j, f"{stem}.k_g{j}")
+        v = self.project(li, "v", x, j, f"{stem}.v_g{j}")
+        return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
+
+    def mlp(self, li: int, h: str, j: int, stem: str) -> str:
+        """GPU j's partial of the gated MLP on its hidden state h (before the sum over GPUs)."""
+        x = self.norm(li, "mlp_norm", h, j, f"{stem}.norm2_g{j}")
+        gate_id, up_id, mul_id = self.spec.mlp_ids
+        gate = self.project(li, "gate", x, j, f"{stem}.{gate_id}_g{j}")
+        if self.spec.order is Order.BY_GPU:
+            up = self.project(li, "up", x, j, f"{stem}.{up_id}_g{j}")
+            a = self.act(gate, f"{stem}.{self.spec.act.value}_g{j}")
+        else:
+            a = self.act(gate, f"{stem}.{self.spec.act.value}_g{j}")
+            up = self.project(li, "up", x, j, f"{stem}.{up_id}_g{j}")
+        m = self.g.mul(a, up, id=f"{stem}.{mul_id}_g{j}")
+        return self.project(li, "down", m, j, f"{stem}.down_g{j}")
+
+    # ---- moving between GPUs -----------------------------------------------------------------
+    def broadcast(self, x: str, stem: str) -> list[str]:
+        """x on every GPU: sent from its own to the others (`{stem}_to{j}`)."""
+        w = self.g[x].gpu
+        return [x if j == w else self.g.transfer(x, j, id=f"{stem}_to{j}") for j in range(self.G)]
+
+    def all_reduce(
+        self, parts: list[str], owner: int, stem: str, residual: str | None = None, broadcast: bool = True
+    ) -> list[str]:
+        """The sum of one partial per GPU (and `residual`) on `owner`, then sent back to every GPU
+        (only `[sum]` when not `broadcast`)."""
+        g = self.g
+        moved = [p if j == owner else g.transfer(p, owner, id=f"{stem}_p{j}") for j, p in enumerate(parts)]
+        total = g.add(*([residual] if residual else []), *moved, id=stem, gpu=owner)
+        return self.broadcast(total, stem) if broadcast else [total]
+
+    # ---- the two blocks of a layer -----------------------------------------------------------
+    def attention_block(
+        self,
+        li: int,
+        h: list[str],
+        cos: list[str],
+        sin: list[str],
+        stem: str,
+        owner: int,
+        attend: Attend,
+        need_q: bool = True,
+    ) -> list[str]:
+        """Norm, q/k/v, `attend` and the output projection on every GPU, summed with the residual
+        h[owner] on `owner`: the hidden state per GPU ([] when not `need_q`: only k and v are
+        made, for `attend` to keep)."""
+        G = self.G
+        if self.spec.order is Order.BY_GPU:
+            parts = []
+            for j in range(G):
+                a = attend(j, *self.qkv(li, h[j], cos[j], sin[j], stem, j, need_q))
+                parts.append(a and self.project(li, "o", a, j, f"{stem}.o_g{j}"))
+        else:
+            qkv = [self.qkv(li, h[j], cos[j], sin[j], stem, j, need_q) for j in range(G)]
+            att = [attend(j, *x) for j, x in enumerate(qkv)]
+            parts = [a and self.project(li, "o", a, j, f"{stem}.o_g{j}") for j, a in enumerate(att)]
+        if not need_q:
+            return []
+        return self.all_reduce(parts, owner, f"{stem}.h1", residual=h[owner])
+
+    def mlp_block(self, li: int, h1: list[str], owner: int, stem: str, last: bool) -> list[str]:
+        """The MLP on every GPU summed with the residual h1[owner] on `owner`: the layer's output
+        per GPU, or on `owner` only when `last`."""
+        parts = [self.mlp(li, h1[j], j, stem) for j in range(self.G)]
+        return self.all_reduce(parts, owner, f"{stem}.h2", residual=h1[owner], broadcast=not last)
