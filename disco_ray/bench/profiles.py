@@ -4,7 +4,7 @@ A cost model gives each MemGraph vertex a duration and the lane it occupies on i
 `compute` (kernels), `h2d` (input loads and reloads), `d2h` (offloads), `peer` (GPU-to-GPU
 transfers, on the destination GPU), and `disk_w` / `disk_r` (offloads to and reloads from the
 worker's spill file: the disk lanes). `h100` holds figures measured on the lent H100 (GPU.md);
-`a100` and `p100` come from public specifications, derated by `efficiency` for the kernels.
+`a100`, `p100` and `t4` come from public specifications, derated by `efficiency` for the kernels.
 """
 
 from __future__ import annotations
@@ -158,9 +158,13 @@ a100 = Profile(
 p100 = Profile(
     "p100", _half(18.7e12, 9.3e12), 732 * GB, 12 * GB, 12 * GB, 10 * GB, 16 * 2**30, efficiency=0.7
 )
+# T4 16 GB (FlexGen's machine, FlexGen section 6): 65 TFLOP/s fp16 tensor cores, 8.1 fp32, 320 GB/s GDDR6,
+# PCIe 3.0 x16 measured ~12 GB/s per direction; kernels derated to 0.7 of peak as a100 and p100 are; no
+# peer link (one GPU per machine), so peer copies go over PCIe as p100's do
+t4 = Profile("t4", _half(65e12, 8.1e12), 320 * GB, 12 * GB, 12 * GB, 10 * GB, 16 * 2**30, efficiency=0.7)
 unit = UnitCost()
 
-PROFILES: dict[str, Profile | UnitCost] = {"h100": h100, "a100": a100, "p100": p100, "unit": unit}
+PROFILES: dict[str, Profile | UnitCost] = {"h100": h100, "a100": a100, "p100": p100, "t4": t4, "unit": unit}
 
 
 def get(name: str) -> Profile | UnitCost:

@@ -67,7 +67,7 @@ def add_bench(p) -> None:
     )
     add_engine_args(p)  # --engine, --backend, --streams, --ahead
     p.add_argument(
-        "--simulate", metavar="PROFILE", help="simulate under a device profile (h100, a100, p100, unit)"
+        "--simulate", metavar="PROFILE", help="simulate under a device profile (h100, a100, p100, t4, unit)"
     )
     p.add_argument("--repeat", type=int, default=1, help="timed runs per mode; the best counts (default 1)")
     p.add_argument(

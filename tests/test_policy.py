@@ -1,0 +1,133 @@
+"""The batch policy search (disco_ray.bench.policy) on a tiny decode-like graph: only properties that
+must hold, each prediction the simulator's under a device profile (deterministic, no wall clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from disco_ray.bench import policy, profiles
+from disco_ray.bench.policy import Candidate, choose, search
+from disco_ray.bench.simulate import simulate
+from disco_ray.graph.errors import CapacityError, UsageError
+from disco_ray.graph.taskgraph import TaskGraph
+from planner import build_memgraph, min_capacity
+
+D, LAYERS, CACHE = 32, 3, 16  # hidden size, layers, cached positions per sequence
+
+
+def step_graph(batch: int, micro: int) -> TaskGraph:
+    """One decode step of `batch` rows in `micro` groups: per layer a shared weight [D, D], then each
+    group's rows against that group's own cache (states whose size grows with the group)."""
+    if batch % micro:
+        raise UsageError(f"micro {micro} does not divide batch {batch}")
+    r = batch // micro
+    g = TaskGraph(1)
+    xs = [g.input(f"x{m}", (r, D)) for m in range(micro)]
+    for li in range(LAYERS):
+        w = g.input(f"w{li}", (D, D))
+        for m in range(micro):
+            h = g.matmul(xs[m], w, id=f"h{li}.{m}")
+            kt = g.input(f"kt{li}.{m}", (D, r * CACHE), state=True)
+            v = g.input(f"v{li}.{m}", (r * CACHE, D), state=True)
+            a = g.matmul(h, kt, id=f"a{li}.{m}")
+            xs[m] = g.matmul(a, v, id=f"o{li}.{m}")
+    g.output(*xs)
+    return g
+
+
+BATCHES, MICROS = (1, 2, 4, 8), (1, 2, 4)
+COST = profiles.t4
+
+
+def need(batch: int, micro: int) -> int:
+    return min_capacity(step_graph(batch, micro))[0]
+
+
+@pytest.fixture(scope="module")
+def roomy() -> policy.Policy:
+    return search(step_graph, 1 << 30, cost=COST, batches=BATCHES, micros=MICROS)
+
+
+def test_choice_maximises_the_prediction(roomy):
+    fitting = [c for c in roomy.candidates if c.fits]
+    assert len(fitting) == sum(1 for b in BATCHES for m in MICROS if m <= b and not b % m)
+    best = max(c.tokens_per_s for c in fitting)
+    assert roomy.tokens_per_s == best
+    assert roomy.tokens_per_s == pytest.approx(roomy.batch / roomy.step_s)
+    # the table's figures are the simulator's for that plan, not invented
+    c = next(c for c in fitting if (c.batch, c.micro) == (roomy.batch, roomy.micro))
+    tg = step_graph(c.batch, c.micro)
+    mg = build_memgraph(tg, [1 << 30], order=list(tg.vertices))
+    assert c.step_s == simulate(mg, tg, COST).makespan
+    # sharing a weight load pays: the roomy choice is not one row per step
+    assert roomy.batch > 1
+
+
+def test_a_graph_the_builder_refuses_is_excluded_with_its_message(roomy):
+    got = search(step_graph, 1 << 30, cost=COST, batches=(2, 3), micros=(1, 2, 4))
+    assert [(c.batch, c.micro) for c in got.candidates] == [(2, 1), (2, 2), (3, 1), (3, 2)]
+    odd = got.candidates[3]
+    assert not odd.fits and odd.excluded == "micro 2 does not divide batch 3"
+    assert all(c.micro <= c.batch for c in roomy.candidates)
+
+
+def test_a_capacity_too_small_for_a_batch_excludes_it():
+    micros = (1, 2)
+    cap = min(need(8, m) for m in micros) - 1  # below every split of batch 8
+    assert cap >= min(need(4, m) for m in micros)  # while batch 4 fits in some split
+    got = search(step_graph, cap, cost=COST, batches=BATCHES, micros=micros)
+    eight = [c for c in got.candidates if c.batch == 8]
+    assert len(eight) == 2 and not any(c.fits for c in eight)
+    assert all("largest vertex needs" in c.excluded for c in eight)
+    assert got.batch < 8 and any(c.fits for c in got.candidates if c.batch == 4)
+
+
+def test_micro_batches_let_a_batch_fit():
+    cap = need(8, 2)  # room for half of batch 8's rows at once, not for all of them
+    assert cap < need(8, 1)
+    got = search(step_graph, cap, cost=COST, batches=(8,), micros=(1, 2))
+    one, two = got.candidates
+    assert not one.fits and two.fits
+    assert (got.batch, got.micro) == (8, 2)
+
+
+def test_a_smaller_capacity_never_chooses_a_larger_batch():
+    # a cost that does not depend on the plan (one weight load per step, and per-row work), so
+    # the capacity decides only which candidates fit: the choice can only move down with it
+    def cost(tg, mg):
+        rows = sum(tg[x].shape[0] for x in tg.outputs)
+        return 1.0 + 0.1 * rows
+
+    caps = sorted({need(b, m) for b in BATCHES for m in (1,)}, reverse=True)
+    chosen = [search(step_graph, c, cost=cost, batches=BATCHES, micros=(1,)).batch for c in caps]
+    assert chosen == sorted(chosen, reverse=True)
+    assert chosen[0] == max(BATCHES) and len(set(chosen)) > 2
+
+
+def test_choosing_again_at_a_new_capacity_is_a_call_with_it(roomy):
+    small = need(2, 1)
+    again = search(step_graph, small, cost=COST, batches=BATCHES, micros=MICROS)
+    assert again.batch < roomy.batch
+    assert search(step_graph, small, cost=COST, batches=BATCHES, micros=MICROS) == again
+
+
+def test_host_memory_excludes_what_the_host_cannot_keep():
+    held = policy.host_bytes(step_graph(4, 1))[0]
+    got = search(step_graph, 1 << 30, cost=COST, batches=BATCHES, micros=(1,), host_memory=held)
+    assert got.batch < 8 and any(c.fits for c in got.candidates if c.batch == 4)
+    eight = next(c for c in got.candidates if c.batch == 8)
+    assert not eight.fits and "host memory" in eight.excluded
+
+
+def test_nothing_fits_is_one_capacity_error():
+    with pytest.raises(CapacityError, match="no batch plans within the capacity"):
+        search(step_graph, 64, cost=COST, batches=(1, 2), micros=(1,))
+    with pytest.raises(UsageError, match="no \\(batch, micro\\) pair"):
+        search(step_graph, 1 << 30, cost=COST, batches=(1,), micros=(2,))
+
+
+def test_choose_breaks_ties_toward_less_memory():
+    cands = [Candidate(4, 2, 2.0), Candidate(2, 1, 1.0), Candidate(4, 1, 2.0), Candidate(8, 1, excluded="x")]
+    best = choose(cands)
+    assert (best.batch, best.micro) == (2, 1)
+    assert "*" in best.table().splitlines()[2] and "x" in best.table().splitlines()[-1]
