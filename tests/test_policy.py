@@ -3,14 +3,20 @@ must hold, each prediction the simulator's under a device profile (deterministic
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from disco_ray.bench import policy, profiles
 from disco_ray.bench.policy import Candidate, choose, search
 from disco_ray.bench.simulate import simulate
-from disco_ray.graph.errors import CapacityError, UsageError
+from disco_ray.graph import sources
+from disco_ray.graph.errors import CapacityError, RunError, UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 from planner import build_memgraph, min_capacity
+from workloads.llm.checkpoint import Checkpoint
+from workloads.llm.model import decode_graph
 
 D, LAYERS, CACHE = 32, 3, 16  # hidden size, layers, cached positions per sequence
 
@@ -131,3 +137,53 @@ def test_choose_breaks_ties_toward_less_memory():
     best = choose(cands)
     assert (best.batch, best.micro) == (2, 1)
     assert "*" in best.table().splitlines()[2] and "x" in best.table().splitlines()[-1]
+
+
+# ---- a config-only checkpoint: the decode graph of a model with no weights on disk -------------
+
+TINY = dict(
+    model_type="llama",
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+
+
+def test_a_config_only_checkpoint_says_what_a_saved_one_holds(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = {k: v for k, v in TINY.items() if k != "model_type"}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    model.save_pretrained(tmp_path)
+    saved = Checkpoint(tmp_path)
+    virtual = Checkpoint.from_config(json.loads((tmp_path / "config.json").read_text()))
+    assert virtual.config == dataclasses.replace(saved.config, eos=virtual.config.eos)  # no generation_config
+    assert {k: s for k, (_, s, _) in virtual.tensors.items()} == {
+        k: s for k, (_, s, _) in saved.tensors.items()
+    }
+    assert virtual.parameters() == saved.parameters() == sum(p.numel() for p in model.parameters())
+    half = Checkpoint.from_config(dict(TINY), "float16")
+    assert half.config.dtype == "float16" and half.tensors.keys() == saved.tensors.keys()
+    assert {dt for _, _, dt in half.tensors.values()} == {"float16"}
+    assert half.weight_bytes() * 2 == saved.weight_bytes()
+
+
+def test_a_config_only_checkpoint_refuses_to_be_read():
+    ck = Checkpoint.from_config(dict(TINY))
+    name, (_, shape, dtype) = next(iter(ck.tensors.items()))
+    with pytest.raises(RunError, match="config-only checkpoint has no weights to read"):
+        sources.read(ck.source(name), shape, dtype, where="embed_g0")
+    with pytest.raises(UsageError, match="hidden_act 'gelu' is not supported"):
+        Checkpoint.from_config(dict(TINY, hidden_act="gelu"))
+
+
+def test_a_config_only_decode_step_plans_and_simulates():
+    ck = Checkpoint.from_config(dict(TINY), "float16")
+    tg = decode_graph(ck, 1, 2, 8).taskgraph
+    weights = [v for v in tg if v.source is not None]
+    assert weights and all(v.dtype == "float16" for v in weights)
+    got = search(lambda b, m: tg, 1 << 30, cost=COST, batches=(1,), micros=(1,))
+    assert got.step_s > 0 and got.candidates[0].loaded >= sum(v.nbytes for v in weights)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from .errors import FormatError, RunError
 
+# the directory of a checkpoint with no files (`Checkpoint.from_config`): its sources refuse to be read
+CONFIG_ONLY = "(config only: no weights on disk)"
 # safetensors' dtype names -> ours
 FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
 
@@ -96,6 +98,10 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
     from .dtypes import torch_dtype
 
     what = f"{where}: source {src.describe()}" if where else f"source {src.describe()}"
+    if src.path.startswith(CONFIG_ONLY):
+        raise RunError(
+            f"{what}: a config-only checkpoint has no weights to read (it is for planning and simulation)"
+        )
     try:
         with safe_open(src.path, framework="pt") as f:
             if src.tensor not in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)

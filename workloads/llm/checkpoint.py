@@ -13,6 +13,7 @@ SiLU MLPs without biases. Anything else is refused with one `UsageError` naming 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -20,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
-from disco_ray.graph.sources import FILE_DTYPES, Source
+from disco_ray.graph.sources import CONFIG_ONLY, FILE_DTYPES, Source
 
 from .layer import LayerSpec
 
+CONFIG_ONLY_FILE = f"{CONFIG_ONLY}/model.safetensors"
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -216,17 +218,38 @@ class Checkpoint:
                 raise UsageError(f"{fp}: not a readable safetensors file ({e})") from None
         self._check()
 
+    config_only = False  # True: no files behind it (`from_config`); its sources refuse to be read
+
     @classmethod
     def virtual(cls, config: LlamaConfig, dtype: str = "float16") -> Checkpoint:
         """A checkpoint of `config`'s shapes whose files do not exist: for graphs that are planned
-        and simulated, never run (the papers' 7B and 65B settings)."""
+        and simulated, never run (the papers' 7B and 65B settings). A worker asked to read one of
+        its tensors refuses with one error (`disco_ray.graph.sources.read`)."""
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise UsageError(
+                f"config-only checkpoint: dtype {dtype!r} is not supported (float32, float16, bfloat16)"
+            )
         ck = cls.__new__(cls)
-        ck.path = Path("(virtual)")
+        ck.path = Path(CONFIG_ONLY)
         ck.config = config
-        ck.tensors = {
-            name: ("(virtual).safetensors", shape, dtype) for name, shape in _shapes(config).items()
-        }
+        ck.config_only = True
+        ck.tensors = {name: (CONFIG_ONLY_FILE, shape, dtype) for name, shape in _shapes(config).items()}
         return ck
+
+    @classmethod
+    def from_config(cls, config: dict | LlamaConfig, dtype: str | None = None) -> Checkpoint:
+        """A checkpoint with no weights on disk: a config.json object (or a parsed `LlamaConfig`)
+        says its tensors' names and shapes, `dtype` (default: the config's) their dtype. For
+        predictions (plan and simulate a model one does not have); UsageError as `Checkpoint` for
+        an unsupported config, naming the field."""
+        cfg = LlamaConfig.from_dict(config, "config") if isinstance(config, dict) else config
+        if dtype is not None:  # the model's dtype: its graphs compute in it by default
+            cfg = dataclasses.replace(cfg, dtype=dtype)
+        return cls.virtual(cfg, cfg.dtype)
+
+    def parameters(self) -> int:
+        """Number of parameters (elements of every weight tensor)."""
+        return sum(math.prod(s) for _, s, _ in self.tensors.values())
 
     def _check(self) -> None:
         for name, shape in _shapes(self.config).items():
