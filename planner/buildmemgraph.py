@@ -26,8 +26,8 @@ from .export import export
 from .groups import MODES
 from .prune import WINDOW
 from .records import Part
-from .simulation import FIT
 from .split import PartSimulation, groups, run_split
+from .state import FIT
 from .sum_into import SUM_INTO, GroupError, demote
 
 __all__ = ["FIT", "SUM_INTO", "GroupError", "Planner", "build_memgraph"]

@@ -16,13 +16,13 @@ import numpy as np
 from disco_ray.graph.memgraph import Loc, new_read, new_vertex
 
 from .records import STEP, Inst, Part, Rec
-from .simulation import Simulation
+from .state import State
 
 Xread = tuple[int, int, int, tuple[int, ...] | None, Loc]  # planner.split's reads for other parts
 
 
 def number(
-    sim: Simulation,
+    sim: State,
     aux: Sequence[int],
     pending: dict[int, int],
     xreads: list[Xread],

@@ -40,7 +40,8 @@ from disco_ray.graph.taskgraph import Kind
 
 from .number import number
 from .records import STEP, Inst, Part
-from .simulation import INF, OWN_BIT, Step
+from .simulation import Step
+from .state import INF, OWN_BIT
 from .sum_into import SumIntoSimulation
 
 MIN_STEPS = 50_000  # V shorter than this is planned in one process (forking and merging cost more)

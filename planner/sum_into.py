@@ -28,7 +28,8 @@ from disco_ray.graph.taskgraph import TaskGraph
 from .dense import Dense
 from .groups import MODES, Members
 from .records import STEP, Inst
-from .simulation import FIT, INF, OWN_BIT, Simulation, Step
+from .simulation import Simulation, Step
+from .state import FIT, INF, OWN_BIT
 
 SUM_INTO = "eager"  # how an `accumulate` is planned (planner.groups.MODES)
 
