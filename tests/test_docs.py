@@ -72,3 +72,29 @@ def test_the_frontend_doc_lists_exactly_the_aten_ops_it_maps():
     text = (ROOT / "docs" / "FRONTEND.md").read_text()
     block = text.split("tests/test_docs.py -->", 1)[1].strip().split("\n\n")[0]
     assert sorted(re.findall(r"`(\w+)`", block)) == aten.supported()
+
+
+def test_the_readme_is_a_door_of_at_most_250_lines():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 250, (
+        f"README.md has {lines} lines: move design notes to docs/, figures to docs/BENCHMARKS.md"
+    )
+
+
+def test_every_measured_table_says_its_date_machine_command_and_commit():
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    bad = []
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        if "| --- |" not in section:
+            continue
+        head = section.split("\n| ", 1)[0]  # what precedes the section's first table
+        name = section.splitlines()[0]
+        for what, pattern in (
+            ("date", r"Date \d{4}-\d{2}-\d{2}"),
+            ("machine", r"CPU, 2-core box|16-core GPU host|H100"),
+            ("command", r"`(?:[A-Z_]+=\S+ )*(?:PYTHONPATH=\. )?(?:\.venv/bin/)?(?:python|disco-ray) [^`]+`"),
+            ("commit", r"commit\s+(?:before\s+)?[0-9a-f]{7}"),
+        ):
+            if not re.search(pattern, head):
+                bad.append(f"{name}: no {what} before its table")
+    assert not bad, "\n".join(bad)

@@ -33,7 +33,7 @@ def running_cluster() -> str | None:
     `$DISCO_RAY_ADDRESS` decides when set ("local": never reuse; else that address); then
     `$RAY_ADDRESS` (set inside `ray job submit`, or by the user); then the cluster `ray start`
     recorded on this machine (Ray's own address file), if its GCS port answers. Starting a private
-    Ray costs seconds (README, "Start-up"); a cluster left running with `ray start --head` saves them.
+    Ray costs seconds (docs/RUNTIME.md, "Start-up"); a cluster left running with `ray start --head` saves them.
     """
     import socket
 

@@ -1,6 +1,6 @@
 """The `ray` engine: one GpuWorker actor per GPU and a Coordinator actor (driver side).
 
-Start-up (README, "Start-up"): a Program without a pool of its own uses the process's shared pool
+Start-up (docs/RUNTIME.md, "Start-up"): a Program without a pool of its own uses the process's shared pool
 (`shared_pool`): Ray and the actors start on the first run and stay for the next Programs, until
 `shutdown()` or the interpreter exits. Ray itself is the one this process is connected to, else a
 running cluster of this machine (`cluster.running_cluster`: `$RAY_ADDRESS`, `ray start`), else a

@@ -7,7 +7,7 @@ loaded, with the file memory-mapped and only the block asked for copied out (saf
 every graph that names the same source. So a model's weights never pass through the driver, and
 with tensor parallelism each worker reads only its own shard of each matrix.
 
-In a TaskGraph document (an addition to FORMATS.md, see README):
+In a TaskGraph document (an addition to docs/FORMATS.md):
 
     {"id": "l0.wq_g1", "kind": "input", "gpu": 1, "shape": [64, 256], "dtype": "float32",
      "source": {"path": "ckpt/model-00001-of-00002.safetensors",
