@@ -35,10 +35,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from disco_ray.graph.errors import GraphError, PlanError
-from disco_ray.graph.memgraph import Loc, MKind
+from disco_ray.graph.memgraph import MKind
 from disco_ray.graph.taskgraph import Kind
 
-from .number import number
+from .number import Xread, number
 from .records import STEP, Inst, Part
 from .simulation import Step
 from .state import INF, OWN_BIT
@@ -55,7 +55,7 @@ class PartSimulation(SumIntoSimulation):
         super().__init__(*args, **kwargs)
         self.own: list[bool] | None = None  # per GPU: simulated here (None: all are)
         self.pending: dict[int, int] = {}  # transfer -> its record, whose read another part makes
-        self.xreads: list[tuple[int, int, int, tuple[int, ...] | None, Loc]] = []
+        self.xreads: list[Xread] = []  # reads made here of transfers to other parts' GPUs
 
     def run(self, gpus: Sequence[int] | None = None, tag: int = 0, parts: int = 1) -> None:
         """Simulates V: on every GPU, or as part `tag` of `parts` on `gpus` only."""
