@@ -42,14 +42,13 @@ from disco_ray.graph.kernels import temp_bytes
 from disco_ray.graph.memgraph import DISK, HOST, Loc, MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .backend import BLOCKING, DEFERRED, LAUNCH, Backend
+from .backend import BLOCKING, LAUNCH, Backend
 from .backend_cpu import CpuBackend
+from .lanes import Lanes
 from .loads import Loads
 from .plans import (
     K_COPY,
-    K_INPUT,
     K_KERNEL,
-    K_RELOAD_INPUT,
     K_SPILL,
     K_TRANSFER,
     K_UNSPILL,
@@ -67,7 +66,6 @@ from .worker_core import StreamSlots, WorkerCore
 
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
-COPY_DEPTH = 2  # copies in flight per lane: one running, the next queued behind it on the device
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,17 +200,11 @@ class Executor:
                 if p.kind == K_UNSPILL and p.src_loc is not None
             ]
             self.read_ahead = ReadAhead(self.spill, items, self.backend.alloc)
-        self.peers = sorted({p.src_gpu for p in self.plans.values() if p.kind == K_TRANSFER})
-        self.h2d, self.d2h = streams, streams + 1
-        self.peer_lane = {peer: streams + 2 + k for k, peer in enumerate(self.peers)}
-        self.deferred_lane = streams + 2 + len(self.peers)
-        limits: list[int | None] = [COPY_DEPTH] * (2 + len(self.peers)) + ([None] if self.peers else [])
-        # the disk lanes (write, read): one I/O each at a time, each on a bounce buffer of its own
-        self.disk_w = streams + len(limits)
-        self.disk_r = self.disk_w + 1
-        if self.spill is not None:
-            limits += [1, 1]
-        self.slots = StreamSlots(self.core, streams, limits)
+        self.lanes = lanes = Lanes.of(mg, gpu, streams)  # the lane rule (actors/lanes.py)
+        self.peers = list(lanes.peers)
+        self.h2d, self.d2h, self.peer_lane = lanes.h2d, lanes.d2h, lanes.peer
+        self.deferred_lane, self.disk_w, self.disk_r = lanes.deferred, lanes.disk_w, lanes.disk_r
+        self.slots = StreamSlots(self.core, streams, lanes.limits)
         self.trace: list[tuple[int, int, int, int]] = []
         # kernel temporaries: the most any kernel of this GPU needs, kept ready per compute stream
         self.workspace = max(
@@ -293,22 +285,9 @@ class Executor:
 
     def _lanes(self) -> tuple[dict[int, int], dict[int, int]]:
         """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH)."""
-        lane_of: dict[int, int] = {}
-        mode: dict[int, int] = {}
-        for vid, p in self.plans.items():
-            if p.kind in (K_INPUT, K_RELOAD_INPUT):
-                lane_of[vid] = self.h2d
-            elif p.kind == K_COPY:
-                lane_of[vid] = self.d2h if p.out_loc.device == HOST else self.h2d
-            elif p.kind in (K_SPILL, K_UNSPILL):
-                lane_of[vid] = self.disk_w if p.kind == K_SPILL else self.disk_r
-                mode[vid] = BLOCKING  # file I/O waits on the host (cuda: on a helper thread)
-            elif p.kind == K_TRANSFER:
-                m = BLOCKING if self.transport is None else self.transport.mode(p.src_gpu)
-                lane_of[vid] = self.deferred_lane if m == DEFERRED else self.peer_lane[p.src_gpu]
-                if m != LAUNCH:
-                    mode[vid] = m
-        return lane_of, mode
+        tr = self.transport
+        mode_of = (lambda src: BLOCKING) if tr is None else tr.mode
+        return self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
 
     def dispatch(self, vids: list[int]) -> None:
         """The coordinator hands over vertices whose remote predecessors are done."""

@@ -69,6 +69,8 @@ class Profile:
     # measures the disk of the machine it runs on)
     disk_write: float = 2e9
     disk_read: float = 3e9
+    ahead: int = 4  # kernels launched ahead per stream: the cuda backend's default
+    overlap: bool = False  # one vertex at a time per engine: a kernel's time assumes the whole GPU
 
     def time(self, v: MemVertex, tv: Vertex | None, in_shapes: list[tuple[int, ...]]) -> float:
         """Seconds vertex `v` occupies its lane (`tv`: its TaskGraph vertex, for kernels)."""
@@ -113,6 +115,8 @@ class UnitCost:
     streams: int = 5
     overrides: Mapping[str, float] = field(default_factory=dict)
     name: str = "unit"
+    ahead: int = 0  # kernels launched ahead per stream
+    overlap: bool = False  # one vertex at a time per engine (one matmul, one load, one transfer)
 
     def time(self, v: MemVertex, tv: Vertex | None, in_shapes: list[tuple[int, ...]]) -> float:
         if v.value in self.overrides:
