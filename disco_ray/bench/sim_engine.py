@@ -38,7 +38,7 @@ from actors.worker_core import StreamSlots, WorkerCore
 from disco_ray.graph.errors import GraphError
 from disco_ray.graph.memgraph import MemGraph
 
-_END, _LANDED, _TICK = range(3)  # event kinds: device done, completion handled, reporter wakes
+_END, _LANDED, _TICK, _WAKE = range(4)  # device done, completion handled, reporter, stream thread up
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,10 @@ class Host:
     """The host side of the simulated runtime, in the cost model's time unit (all 0: ideal)."""
 
     done_s: float = 0.0  # host time of each completion; its stream waits meanwhile
-    flush_s: float = 0.0  # the reporter's flush_s (WorkerConfig); 0: reports reach the coordinator at once
+    wake_s: float = 0.0  # an idle stream's thread, handed work by another thread, starts it this late
+    # the reporter's period while its worker is busy: flush_s (WorkerConfig) and the host's
+    # oversleep; 0: every completion reaches the coordinator at once
+    flush_s: float = 0.0
     lazy_s: float = 0.05  # the reporter's lazy_s (WorkerConfig)
 
 
@@ -61,7 +64,8 @@ class _Worker:
         lane_of, _ = lanes.assign((v for v in mg.vertices if v.gpu == gpu), mode_of)
         self.slots.start(ahead, lane_of)
         self.engine = [lanes.engine(s) for s in range(lanes.total)]
-        self.queue: list[deque[tuple[int, int, tuple[int, ...]]]] = [deque() for _ in self.engine]
+        # per stream: (submission number, vertex, waits, not before)
+        self.queue: list[deque[tuple[int, int, tuple[int, ...], float]]] = [deque() for _ in self.engine]
         self.occupied = [False] * lanes.total  # the stream runs a vertex (or its completion)
         self.engine_busy: dict[Route, int] = dict.fromkeys(Route, 0)
         self.reporter = Reporter(host.flush_s, host.lazy_s)
@@ -104,8 +108,10 @@ class SimEngine:
                 self._end(w, vid, s)
             elif kind == _LANDED:
                 self._land(w, vid, s)
-            else:
+            elif kind == _TICK:
                 self._tick(w)
+            else:
+                self._start(w)
         if len(self.landed) != self.sched.n:
             stuck = min(v.id for v in self.mg.vertices if v.id not in self.landed)
             raise GraphError(
@@ -123,15 +129,20 @@ class SimEngine:
             if isinstance(i, Dispatch):
                 w = self.workers[i.gpu]
                 w.core.dispatch(i.vids)
-                self._pump(w)
+                self._pump(w, -1)
             elif isinstance(i, Abort):
                 raise GraphError(f"simulation aborted: {i.message}")
 
-    def _pump(self, w: _Worker) -> None:
-        """The executor's `_pump`: what the stream slots launch goes to its stream's queue."""
+    def _pump(self, w: _Worker, by: int) -> None:
+        """The executor's `_pump` on the thread of stream `by` (-1: another thread): what the
+        stream slots launch goes to its stream's queue."""
         for vid, s, waits in w.slots.take():
             self.seq += 1
-            w.queue[s].append((self.seq, vid, waits))
+            t = self.now
+            if s != by and not w.queue[s] and not w.occupied[s] and self.host.wake_s > 0:
+                t += self.host.wake_s  # its thread sleeps: it must be woken
+                self._push(t, _WAKE, w)
+            w.queue[s].append((self.seq, vid, waits, t))
         self._start(w)
 
     def _start(self, w: _Worker) -> None:
@@ -139,7 +150,7 @@ class SimEngine:
         while True:
             best = -1
             for s, q in enumerate(w.queue):
-                if not q or w.occupied[s] or any(u not in self.landed for u in q[0][2]):
+                if not q or w.occupied[s] or q[0][3] > self.now or any(u not in self.landed for u in q[0][2]):
                     continue
                 if not self.overlap and w.engine_busy[w.engine[s]]:
                     continue
@@ -147,7 +158,7 @@ class SimEngine:
                     best = s
             if best < 0:
                 return
-            _, vid, _ = w.queue[best].popleft()
+            vid = w.queue[best].popleft()[1]
             w.occupied[best] = True
             w.engine_busy[w.engine[best]] += 1
             end = self.now + self.dur[vid]
@@ -169,7 +180,7 @@ class SimEngine:
         self.landed.add(vid)
         w.core.complete(vid)
         w.slots.landed(vid, s)
-        self._pump(w)
+        self._pump(w, s)
         if self.host.flush_s <= 0:
             self._apply(self.sched.handle(Completed(w.gpu, (vid,))))
             return
