@@ -64,10 +64,11 @@ class _Worker:
         lane_of, _ = lanes.assign((v for v in mg.vertices if v.gpu == gpu), mode_of)
         self.slots.start(ahead, lane_of)
         self.engine = [lanes.engine(s) for s in range(lanes.total)]
+        self.engine_no = [list(Route).index(e) for e in self.engine]  # (an int: hashed per start)
         # per stream: (submission number, vertex, waits, not before)
         self.queue: list[deque[tuple[int, int, tuple[int, ...], float]]] = [deque() for _ in self.engine]
         self.occupied = [False] * lanes.total  # the stream runs a vertex (or its completion)
-        self.engine_busy: dict[Route, int] = dict.fromkeys(Route, 0)
+        self.engine_busy = [0] * len(Route)  # vertices running per engine
         self.reporter = Reporter(host.flush_s, host.lazy_s)
         self.looping = False  # the reporter thread is in its busy loop
         self.woken = False  # a completion arrived during that loop
@@ -152,7 +153,7 @@ class SimEngine:
             for s, q in enumerate(w.queue):
                 if not q or w.occupied[s] or q[0][3] > self.now or any(u not in self.landed for u in q[0][2]):
                     continue
-                if not self.overlap and w.engine_busy[w.engine[s]]:
+                if not self.overlap and w.engine_busy[w.engine_no[s]]:
                     continue
                 if best < 0 or q[0][0] < w.queue[best][0][0]:
                     best = s
@@ -160,14 +161,14 @@ class SimEngine:
                 return
             vid = w.queue[best].popleft()[1]
             w.occupied[best] = True
-            w.engine_busy[w.engine[best]] += 1
+            w.engine_busy[w.engine_no[best]] += 1
             end = self.now + self.dur[vid]
             self.span[vid] = (best, self.now, end)
             self._push(end, _END, w, vid, best)
 
     def _end(self, w: _Worker, vid: int, s: int) -> None:
         """The device finished `vid`: its engine frees; its completion is handled `done_s` later."""
-        w.engine_busy[w.engine[s]] -= 1
+        w.engine_busy[w.engine_no[s]] -= 1
         if self.host.done_s > 0:
             self._push(self.now + self.host.done_s, _LANDED, w, vid, s)
             self._start(w)

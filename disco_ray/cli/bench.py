@@ -223,7 +223,7 @@ def _simulated(args, w, modes, cost) -> dict:
         mg = M.plan(
             tg, mode, args.capacity, levels=w.levels, order=_order(args, w), host_capacity=args.host_capacity
         )
-        r = simulate(mg, tg, cost, streams=args.streams)
+        r = simulate(mg, tg, cost, streams=args.streams, ahead=args.ahead)
         rows.append(bench.row(mode, r.makespan, bench.sim_summary(mg, r), None, "simulated, not checked"))
         rows[-1]["summary"] = {**bench.sim_summary(mg, r), "plan": mg.statistics()}
         traces[mode] = chrome_trace(mg, bench.sim_records(r, tg.gpus, ns))
