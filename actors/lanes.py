@@ -36,9 +36,9 @@ class Route(Enum):
     COMPUTE = "compute"  # a kernel: a compute stream
     LOAD = "h2d"  # an input, or a reload into the arena
     OFFLOAD = "d2h"  # an offload to the host store
+    TRANSFER = "peer"  # a pull from another GPU
     SPILL = "disk_w"  # an offload to the spill file
     UNSPILL = "disk_r"  # a reload from the spill file
-    TRANSFER = "peer"  # a pull from another GPU
 
 
 def route(v: MemVertex) -> Route:

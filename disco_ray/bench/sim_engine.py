@@ -13,14 +13,15 @@ time, this one has an event heap and a device model:
   submitted first going next (a profiled kernel's time assumes the whole GPU); with `overlap`
   every stream runs on its own (measured durations already include the sharing);
 - `Host` gives the host's costs: a completion's own host time (the executor's `_done`, which
-  holds its stream, as the cpu backend's stream thread does) and the reporter's `flush_s`, whose
-  loop (`actors.reporter.ReportThread`) is replayed tick by tick; with `flush_s` 0 every
-  completion reaches the coordinator at once (the papers' ideal event loop).
+  holds its stream, as the cpu backend's stream thread does), the time an idle stream's thread
+  takes to start work another thread handed it, and the reporter's `flush_s`, whose loop
+  (`actors.reporter.ReportThread`) is replayed pass by pass; with all 0 every completion reaches
+  the coordinator at once and every launch starts at once (the papers' ideal event loop).
 
 So a change to the runtime's policy (the lane rule, copy depth, launch ahead, the ready order,
 the reporter's lag) changes the simulated schedule. Alternatives rejected: a scheduler of the
-simulator's own (it drifted from the runtime, and over-stated the nondeterminism gain 5-10x) and
-running the real executor with sleeping kernels (wall-clock time, not reproducible).
+simulator's own (it drifts from the runtime's without any test noticing) and running the real
+executor with sleeping kernels (wall-clock time, not reproducible).
 """
 
 from __future__ import annotations
