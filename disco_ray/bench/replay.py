@@ -1,12 +1,14 @@
 """A run replayed: the durations and host costs measured in its trace, as a cost model.
 
-The trace of a run (`disco_ray.graph.trace`: per GPU, records (vertex, stream, start ns, end ns))
-gives each vertex's duration (the median over the runs given) and, from the same records, the
-host's time per completion: the median, over the vertices whose last predecessor to finish ran
-on their own GPU, of the gap from that predecessor's end to their start (the executor's `_done`,
-the stream slots, the stream thread waking). Fed to `disco_ray.bench.simulate.simulate` with the
-reporter's settings of the run, they predict its makespan (benchmarks/bench_simulate.py compares
-the two), and they let the simulator's schedule be checked against the runtime's.
+The traces of runs (`disco_ray.graph.trace`: per GPU, records (vertex, stream, start ns, end ns))
+give each vertex's duration, the mean over the runs (a path's length adds durations, so its
+expectation adds their means), and the host's lags: the median gap from a vertex's end to the
+start of a successor it released on its GPU, on the same stream (the executor's `_done`) and on
+another (its thread woken too). Medians there, since those gaps also hold waits the simulator
+models itself (a full lane, a busy stream), which a mean would count twice. Fed to
+`disco_ray.bench.simulate.simulate` with the reporter's settings of the runs, they predict their
+makespan (benchmarks/bench_simulate.py compares the two), and they let the simulator's schedule
+be checked against the runtime's.
 """
 
 from __future__ import annotations
@@ -44,13 +46,13 @@ class Replay:
 
 
 def durations(runs: Sequence[Records]) -> dict[int, float]:
-    """Vertex id -> the median over `runs` of its measured seconds."""
+    """Vertex id -> the mean over `runs` of its measured seconds."""
     got: dict[int, list[float]] = {}
     for records in runs:
         for recs in records:
             for vid, _, t0, t1 in recs:
                 got.setdefault(vid, []).append((t1 - t0) / 1e9)
-    return {vid: statistics.median(ts) for vid, ts in got.items()}
+    return {vid: statistics.fmean(ts) for vid, ts in got.items()}
 
 
 def host_lags(mg: MemGraph, runs: Sequence[Records]) -> tuple[float, float]:
