@@ -7,9 +7,10 @@ with a tenth of it; the matmul chain, workloads/matmul_chain.py, with its defaul
 runs --repeat times on the `local` engine and the cpu backend (after one warm-up run). The runs
 are split in two halves, alternately:
 
-- from the first half's traces (disco_ray.bench.replay): each vertex's mean duration, the
-  host's lag per completion on the same stream (`done_s`) and per stream thread woken (`wake_s`),
-  and, measured here, how long the reporter's sleep of flush_s lasts (its period while busy);
+- from the first half's traces (disco_ray.bench.replay): each vertex's duration (interquartile
+  mean), the host's lag per completion on the same stream (`done_s`) and per stream thread woken
+  (`wake_s`), and, measured here, how long the reporter's sleep of flush_s lasts (its period
+  while busy);
 - the second half gives the measured makespan (median; first start to last end of the trace).
 
 The simulator (disco_ray.bench.simulate, which drives the runtime's own Scheduler, WorkerCore,

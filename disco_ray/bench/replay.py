@@ -1,14 +1,14 @@
 """A run replayed: the durations and host costs measured in its trace, as a cost model.
 
 The traces of runs (`disco_ray.graph.trace`: per GPU, records (vertex, stream, start ns, end ns))
-give each vertex's duration, the mean over the runs (a path's length adds durations, so its
-expectation adds their means), and the host's lags: the median gap from a vertex's end to the
-start of a successor it released on its GPU, on the same stream (the executor's `_done`) and on
-another (its thread woken too). Medians there, since those gaps also hold waits the simulator
-models itself (a full lane, a busy stream), which a mean would count twice. Fed to
-`disco_ray.bench.simulate.simulate` with the reporter's settings of the runs, they predict their
-makespan (benchmarks/bench_simulate.py compares the two), and they let the simulator's schedule
-be checked against the runtime's.
+give each vertex's duration, the interquartile mean over the runs (a path's length adds
+durations, so its expectation adds their means; the quartiles drop runs another job stalled),
+and the host's lags: the median gap from a vertex's end to the start of a successor it released
+on its GPU, on the same stream (the executor's `_done`) and on another (its thread woken too).
+Medians there, since those gaps also hold waits the simulator models itself (a full lane, a busy
+stream), which a mean would count twice. Fed to `disco_ray.bench.simulate.simulate` with the
+reporter's settings of the runs, they predict their makespan (benchmarks/bench_simulate.py
+compares the two), and they let the simulator's schedule be checked against the runtime's.
 """
 
 from __future__ import annotations
@@ -46,13 +46,20 @@ class Replay:
 
 
 def durations(runs: Sequence[Records]) -> dict[int, float]:
-    """Vertex id -> the mean over `runs` of its measured seconds."""
+    """Vertex id -> the mean over `runs` of its measured seconds, less the lowest and highest
+    quarter."""
     got: dict[int, list[float]] = {}
     for records in runs:
         for recs in records:
             for vid, _, t0, t1 in recs:
                 got.setdefault(vid, []).append((t1 - t0) / 1e9)
-    return {vid: statistics.fmean(ts) for vid, ts in got.items()}
+    return {vid: statistics.fmean(_middle(ts)) for vid, ts in got.items()}
+
+
+def _middle(xs: list[float]) -> list[float]:
+    xs = sorted(xs)
+    k = len(xs) // 4
+    return xs[k : len(xs) - k]
 
 
 def host_lags(mg: MemGraph, runs: Sequence[Records]) -> tuple[float, float]:
