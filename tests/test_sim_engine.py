@@ -40,7 +40,7 @@ def test_copy_depth_is_the_runtimes(monkeypatch):
     g, mg, cost = _depth_graph()
     r = simulate(mg, g, cost)
     assert _spans(r)[2] == (3.0, 4.0) and _spans(r)[4] == (2.0, 3.0) and r.makespan == 5.0
-    assert {r.streams[v] for v in (0, 2, 3, 4)} == {5}  # the h2d lane, after 5 compute streams
+    assert {r.stream_of[v] for v in (0, 2, 3, 4)} == {5}  # the h2d lane, after 5 compute streams
     # the runtime's lane rule changed in actors/lanes.py changes the prediction: with one copy
     # in flight, r (the lowest id ready) goes before c
     monkeypatch.setattr(lanes, "COPY_DEPTH", 1)
@@ -64,7 +64,7 @@ def test_launch_ahead_changes_the_order_on_the_gpu():
     early = simulate(mg, g, cost, ahead=1)
     assert (_spans(early)[2], _spans(early)[4]) == ((1.0, 2.0), (2.0, 3.0))
     # k1 and kx went to the device behind their loads, k2 behind k1 on its stream
-    assert early.streams[2] == early.streams[1] == 0 and early.stats["launched_ahead"] == 3
+    assert early.stream_of[2] == early.stream_of[1] == 0 and early.stats["launched_ahead"] == 3
     assert now.stats["launched_ahead"] == 0
 
 
@@ -106,7 +106,7 @@ def test_host_costs_of_completions_and_wake_ups():
     mg = naive_memgraph(g)
     r = simulate(mg, g, Replay({0: 1.0, 1: 1.0, 2: 1.0}), host=Host(done_s=0.125, wake_s=0.25))
     assert _spans(r) == {0: (0.25, 1.25), 1: (1.625, 2.625), 2: (2.75, 3.75)}
-    assert r.streams[1] == r.streams[2] == 0
+    assert r.stream_of[1] == r.stream_of[2] == 0
 
 
 def _check_runtime_rules(mg, at: dict[int, tuple[int, float, float]], limits) -> None:
@@ -138,7 +138,7 @@ def test_a_local_engine_trace_replayed_follows_the_runtimes_rules(name, kw, frac
     cost, host = replay(mg, runs)
     assert set(cost.seconds) == {v.id for v in mg.vertices} and host.flush_s == 1e-3
     r = simulate(mg, tg, cost, host=host)
-    sim = {v: (r.streams[v], s, e) for v, _, _, s, e in r.timeline}
+    sim = {v: (r.stream_of[v], s, e) for v, _, _, s, e in r.timeline}
     measured = {vid: (s, t0 / 1e9, t1 / 1e9) for recs in runs[-1] for vid, s, t0, t1 in recs}
     rule = {g: lanes.Lanes.of(mg, g, 5) for g in range(mg.gpus)}
     _check_runtime_rules(mg, measured, rule)  # the runtime obeyed them ...

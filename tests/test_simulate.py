@@ -96,8 +96,8 @@ def test_one_compute_stream_leaves_copies_on_their_lanes():
     one = simulate(mg, w.taskgraph, cost, streams=1)
     assert many.makespan == 7  # the critical path: one load, then a matmul and a gather per level
     assert one.makespan == 7
-    assert {s for v, s in one.streams.items() if mg.vertex(v).kind is MKind.KERNEL} == {0}
-    assert {s for v, s in one.streams.items() if mg.vertex(v).kind is MKind.INPUT} == {1}  # the h2d lane
+    assert {s for v, s in one.stream_of.items() if mg.vertex(v).kind is MKind.KERNEL} == {0}
+    assert {s for v, s in one.stream_of.items() if mg.vertex(v).kind is MKind.INPUT} == {1}  # the h2d lane
     assert simulate(naive_memgraph(w.taskgraph, extra), w.taskgraph, cost, streams=1).makespan == 7
 
 
@@ -130,7 +130,7 @@ def test_timeline_respects_edges_and_lanes():
     for t in points:  # a GPU profile: one vertex at a time per engine (lane) of a GPU
         for key in by_lane:
             assert sum(1 for _, gg, ln, s, e in r.timeline if (gg, ln) == key and s <= t < e) <= 1
-    assert {s for v, s in r.streams.items() if mg.vertex(v).kind is MKind.KERNEL} <= {0, 1, 2}
+    assert {s for v, s in r.stream_of.items() if mg.vertex(v).kind is MKind.KERNEL} <= {0, 1, 2}
     assert r.makespan == max(e for *_, e in r.timeline)
     assert all(0 <= f <= 1 for b in r.busy for f in b.values())
     assert set(r.busy[0]) == set(LANES)

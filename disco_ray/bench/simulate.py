@@ -30,7 +30,7 @@ class SimResult:
     timeline: list[tuple[int, int, str, float, float]]
     profile: str = ""
     stats: dict = field(default_factory=dict)
-    streams: dict[int, int] = field(default_factory=dict)  # vertex -> the runtime's stream it ran on
+    stream_of: dict[int, int] = field(default_factory=dict)  # vertex -> the runtime's stream it ran on
 
     def statistics(self) -> dict:
         return {
