@@ -3,9 +3,9 @@
 The simulated runtime is the runtime itself: `disco_ray.bench.sim_engine` drives the
 coordinator's and the workers' own cores (`actors.scheduler`, `actors.worker_core`), their lane
 rule (`actors.lanes`: compute streams, a host-to-device and a device-to-host lane, a lane per
-peer, disk lanes; a copy depth of 2) and launch ahead, on a simulated clock. Among the vertices
-that could start, the lowest id goes first (the workers' rule). Durations come from the cost
-model (`disco_ray.bench.profiles`, or a trace replayed: `disco_ray.bench.replay`). It predicts
+peer, disk lanes; a copy depth of 2) and launch ahead, on a simulated clock: a worker launches
+its ready vertices lowest id first, and each engine of a GPU (compute, each copy direction) runs
+what was launched in launch order. Durations come from the cost model (`disco_ray.bench.profiles`, or a trace replayed: `disco_ray.bench.replay`). It predicts
 makespans, and it checks the papers' worked example (levelwise 3n units, work-conserving 2n+1)
 exactly. docs/RUNTIME.md, "The simulator", says how it works.
 """
@@ -18,6 +18,7 @@ from disco_ray.graph.memgraph import MemGraph, MKind
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .profiles import LANES, Profile, UnitCost
+from .replay import Replay
 from .sim_engine import Host, SimEngine
 
 
@@ -52,7 +53,7 @@ class SimResult:
 def simulate(
     mg: MemGraph,
     tg: TaskGraph,
-    cost: Profile | UnitCost,
+    cost: Profile | UnitCost | Replay,
     streams: int | None = None,
     *,
     ahead: int | None = None,
