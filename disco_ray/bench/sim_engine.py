@@ -47,7 +47,9 @@ class Host:
     """The host side of the simulated runtime, in the cost model's time unit (all 0: ideal)."""
 
     done_s: float = 0.0  # host time of each completion; its stream waits meanwhile
-    wake_s: float = 0.0  # an idle stream's thread, handed work by another thread, starts it this late
+    wake_s: float = (
+        0.0  # an idle thread (a stream's, the reporter's), handed work by another, starts it this late
+    )
     # the reporter's period while its worker is busy: flush_s (WorkerConfig) and the host's
     # oversleep; 0: every completion reaches the coordinator at once
     flush_s: float = 0.0
@@ -189,9 +191,9 @@ class SimEngine:
         w.reporter.completed(vid, vid in w.core.awaited)
         if w.looping:
             w.woken = True
-        else:
+        else:  # its thread sleeps: it must be woken
             w.looping, w.woken = True, False
-            self._push(self.now, _TICK, w)
+            self._push(self.now + self.host.wake_s, _TICK, w)
 
     def _tick(self, w: _Worker) -> None:
         """One pass of the reporter thread's loop (`actors.reporter.ReportThread._loop`)."""
