@@ -200,7 +200,7 @@ class Executor:
             ]
             + [0]
         )
-        self.backend.open(self.slots.total, self._work, self._done, self.workspace, streams)
+        self.backend.open(self.slots.total, self._work, self._done, self.workspace, self.streams)
 
     # ---- a run ---------------------------------------------------------------------------------
     def begin(
