@@ -34,6 +34,7 @@ from disco_ray.graph.sizes import format_size
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .profiles import Profile, UnitCost
+from .replay import Replay
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MICROS = (1, 2, 4, 8)
@@ -121,7 +122,7 @@ def search(
     make_graph: MakeGraph,
     capacity: int | Sequence[int],
     *,
-    cost: Profile | UnitCost | CostFn,
+    cost: Profile | UnitCost | Replay | CostFn,
     batches: Iterable[int] = BATCHES,
     micros: Iterable[int] = MICROS,
     host_capacity: int | Sequence[int | None] | None = None,
@@ -133,8 +134,8 @@ def search(
         make_graph: `(batch, micro) -> TaskGraph`, one decode step of `batch` sequences split into
             `micro` groups, at the batch's cache length. A UsageError from it excludes the pair.
         capacity: arena bytes per GPU (one int for all, or one per GPU).
-        cost: a device profile or `UnitCost` (the simulator predicts the plan's makespan), or a
-            function (TaskGraph, MemGraph) -> seconds.
+        cost: a device profile, `UnitCost` or a replayed trace (the simulator predicts the plan's
+            makespan), or a function (TaskGraph, MemGraph) -> seconds.
         batches, micros: the values tried; pairs with more micro-batches than rows are skipped.
         host_capacity: the host store's budget per GPU, passed to the planner (offloads beyond it
             go to the spill file, which the simulator costs on the disk lanes).
@@ -158,7 +159,7 @@ def evaluate(
     batch: int,
     micro: int,
     capacity: int | Sequence[int],
-    cost: Profile | UnitCost | CostFn,
+    cost: Profile | UnitCost | Replay | CostFn,
     host_capacity: int | Sequence[int | None] | None = None,
     host_memory: int | None = None,
 ) -> Candidate:
@@ -200,9 +201,9 @@ def evaluate(
     return Candidate(batch, micro, step, loaded)
 
 
-def predict(tg: TaskGraph, mg: MemGraph, cost: Profile | UnitCost | CostFn) -> float:
+def predict(tg: TaskGraph, mg: MemGraph, cost: Profile | UnitCost | Replay | CostFn) -> float:
     """Predicted seconds of one run of plan `mg`: the simulator's makespan, or `cost(tg, mg)`."""
-    if isinstance(cost, (Profile, UnitCost)):
+    if isinstance(cost, (Profile, UnitCost, Replay)):
         from .simulate import simulate
 
         return simulate(mg, tg, cost).makespan
