@@ -17,9 +17,10 @@ of --prompt random tokens each, --new new tokens per sequence (greedy, no stop a
     the per-vertex cost fitted on batch 1's measured step: batch 1 is the calibration, the other
     batches are predictions).
 
-New tokens/s counts every new token of every sequence over the whole call (prefill included, as
-FlexGen's generation throughput does); the decode step is (wall(--new) - wall(1)) / (--new - 1).
-Best of --repeat after a warm-up call (plans, weight reads). A benchmark: it measures and prints.
+New tokens/s counts every new token of every sequence over the whole call's wall time (prefill
+included, as FlexGen's generation throughput does); disco-ray's decode step is the median of its
+decode runs, transformers' (wall(--new) - wall(1)) / (--new - 1). Best of --repeat after a warm-up
+call (plans, weight reads). A benchmark: it measures and prints.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ from bench_llama_cpu import SHAPE, checkpoint  # noqa: E402
 
 from disco_ray.bench import policy  # noqa: E402
 from disco_ray.bench.profiles import Profile  # noqa: E402
-from disco_ray.models.sampling import SamplingParams  # noqa: E402
+from workloads.llm.batch import batch_decode_graph  # noqa: E402
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
-from workloads.llm.model import decode_graph  # noqa: E402
 
 BLOCK = 64
 
@@ -94,21 +94,24 @@ def bench_transformers(path: Path, batch: list[list[int]], new: int, repeat: int
 
 # ---- disco-ray ------------------------------------------------------------------------------------
 def bench_disco(model, batch: list[list[int]], new: int, repeat: int, micro: int) -> dict:
-    greedy = SamplingParams(stop_ids=())
+    """Best of `repeat` calls after a warm-up; the step is the median decode run of the best call."""
 
-    def gen(k: int):
-        return model.run_generate_batch(batch, k, sampling=greedy, micro=micro, stop_at_eos=False)
+    def gen():
+        t = time.perf_counter()
+        out = model.run_generate_batch(batch, new, micro=micro, stop_at_eos=False)
+        return time.perf_counter() - t, out
 
-    gen(new)  # warm-up: the plans of this batch's shape, the weights read
-    wall = best_of(lambda: gen(new), repeat)
-    one = best_of(lambda: gen(1), repeat)
-    out = gen(new)
+    gen()  # warm-up: the plans of this batch's shape, the weights read
+    wall, out = min((gen() for _ in range(repeat)), key=lambda r: r[0])
+    st = out.statistics()
     return {
         "wall_s": wall,
-        "tokens_per_s": len(batch) * new / wall,
-        "step_s": (wall - one) / (new - 1),
+        "tokens_per_s": st["new_tokens"] / wall,
+        "step_s": st["step_ms"]["median"] / 1e3,
+        "prefill_s": st["prefill_s"],
         "tokens": [list(s.new_ids) for s in out.sequences],
-        "statistics": out.statistics(),
+        "statistics": {k: v for k, v in st.items() if k != "step_ms"}
+        | {"step_ms_median": st["step_ms"]["median"]},
     }
 
 
@@ -142,7 +145,7 @@ def plan_step(ck: Checkpoint, batch: int, micro: int, capacity: int, blocks: int
     """The decode step's graph and its plan at `capacity`."""
     from planner import build_memgraph
 
-    tg = decode_graph(ck, 1, blocks, BLOCK, dtype="float32", batch=batch, micro=micro).taskgraph
+    tg = batch_decode_graph(ck, 1, batch, blocks, BLOCK, dtype="float32", micro=micro).taskgraph
     return tg, build_memgraph(tg, [capacity], order=list(tg.vertices))
 
 
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def make(b: int, m: int):
-        return decode_graph(ck, 1, blocks, BLOCK, dtype="float32", batch=b, micro=m).taskgraph
+        return batch_decode_graph(ck, 1, b, blocks, BLOCK, dtype="float32", micro=m).taskgraph
 
     chosen = {}
     for b in batches:

@@ -20,9 +20,10 @@ What is predicted (THIS IS A PREDICTION, NOT A MEASUREMENT):
 - the policy (disco_ray.bench.policy.choose) over the candidates: the (batch, micro) of the most
   predicted new tokens/s per decode step among those that plan within the arena and whose weights
   and KV cache fit the host RAM (`--host-memory`, FlexGen's machine: 208 GB);
-- the prefill of `batch` prompts: the simulated prefill of one prompt with its weights already on
-  the GPU (`modes.in_memory`), times `batch`, or one pass of the weights over PCIe if that is
-  longer (the prompts' micro-batches share each layer's load as the decode step's do);
+- the prefill of `batch` prompts: their batched prefill graph (one tile of 512 rows per prompt,
+  the prompts' micro-batches sharing each layer's weight load as the decode step's do) planned
+  and simulated the same way, at the micro-batch count that makes it fastest among those that
+  plan;
 - generation throughput as FlexGen counts it: batch * 32 / (prefill + 31 decode steps) (the
   prefill gives each sequence its first new token).
 Not modelled: FlexGen's CPU attention and 4-bit compression (it computes attention on the CPU to
@@ -30,24 +31,21 @@ keep the KV cache off PCIe; here the cache crosses PCIe each step), the disk tie
 fits the host RAM here), the host's own memory bandwidth, Python and launch overheads beyond the
 profile's 10 us per vertex.
 
-    PYTHONPATH=. python benchmarks/predict_flexgen.py                 # the table, ~1 min
+    PYTHONPATH=. python benchmarks/predict_flexgen.py                 # the table
     PYTHONPATH=. python benchmarks/predict_flexgen.py --json out.json --batches 1,64,144,192
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import time
 
-from disco_ray.bench import modes, policy, profiles
+from disco_ray.bench import policy, profiles
 from disco_ray.bench.policy import Candidate
-from disco_ray.bench.simulate import simulate
-from disco_ray.graph.errors import UsageError
+from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
 from workloads.llm.checkpoint import Checkpoint
-from workloads.llm.model import decode_graph, prefill_graph
 
 CONFIG = dict(
     model_type="llama",
@@ -62,7 +60,6 @@ CONFIG = dict(
 )
 PROMPT, NEW, BLOCK = 512, 32, 64
 PAPER = {"FlexGen": 7.32, "Hugging Face accelerate": 0.62, "DeepSpeed ZeRO-Inference": 0.60}
-BATCHED = "batch" in inspect.signature(decode_graph).parameters
 
 
 def checkpoint(layers: int) -> Checkpoint:
@@ -74,11 +71,7 @@ def step_graph(layers: int):
     ck, blocks = checkpoint(layers), (PROMPT + NEW - 2) // BLOCK + 1
 
     def make(batch: int, micro: int):
-        if not BATCHED:
-            if (batch, micro) != (1, 1):
-                raise UsageError("this tree's decode_graph is one row per step (no batch=)")
-            return decode_graph(ck, 1, blocks, BLOCK, "float16").taskgraph
-        return decode_graph(ck, 1, blocks, BLOCK, dtype="float16", batch=batch, micro=micro).taskgraph
+        return batch_decode_graph(ck, 1, batch, blocks, BLOCK, dtype="float16", micro=micro).taskgraph
 
     return make
 
@@ -88,17 +81,34 @@ def extrapolate(a: float, b: float, da: int, db: int, depth: int) -> float:
     return a + (b - a) * (depth - da) / (db - da)
 
 
-def prefill_one(layers: tuple[int, ...], depth: int, prof) -> float:
-    """Seconds of one prompt's prefill with its weights on the GPU, extrapolated to `depth` layers."""
-    t = []
-    for n in layers:
-        tg = prefill_graph(
-            checkpoint(n), 1, PROMPT // BLOCK, BLOCK, dtype="float16", logits="last", cache=True, tile=PROMPT
-        ).taskgraph
-        t.append(
-            simulate(modes.in_memory(tg, order=list(tg.vertices)), tg, prof.with_(h2d=float("inf"))).makespan
+def prefill(batch: int, micros: list[int], layers: tuple[int, ...], depth: int, cap: int, prof) -> tuple:
+    """(seconds, micro) of the fastest prefill of `batch` prompts among the micro-batch counts that
+    plan within `cap`, extrapolated to `depth` layers; (None, reason) when none plans."""
+
+    def make(n: int):
+        ck = checkpoint(n)
+        return lambda b, m: (
+            batch_prefill_graph(
+                ck, 1, b, PROMPT // BLOCK, BLOCK, dtype="float16", micro=m, tile=PROMPT
+            ).taskgraph
         )
-    return t[0] if len(t) == 1 else extrapolate(t[0], t[1], layers[0], layers[1], depth)
+
+    per = [
+        {
+            c.micro: c
+            for c in policy.search(make(n), cap, cost=prof, batches=(batch,), micros=micros).candidates
+        }
+        for n in layers
+    ]
+    times = {
+        m: a.step_s if len(layers) == 1 else extrapolate(a.step_s, per[-1][m].step_s, *layers, depth)
+        for m, a in per[0].items()
+        if a.fits and per[-1][m].fits
+    }
+    if not times:
+        return None, next(iter(per[0].values())).excluded
+    m = min(times, key=lambda k: (times[k], k))
+    return times[m], m
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         f"TFLOP/s x {prof.efficiency}, GDDR6 {prof.hbm / 1e9:.0f} GB/s, PCIe {prof.h2d / 1e9:.0f} GB/s each way; "
         f"prompt {PROMPT}, {NEW} new tokens; depths {short} -> {depth}"
     )
-    if not BATCHED:
-        print("note: this tree's decode_graph has no batch=: only batch 1 is predicted")
     t0 = time.perf_counter()
     per_depth = [
         {
@@ -163,14 +171,17 @@ def main(argv: list[str] | None = None) -> int:
             cands.append(Candidate(*key, step, loaded))
     best = policy.choose(cands)
     search_s = time.perf_counter() - t0
-    p1 = prefill_one(short, depth, prof)
-    pass_s = weights / prof.h2d
+    t0 = time.perf_counter()
+    prefills = {c.batch: prefill(c.batch, micros, short, depth, cap, prof) for c in cands if c.fits}
+    prefill_s = time.perf_counter() - t0
 
     def generation(c: Candidate) -> tuple[float, float]:
-        pre = max(c.batch * p1, pass_s)
-        return pre, c.batch * NEW / (pre + (NEW - 1) * c.step_s)
+        pre = prefills[c.batch][0]
+        return pre, (c.batch * NEW / (pre + (NEW - 1) * c.step_s)) if pre else 0.0
 
-    print(f"\npolicy search ({search_s:.0f} s): decode step per candidate, the chosen marked *")
+    print(
+        f"\npolicy search ({search_s:.0f} s, prefills {prefill_s:.0f} s): decode step per candidate, the chosen marked *"
+    )
     print(
         f"{'':1} {'batch':>6} {'micro':>5} {'step s':>8} {'decode tok/s':>12} {'H2D GB/step':>11} {'host GB':>8} {'prefill s':>9} {'gen tok/s':>9}  note"
     )
@@ -204,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     pre, gen = generation(chosen)
     print(
         f"\npredicted: batch {best.batch} in {best.micro} micro-batch(es): decode step {best.step_s:.2f} s "
-        f"({best.tokens_per_s:.2f} new tokens/s), prefill {pre:.0f} s, generation throughput {gen:.2f} new tokens/s"
+        f"({best.tokens_per_s:.2f} new tokens/s), prefill {pre:.0f} s in {prefills[best.batch][1]} micro-batch(es), "
+        f"generation throughput {gen:.2f} new tokens/s"
     )
     for name, tps in PAPER.items():
         print(f"  paper (FlexGen section 6): {name} {tps} new tokens/s")
@@ -219,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             prompt=PROMPT,
             new_tokens=NEW,
             depths=list(short),
-            prefill_one_prompt_s=p1,
-            weights_pass_s=pass_s,
+            prefill_micro={str(b): m for b, (_, m) in prefills.items()},
+            search_s=search_s,
+            prefill_search_s=prefill_s,
             candidates=rows,
             chosen=dict(
                 batch=best.batch,
