@@ -97,6 +97,18 @@ def test_micro_batches_let_a_batch_fit():
     assert (got.batch, got.micro) == (8, 2)
 
 
+def test_a_pair_whose_prefill_does_not_plan_is_excluded():
+    def prefill(b, m):  # twice the rows of the step, as a prompt's tokens outnumber a step's
+        return step_graph(2 * b, m)
+
+    cap = need(8, 1)  # the whole step of batch 8 fits, its prefill only in two micro-batches
+    assert need(16, 1) > cap >= need(16, 2)
+    got = search(step_graph, cap, cost=COST, batches=(8,), micros=(1, 2), prefill=prefill)
+    one, two = got.candidates
+    assert not one.fits and "its prefill's largest vertex needs" in one.excluded
+    assert two.fits and (got.batch, got.micro) == (8, 2)
+
+
 def test_a_smaller_capacity_never_chooses_a_larger_batch():
     # a cost that does not depend on the plan (one weight load per step, and per-row work), so
     # the capacity decides only which candidates fit: the choice can only move down with it

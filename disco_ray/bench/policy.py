@@ -127,6 +127,7 @@ def search(
     micros: Iterable[int] = MICROS,
     host_capacity: int | Sequence[int | None] | None = None,
     host_memory: int | None = None,
+    prefill: MakeGraph | None = None,
 ) -> Policy:
     """Plans and costs every (batch, micro) pair and chooses (`choose`) the fastest per token.
 
@@ -141,6 +142,8 @@ def search(
             go to the spill file, which the simulator costs on the disk lanes).
         host_memory: bytes of host RAM per GPU for what the step's inputs keep there (weights,
             the KV cache states); a pair whose inputs exceed it is excluded. None: unbounded.
+        prefill: `(batch, micro) -> TaskGraph` of the batch's prefill, which must plan too (its
+            largest vertex within the arena); not costed (the step is what repeats).
 
     Raises:
         CapacityError: no pair plans within the capacity.
@@ -151,7 +154,9 @@ def search(
         raise UsageError(
             f"the policy search has no (batch, micro) pair to try (batches {batches}, micros {micros})"
         )
-    return choose(evaluate(make_graph, b, m, capacity, cost, host_capacity, host_memory) for b, m in pairs)
+    return choose(
+        evaluate(make_graph, b, m, capacity, cost, host_capacity, host_memory, prefill) for b, m in pairs
+    )
 
 
 def evaluate(
@@ -162,15 +167,28 @@ def evaluate(
     cost: Profile | UnitCost | Replay | CostFn,
     host_capacity: int | Sequence[int | None] | None = None,
     host_memory: int | None = None,
+    prefill: MakeGraph | None = None,
 ) -> Candidate:
     """One pair: its graph planned at `capacity` and its step predicted, or why it is excluded."""
     from planner import build_memgraph, min_capacity
 
     try:
         tg = make_graph(batch, micro)
+        pre = prefill(batch, micro) if prefill is not None else None
     except UsageError as e:
         return Candidate(batch, micro, excluded=str(e))
     caps = [capacity] * tg.gpus if isinstance(capacity, int) else list(capacity)
+    if pre is not None:
+        need = min_capacity(pre)
+        short = [g for g in range(pre.gpus) if need[g] > caps[g]]
+        if short:
+            g = short[0]
+            return Candidate(
+                batch,
+                micro,
+                excluded=f"its prefill's largest vertex needs {format_size(need[g])} on gpu:{g}, the "
+                f"arena is {format_size(caps[g])}",
+            )
     if host_memory is not None:
         held = host_bytes(tg)
         over = [g for g in range(tg.gpus) if held[g] > host_memory]
