@@ -109,11 +109,41 @@ def _attention_at(out, ins, attrs):
     _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask)
 
 
+@_into(KERNELS, "attention_span")
+def _attention_span(out, ins, attrs):
+    # every group at once: keys stacked [groups, s, ..], one batched product, masks from span
+    q, span, kv = ins[0], ins[1], ins[2:]
+    groups = attrs["groups"]
+    m = len(kv) // 2 // groups
+    h = attrs["heads"]
+    kvh = attrs["kv_heads"] or h
+    t = q.shape[0] // groups
+
+    def stacked(tiles):  # [groups, s, kvh, d] -> [groups, h, s, d]
+        x = torch.stack([torch.cat(tiles[g * m : (g + 1) * m], dim=0) for g in range(groups)])
+        x = x.unflatten(-1, (kvh, -1)).transpose(1, 2)
+        return x.repeat_interleave(h // kvh, dim=1) if kvh != h else x
+
+    k, v = stacked(kv[: groups * m]), stacked(kv[groups * m :])
+    s = k.shape[2]
+    keys = torch.arange(s, device=q.device).unsqueeze(0)
+    lo, hi = span[:, :1], span[:, 1:]
+    # a row sees its span and always its own last key: a row with an empty span (padding) stays finite
+    mask = ((keys >= lo) & (keys <= hi)) | (keys == hi)  # [groups*t, s]
+    qh = q.unflatten(-1, (h, -1)).unflatten(0, (groups, t)).transpose(1, 2)  # [groups, h, t, d]
+    o = torch.matmul(qh, k.transpose(-1, -2)).mul_(attrs["scale"])
+    o.masked_fill_(~mask.unflatten(0, (groups, t)).unsqueeze(1), float("-inf"))
+    o = torch.matmul(o.softmax(-1), v)  # [groups, h, t, d]
+    out.unflatten(-1, (h, -1)).copy_(o.transpose(1, 2).flatten(0, 1))
+
+
 @_into(KERNELS, "kv_write")
 def _kv_write(out, ins, attrs):
     block, new, pos = ins
     if out.data_ptr() != block.data_ptr():
         out.copy_(block)
+    if attrs.get("row") is not None:  # .get: vertices saved before the attribute existed
+        new = new[attrs["row"] : attrs["row"] + 1]
     rows = torch.arange(new.shape[0], device=new.device) + (pos - attrs["start"])
     out.index_copy_(0, rows, new)
 
@@ -174,6 +204,16 @@ def _attention_temps_op(out, ins, attrs):
 @_into(TEMPS, "attention_at")
 def _attention_at_temps(out, ins, attrs):
     return _attention_temps(ins[0], ins[2:], attrs, True)
+
+
+@_into(TEMPS, "attention_span")
+def _attention_span_temps(out, ins, attrs):
+    q, kv, groups = ins[0], ins[2:], attrs["groups"]
+    h = attrs["heads"]
+    s = sum(k.shape[0] for k in kv[: len(kv) // 2]) // groups
+    t, d, esz = q.shape[0], q.shape[1] // h, q.element_size()
+    kv_bytes = 2 * 2 * groups * s * h * d * esz  # stacked keys and values, then repeated per head
+    return kv_bytes + t * s * (1 + 3 * 8) + 3 * t * s * h * max(esz, 4) + t * h * d * esz
 
 
 @_into(TEMPS, "kv_write")
