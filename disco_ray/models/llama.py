@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,10 +29,13 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
 from planner import build_memgraph, min_capacity
+from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
 from workloads.llm.checkpoint import Checkpoint
 from workloads.llm.model import ModelGraph, decode_graph, prefill_graph
 
+from .batch import BatchGeneration, SequenceOutput, run_batch
 from .programs import Programs, open_checkpoint, plan_entry
+from .sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -159,8 +162,25 @@ class LlamaModel(Programs):
                     cache=cache,
                     tile=self.tile,
                 )
-            else:
+            elif key[0] == "decode":
                 mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
+            else:  # a batch's: (kind, rows, cache blocks, micro-batches)
+                _, rows, blocks, micro = key
+                if key[0] == "batch_prefill":
+                    mgraph = batch_prefill_graph(
+                        self.ck,
+                        self.gpus,
+                        rows,
+                        blocks,
+                        self.block,
+                        dtype=self.dtype,
+                        micro=micro,
+                        tile=self.tile,
+                    )
+                else:
+                    mgraph = batch_decode_graph(
+                        self.ck, self.gpus, rows, blocks, self.block, dtype=self.dtype, micro=micro
+                    )
             tg = mgraph.taskgraph
             need = min_capacity(tg)
             if self.resizes and any(c < n for c, n in zip(caps, need)):
@@ -256,10 +276,83 @@ class LlamaModel(Programs):
         logits, _, _ = self._run(("prefill", blocks, "all", False), ids, 0)
         return logits[: len(ids)]
 
-    def generate(self, ids: Sequence[int], max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
-        """Greedy decoding: the new token ids after the prompt `ids` (at most `max_new_tokens`;
-        the first end-of-sequence token of the config ends it, and is included)."""
-        return self.run_generate(ids, max_new_tokens, stop_at_eos=stop_at_eos).tokens
+    def generate(
+        self,
+        prompts: Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        sampling: SamplingParams | None = None,
+        stop_ids: Sequence[int] | None = None,
+        stop_at_eos: bool = True,
+        micro: int = 1,
+        timeout: float | None = None,
+    ) -> list[int] | list[list[int]]:
+        """The new token ids after each prompt (at most `max_new_tokens`, an int or one per
+        prompt; a stop id or the config's end-of-sequence token ends a sequence, and is included).
+
+        `prompts` is one list of token ids (greedy, one sequence: its new ids, as before) or a list
+        of such lists of any lengths (a batch, `run_generate_batch`: a list of new-id lists).
+        `sampling` (`SamplingParams`; default greedy) and `stop_ids` (added to its stop ids)."""
+        batch = bool(prompts) and not isinstance(prompts[0], int)
+        if not batch and sampling is None and stop_ids is None and micro == 1:
+            if not isinstance(max_new_tokens, int):
+                raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+            return self.run_generate(prompts, max_new_tokens, stop_at_eos=stop_at_eos, timeout=timeout).tokens  # type: ignore[arg-type]
+        if stop_ids is not None:
+            sampling = sampling or SamplingParams()
+            sampling = replace(sampling, stop_ids=tuple(sampling.stop_ids) + tuple(stop_ids))
+        got = self.run_generate_batch(
+            prompts if batch else [prompts],  # type: ignore[list-item]
+            max_new_tokens,
+            sampling=sampling,
+            stop_at_eos=stop_at_eos,
+            micro=micro,
+            timeout=timeout,
+        )
+        new = [s.new_ids for s in got.sequences]
+        return new if batch else new[0]
+
+    def run_generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        sampling: SamplingParams | None = None,
+        stop_at_eos: bool = True,
+        micro: int = 1,
+        on_finish: Callable[[SequenceOutput], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+        timeout: float | None = None,
+    ) -> BatchGeneration:
+        """Generation for a batch of prompts of different lengths: one prefill run for all, then
+        one run of one plan per step for every unfinished sequence (`disco_ray.models.batch`).
+
+        Args:
+            prompts: token-id lists, any lengths (each checked against the vocabulary).
+            max_new_tokens: an int >= 0, or one per prompt.
+            sampling: greedy (the default) or sampling, and the request's stop ids.
+            stop_at_eos: the config's end-of-sequence ids also end a sequence.
+            micro: micro-batches per step (a power of two; the rows split into that many groups
+                that pass each layer in turn, sharing its weight loads).
+            on_finish: called with each sequence's `SequenceOutput` as it finishes.
+            on_token: called with (sequence index, token) for every new token.
+            timeout: bounds each run (RunError past it).
+
+        Raises:
+            UsageError: one line naming the bad input (an empty prompt, an id outside the
+                vocabulary with its sequence index, max_new_tokens < 0, bad sampling fields).
+        """
+        return run_batch(
+            self,
+            prompts,
+            max_new_tokens,
+            sampling=sampling,
+            stop_at_eos=stop_at_eos,
+            micro=micro,
+            on_finish=on_finish,
+            on_token=on_token,
+            timeout=timeout,
+        )
 
     def run_generate(
         self,

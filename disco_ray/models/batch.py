@@ -1,0 +1,247 @@
+"""Batched generation: many prompts of different lengths, one run per step for the whole batch.
+
+The graphs and the cache layout are `workloads.llm.batch`'s (left-aligned cache index, per-row
+KV cache states, micro-batches). This module is the loop around them (`run_batch`, what
+`LlamaModel.run_generate_batch` runs) and what it returns:
+
+- the prompts are prefilled together, in one run; then each decode step advances every
+  unfinished sequence in one run of one plan, so each weight block is loaded once per step;
+- plans are keyed by (rows, cache blocks, micro-batches), with rows the live sequences rounded up
+  to a power of two: a finished sequence's row stays as padding (token 0, output ignored) until
+  the live count falls to the next lower power of two, when the batch is compacted: the live
+  rows' KV cache states are renamed to rows 0..B'-1 and the others dropped on the workers
+  (`move_states`: no data copied, memory freed). So a batch of B makes at most log2(B) + 1 row
+  counts, each planned once per cache block reached, and later calls reuse every plan;
+- the next tokens are chosen on the driver from the gathered logits rows
+  (`disco_ray.models.sampling`: greedy by default, or sampling with one generator per sequence
+  by its index in the request, so a sequence's tokens do not depend on its batch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from disco_ray.graph.errors import UsageError
+from workloads.llm.batch import BatchLayout, feed_decode, feed_prefill, state_ids
+
+from .sampling import FinishReason, SamplingParams, finish_reason, sample, samplers
+
+if TYPE_CHECKING:
+    from .llama import LlamaModel
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceOutput:
+    """One sequence of a batch, once it has finished."""
+
+    index: int  # its place in the request's list of prompts
+    prompt_ids: list[int]
+    new_ids: list[int]
+    finish_reason: str  # "stop" (a stop id or end-of-sequence, included) or "length"
+
+
+@dataclass(slots=True)
+class BatchGeneration:
+    """What one `LlamaModel.run_generate_batch` did."""
+
+    sequences: list[SequenceOutput]  # in request order
+    batch: int  # rows of the first step (the live sequences rounded up to a power of two)
+    micro: int  # micro-batches per step
+    prefill_s: float = 0.0  # the prefill run (planning excluded)
+    decode_s: list[float] = field(default_factory=list)  # each decode step's run
+    rows: list[int] = field(default_factory=list)  # each decode step's rows (compaction shrinks them)
+    planning_s: float = 0.0  # plans made during this call
+    plans_made: int = 0
+    bytes_loaded: list[int] = field(default_factory=list)  # per decode step: input and reload bytes
+    prefill_bytes_loaded: int = 0
+
+    def statistics(self) -> dict:
+        """A JSON-able summary: new tokens/s counts every new token over prefill and decode time."""
+        new = sum(len(s.new_ids) for s in self.sequences)
+        steps = sorted(self.decode_s)
+        total = self.prefill_s + sum(self.decode_s)
+        return {
+            "sequences": len(self.sequences),
+            "new_tokens": new,
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_steps": len(self.decode_s),
+            "decode_s": round(sum(self.decode_s), 6),
+            "new_tokens_per_s": round(new / total, 3) if total > 0 else None,
+            "step_ms": {
+                "median": round(1e3 * steps[len(steps) // 2], 3) if steps else None,
+                "list": [round(1e3 * s, 3) for s in self.decode_s],
+            },
+            "bytes_loaded_per_step": list(self.bytes_loaded),
+            "prefill_bytes_loaded": self.prefill_bytes_loaded,
+            "batch": self.batch,
+            "rows_per_step": list(self.rows),
+            "micro": self.micro,
+            "planning_s": round(self.planning_s, 6),
+            "plans_made": self.plans_made,
+            "finish_reasons": {
+                r: sum(s.finish_reason == r for s in self.sequences) for r in ("stop", "length")
+            },
+        }
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def check_prompts(prompts: object, vocab: int) -> list[list[int]]:
+    """The prompts as lists of ints; UsageError naming the sequence and the id otherwise."""
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)) or not prompts:
+        raise UsageError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Sequence) or isinstance(p, (str, bytes)):
+            raise UsageError(f"sequence {i}: a prompt must be a list of token ids, got {type(p).__name__}")
+        if not p:
+            raise UsageError(f"sequence {i}: the prompt has no token ids")
+        ids = []
+        for x in p:
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab:
+                raise UsageError(f"sequence {i}: token id {x!r} is outside the vocabulary 0..{vocab - 1}")
+            ids.append(int(x))
+        out.append(ids)
+    return out
+
+
+def check_max_new(max_new_tokens: object, n: int) -> list[int]:
+    """max_new_tokens per sequence: one int for all or a list of n; UsageError otherwise."""
+    each = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * n
+    if len(each) != n:
+        raise UsageError(f"max_new_tokens has {len(each)} entries for {n} prompts")
+    for i, m in enumerate(each):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise UsageError(f"sequence {i}: max_new_tokens must be an integer >= 0, got {m!r}")
+    return list(each)
+
+
+def run_batch(
+    model: LlamaModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int | Sequence[int],
+    *,
+    sampling: SamplingParams | None = None,
+    stop_at_eos: bool = True,
+    micro: int = 1,
+    on_finish: Callable[[SequenceOutput], None] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    timeout: float | None = None,
+) -> BatchGeneration:
+    """`LlamaModel.run_generate_batch` (see there)."""
+    cfg = model.config
+    ids = check_prompts(prompts, cfg.vocab)
+    maxes = check_max_new(max_new_tokens, len(ids))
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1):
+        raise UsageError(f"micro must be a power of two >= 1, got {micro!r}")
+    params = sampling if sampling is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise UsageError(f"sampling must be a SamplingParams, got {type(params).__name__}")
+    params.validate(cfg.vocab)
+    if params.do_sample:
+        params = params.with_seed()
+    ends = replace(params, stop_ids=tuple(params.stop_ids) + (tuple(cfg.eos) if stop_at_eos else ()))
+    own = samplers(params, range(len(ids))) if params.do_sample else []
+    planned, nplans = model.planning_s, len(model.plans)
+    new: list[list[int]] = [[] for _ in ids]
+    done: dict[int, SequenceOutput] = {}
+
+    def finish(i: int, why: FinishReason) -> None:
+        done[i] = SequenceOutput(i, ids[i], list(new[i]), why.value)
+        if on_finish is not None:
+            on_finish(done[i])
+
+    for i, m in enumerate(maxes):
+        if m == 0:
+            finish(i, FinishReason.LENGTH)
+    live = [i for i in range(len(ids)) if i not in done]
+    rows_of: list[int | None] = list(live)  # the sequence each row holds (None: padding)
+    R = pow2(len(live)) if live else 0
+    gen = BatchGeneration([], R, min(micro, R) if R else micro)
+    if not live:
+        gen.sequences = [done[i] for i in range(len(ids))]
+        return gen
+    rows_of += [None] * (R - len(live))
+    layout = BatchLayout.of([len(ids[i]) for i in live], model.block, R)
+    reached, rows0 = layout.blocks, R
+    try:
+        m = min(micro, R)
+        key = ("batch_prefill", R, layout.blocks, m)
+        mgraph, prog = model._program(key)
+        feed = feed_prefill(mgraph, cfg, layout, [ids[i] for i in live], m)
+        logits, gen.prefill_s = _run(prog, feed, model.check, timeout)
+        gen.prefill_bytes_loaded = _loaded(prog)
+        logits = mgraph.gather(logits)
+        p = layout.length  # the cache index of the next token fed
+        while True:
+            rows = [r for r, s in enumerate(rows_of) if s is not None]
+            toks = sample(logits[rows], params, [own[rows_of[r]] for r in rows] if own else ())  # type: ignore[index]
+            for r, t in zip(rows, toks.tolist()):
+                s = rows_of[r]
+                assert s is not None
+                new[s].append(t)
+                if on_token is not None:
+                    on_token(s, t)
+                why = finish_reason(t, len(new[s]), maxes[s], ends)
+                if why is not None:
+                    finish(s, why)
+                    rows_of[r] = None
+            alive = [r for r, s in enumerate(rows_of) if s is not None]
+            if not alive:
+                break
+            if pow2(len(alive)) < R:  # compaction: live rows to 0..B'-1, the rest dropped
+                R = pow2(len(alive))
+                keep = alive + [None] * (R - len(alive))
+                _compact(model, keep, len(rows_of), reached)
+                layout = layout.take(keep)
+                rows_of = [rows_of[r] if r is not None else None for r in keep]
+            model._poll_budget()  # between steps: a new capacity takes effect here
+            m = min(micro, R)
+            blocks = p // model.block + 1
+            reached = max(reached, blocks)
+            mgraph, prog = model._program(("batch_decode", R, blocks, m))
+            tokens = [new[s][-1] if s is not None else 0 for s in rows_of]
+            outs, dt = _run(prog, feed_decode(mgraph, cfg, layout, tokens, p, m), model.check, timeout)
+            logits = mgraph.gather(outs)
+            gen.decode_s.append(dt)
+            gen.rows.append(R)
+            gen.bytes_loaded.append(_loaded(prog))
+            p += 1
+    finally:  # the batch's KV cache goes, whatever happened
+        model.pool.move_states({}, [x for r in range(rows0) for x in state_ids(cfg, model.gpus, r, reached)])  # type: ignore[attr-defined]
+    gen.sequences = [done[i] for i in range(len(ids))]
+    gen.planning_s = model.planning_s - planned
+    gen.plans_made = len(model.plans) - nplans
+    return gen
+
+
+def _run(prog, feed: dict[str, torch.Tensor], check: bool, timeout: float | None) -> tuple[dict, float]:
+    t = time.perf_counter()
+    outs = prog.run(feed, check=check, timeout=timeout)
+    return outs, time.perf_counter() - t
+
+
+def _loaded(prog) -> int:
+    """Bytes the last run loaded into the arenas: inputs (skipped loads excluded) and reloads."""
+    moved = (prog.last_summary or {}).get("bytes", {})
+    return int(moved.get("input", 0) + moved.get("reload", 0))
+
+
+def _compact(model: LlamaModel, keep: list[int | None], rows: int, blocks: int) -> None:
+    """Row keep[i] becomes row i on every worker; the other rows' KV cache states are dropped."""
+    cfg, G = model.config, model.gpus
+    renames: dict[str, str] = {}
+    for i, r in enumerate(keep):
+        if r is not None and r != i:
+            renames.update(zip(state_ids(cfg, G, r, blocks), state_ids(cfg, G, i, blocks)))
+    kept = {r for r in keep if r is not None}
+    drop = [x for r in range(rows) if r not in kept for x in state_ids(cfg, G, r, blocks)]
+    model.pool.move_states(renames, drop)  # type: ignore[attr-defined]
