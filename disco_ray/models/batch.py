@@ -59,6 +59,7 @@ class BatchGeneration:
     plans_made: int = 0
     bytes_loaded: list[int] = field(default_factory=list)  # per decode step: input and reload bytes
     prefill_bytes_loaded: int = 0
+    prefill_logits: torch.Tensor | None = None  # [sequences, vocab]: each prompt's last token's, when asked
 
     def statistics(self) -> dict:
         """A JSON-able summary: new tokens/s counts every new token over prefill and decode time."""
@@ -135,6 +136,7 @@ def run_batch(
     on_finish: Callable[[SequenceOutput], None] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     timeout: float | None = None,
+    prefill_logits: bool = False,
 ) -> BatchGeneration:
     """`LlamaModel.run_generate_batch` (see there)."""
     cfg = model.config
@@ -180,6 +182,9 @@ def run_batch(
         logits, gen.prefill_s = _run(prog, feed, model.check, timeout)
         gen.prefill_bytes_loaded = _loaded(prog)
         logits = mgraph.gather(logits)
+        if prefill_logits:  # sequences with no new tokens were not prefilled: NaN rows
+            gen.prefill_logits = torch.full((len(ids), logits.shape[1]), float("nan"))
+            gen.prefill_logits[live] = logits[: len(live)]
         p = layout.length  # the cache index of the next token fed
         while True:
             rows = [r for r, s in enumerate(rows_of) if s is not None]

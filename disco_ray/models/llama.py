@@ -189,7 +189,8 @@ class LlamaModel(Programs):
                 self.clamped += 1
                 caps = [max(c, n) for c, n in zip(caps, need)]
             # the builder's order: layer by layer, each tile's vertices together
-            mg = build_memgraph(tg, caps, order=list(tg.vertices), host_capacity=self.host_capacity)
+            order = mgraph.order or list(tg.vertices)  # a batch's micro-batches: zig-zag
+            mg = build_memgraph(tg, caps, order=order, host_capacity=self.host_capacity)
             dt = time.perf_counter() - t
             self.planning_s += dt
             self.plans.append(plan_entry("/".join(str(k) for k in key), tg, mg, dt, capacity=caps))
@@ -311,6 +312,11 @@ class LlamaModel(Programs):
         )
         new = [s.new_ids for s in got.sequences]
         return new if batch else new[0]
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], *, micro: int = 1) -> torch.Tensor:
+        """The logits [len(prompts), vocab] (float32) of each prompt's last token, the prompts
+        prefilled together in one run (a ragged batch)."""
+        return run_batch(self, prompts, 1, micro=micro, prefill_logits=True).prefill_logits  # type: ignore[return-value]
 
     def run_generate_batch(
         self,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .checkpoint import Checkpoint, LlamaConfig
 from .layer import Attend, rope_tables
@@ -72,6 +73,51 @@ def micro_groups(rows: int, micro: int) -> list[range]:
         raise UsageError(f"micro must be a positive integer dividing the {rows} rows, got {micro!r}")
     n = rows // micro
     return [range(k * n, (k + 1) * n) for k in range(micro)]
+
+
+class ZigZag:
+    """The planner's serial order of a graph with micro-batches (FlexGen's zig-zag block
+    schedule): within a block of a layer the micro-batches' vertices interleave step by step
+    (norm of each, q projection of each, ...), so the uses of a weight are adjacent and the plan
+    keeps it loaded while every micro-batch passes; a graph input comes right before its first user."""
+
+    def __init__(self, g: TaskGraph):
+        self.g = g
+        self.segments: list[list[list[str]]] = []  # each: one vertex list per micro-batch
+        self._mark = 0
+
+    def take(self) -> list[str]:
+        """The vertices added since the last `take`."""
+        ids = list(self.g.vertices)
+        got, self._mark = ids[self._mark :], len(ids)
+        return got
+
+    def add(self, per_micro: list[list[str]]) -> None:
+        self.segments.append(per_micro)
+
+    def order(self) -> list[str]:
+        g, done, out = self.g, set(), []
+
+        def emit(x: str) -> None:
+            for y in g[x].inputs:
+                if y not in done and g[y].kind is Kind.INPUT:
+                    emit(y)
+            if x not in done:
+                done.add(x)
+                out.append(x)
+
+        for seg in self.segments:
+            steps = [[x for x in part if g[x].kind is not Kind.INPUT] for part in seg]
+            for i in range(max(map(len, steps), default=0)):
+                for part in steps:
+                    if i < len(part):
+                        emit(part[i])
+            for part in seg:  # inputs no vertex of the segment reads
+                for x in part:
+                    emit(x)
+        for x in g.vertices:
+            emit(x)
+        return out
 
 
 def _state(kind: str, row: int, li: int, blk: int, j: int) -> str:
@@ -125,12 +171,14 @@ def batch_prefill_graph(
     span = inputs("span", lambda r: (r, 2), "int64")
     owner = {(k, t): (k * n + t) % G for k in range(len(groups)) for t in range(n)}
     h = {kt: b.embed(tok[kt], owner[kt], f"m{kt[0]}.t{kt[1]}") for kt in tok}
+    zz = ZigZag(g)
+    zz.add([zz.take()])
     for li in range(b.cfg.layers):
         last = li == b.cfg.layers - 1
         keys = [[[[] for _ in grp] for _ in range(G)] for grp in groups]  # [group][gpu][row] -> blocks
         vals = [[[[] for _ in grp] for _ in range(G)] for grp in groups]
         for t, (r0, r) in enumerate(spans):
-            h1 = {}
+            h1, steps = {}, []
             for k, grp in enumerate(groups):  # the attention block of every micro-batch, then the MLPs
                 stem = f"l{li}.m{k}.t{t}"
                 attend = _rows_attend(b, li, stem, grp, keys[k], vals[k], span[k, t], r0, r, block)
@@ -140,8 +188,13 @@ def batch_prefill_graph(
                 )
                 if got:
                     h1[k] = got
+                steps.append(zz.take())
+            zz.add(steps)
+            steps = []
             for k, got in h1.items():
                 h[k, t] = b.layer.mlp_block(li, got, owner[k, t], f"l{li}.m{k}.t{t}", last)
+                steps.append(zz.take())
+            zz.add(steps)
     out = []
     t, (_, r) = n - 1, spans[-1]
     for k, grp in enumerate(groups):
@@ -151,7 +204,9 @@ def batch_prefill_graph(
             x = g.slice(x, axis=1, start=r - 1, stop=r, id=f"m{k}.lastrow")
             x = g.reshape(x, (len(grp), b.cfg.dim), id=f"m{k}.last")
         out.append((grp[0], b.head(x, owner[k, t], f"m{k}")))
-    return ModelGraph("batch_prefill", g, rows, block, blocks, b.dtype, out, b.split, spans)
+    zz.add([zz.take()])
+    order = zz.order() if micro > 1 else []
+    return ModelGraph("batch_prefill", g, rows, block, blocks, b.dtype, out, b.split, spans, order)
 
 
 def _rows_attend(
@@ -213,17 +268,32 @@ def batch_decode_graph(
     sin = [inputs("sin", k, (len(grp), hd), b.dtype) for k, grp in enumerate(groups)]
     span = [inputs("span", k, (len(grp), 2), "int64") for k, grp in enumerate(groups)]
     owner = [k % G for k in range(len(groups))]
-    h = [b.embed(tok[k], owner[k], f"d.m{k}") for k in range(len(groups))]
+    zz = ZigZag(g)
+    h = []
+    for k in range(len(groups)):
+        h.append(b.embed(tok[k], owner[k], f"d.m{k}"))
+    zz.add([zz.take()])
     for li in range(cfg.layers):
         last = li == cfg.layers - 1
-        h1 = []
+        h1, steps = [], []
         for k, grp in enumerate(groups):  # the attention block of every micro-batch, then the MLPs
             stem = f"d.l{li}.m{k}"
             attend = _cached_rows_attend(b, li, stem, grp, pos, span[k], blocks, block)
             h1.append(b.layer.attention_block(li, h[k], cos[k], sin[k], stem, owner[k], attend))
-        h = [b.layer.mlp_block(li, h1[k], owner[k], f"d.l{li}.m{k}", last) for k in range(len(groups))]
-    out = [(grp[0], b.head(h[k][0], owner[k], f"d.m{k}")) for k, grp in enumerate(groups)]
-    return ModelGraph("batch_decode", g, rows, block, blocks, b.dtype, out, b.split, [(0, rows)])
+            steps.append(zz.take())
+        zz.add(steps)
+        h, steps = [], []
+        for k in range(len(groups)):
+            h.append(b.layer.mlp_block(li, h1[k], owner[k], f"d.l{li}.m{k}", last))
+            steps.append(zz.take())
+        zz.add(steps)
+    out, steps = [], []
+    for k, grp in enumerate(groups):
+        out.append((grp[0], b.head(h[k][0], owner[k], f"d.m{k}")))
+        steps.append(zz.take())
+    zz.add(steps)
+    order = zz.order() if micro > 1 else []
+    return ModelGraph("batch_decode", g, rows, block, blocks, b.dtype, out, b.split, [(0, rows)], order)
 
 
 def _cached_rows_attend(
