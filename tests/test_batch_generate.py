@@ -168,7 +168,7 @@ def _fields(p: SamplingParams) -> dict:
 
 def test_micro_batches_give_the_same_tokens_and_load_each_weight_once_per_step(ckpt, free):
     path, _ = ckpt
-    prompts = PROMPTS + [PROMPTS[0][::-1]]  # 4 live rows: 2 micro-batches of 2
+    prompts = [*PROMPTS, PROMPTS[0][::-1]]  # 4 live rows: 2 micro-batches of 2
     ck = Checkpoint(path)
     step = batch_decode_graph(ck, 1, 4, 19, BLOCK, micro=2).taskgraph
     lo, hi = min_capacity(step)[0], roomy_capacity(step)[0]
@@ -177,8 +177,8 @@ def test_micro_batches_give_the_same_tokens_and_load_each_weight_once_per_step(c
         lo + (hi - lo) // 4, min_capacity(batch_prefill_graph(ck, 1, 4, 18, BLOCK, tile=16).taskgraph)[0]
     )
     with LlamaModel(path, capacity=cap, block=BLOCK, engine="local") as m:
-        one = m.run_generate_batch(prompts, MAX_NEW + [3], stop_at_eos=False)
-        two = m.run_generate_batch(prompts, MAX_NEW + [3], stop_at_eos=False, micro=2)
+        one = m.run_generate_batch(prompts, [*MAX_NEW, 3], stop_at_eos=False)
+        two = m.run_generate_batch(prompts, [*MAX_NEW, 3], stop_at_eos=False, micro=2)
         assert [s.new_ids for s in two.sequences] == [s.new_ids for s in one.sequences]
         assert [s.new_ids for s in one.sequences][:3] == free
         assert two.micro == 2

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -30,9 +30,6 @@ from disco_ray.graph.errors import UsageError
 from workloads.llm.batch import BatchLayout, feed_decode, feed_prefill, state_ids
 
 from .sampling import FinishReason, SamplingParams, finish_reason, sample, samplers
-
-if TYPE_CHECKING:
-    from .llama import LlamaModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +123,7 @@ def check_max_new(max_new_tokens: object, n: int) -> list[int]:
 
 
 def run_batch(
-    model: LlamaModel,
+    model: Any,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int | Sequence[int],
     *,
@@ -179,9 +176,9 @@ def run_batch(
         key = ("batch_prefill", R, layout.blocks, m)
         mgraph, prog = model._program(key)
         feed = feed_prefill(mgraph, cfg, layout, [ids[i] for i in live], m)
-        logits, gen.prefill_s = _run(prog, feed, model.check, timeout)
+        outs, gen.prefill_s = _run(prog, feed, model.check, timeout)
         gen.prefill_bytes_loaded = _loaded(prog)
-        logits = mgraph.gather(logits)
+        logits = mgraph.gather(outs)
         if prefill_logits:  # sequences with no new tokens were not prefilled: NaN rows
             gen.prefill_logits = torch.full((len(ids), logits.shape[1]), float("nan"))
             gen.prefill_logits[live] = logits[: len(live)]
@@ -240,7 +237,7 @@ def _loaded(prog) -> int:
     return int(moved.get("input", 0) + moved.get("reload", 0))
 
 
-def _compact(model: LlamaModel, keep: list[int | None], rows: int, blocks: int) -> None:
+def _compact(model: Any, keep: list[int | None], rows: int, blocks: int) -> None:
     """Row keep[i] becomes row i on every worker; the other rows' KV cache states are dropped."""
     cfg, G = model.config, model.gpus
     renames: dict[str, str] = {}

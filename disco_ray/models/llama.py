@@ -303,7 +303,7 @@ class LlamaModel(Programs):
             sampling = sampling or SamplingParams()
             sampling = replace(sampling, stop_ids=tuple(sampling.stop_ids) + tuple(stop_ids))
         got = self.run_generate_batch(
-            prompts if batch else [prompts],  # type: ignore[list-item]
+            prompts if batch else [prompts],  # type: ignore[arg-type,list-item]
             max_new_tokens,
             sampling=sampling,
             stop_at_eos=stop_at_eos,

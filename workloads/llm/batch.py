@@ -175,8 +175,9 @@ def batch_prefill_graph(
     zz.add([zz.take()])
     for li in range(b.cfg.layers):
         last = li == b.cfg.layers - 1
-        keys = [[[[] for _ in grp] for _ in range(G)] for grp in groups]  # [group][gpu][row] -> blocks
-        vals = [[[[] for _ in grp] for _ in range(G)] for grp in groups]
+        # [group][gpu][row] -> its blocks so far
+        keys: list[list[list[list[str]]]] = [[[[] for _ in grp] for _ in range(G)] for grp in groups]
+        vals: list[list[list[list[str]]]] = [[[[] for _ in grp] for _ in range(G)] for grp in groups]
         for t, (r0, r) in enumerate(spans):
             h1, steps = {}, []
             for k, grp in enumerate(groups):  # the attention block of every micro-batch, then the MLPs
@@ -305,7 +306,8 @@ def _cached_rows_attend(
     kvw = b.split.kv_heads * b.cfg.head_dim
 
     def attend(j: int, q: str, k: str, v: str) -> str:
-        keys, vals = [], []
+        keys: list[str] = []
+        vals: list[str] = []
         for i, row in enumerate(grp):
             for kind, new, kept in (("k", k, keys), ("v", v, vals)):
                 cache = [
