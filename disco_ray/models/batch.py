@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -104,7 +105,9 @@ def check_prompts(prompts: object, vocab: int) -> list[list[int]]:
             raise UsageError(f"sequence {i}: the prompt has no token ids")
         ids = []
         for x in p:
-            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab:
+            if isinstance(x, bool) or not isinstance(x, Integral):
+                raise UsageError(f"sequence {i}: token id {x!r} is not an integer")
+            if not 0 <= x < vocab:
                 raise UsageError(f"sequence {i}: token id {x!r} is outside the vocabulary 0..{vocab - 1}")
             ids.append(int(x))
         out.append(ids)
@@ -170,7 +173,7 @@ def run_batch(
         return gen
     rows_of += [None] * (R - len(live))
     layout = BatchLayout.of([len(ids[i]) for i in live], model.block, R)
-    reached, rows0 = layout.blocks, R
+    reached, rows0, ok = layout.blocks, R, False
     try:
         m = min(micro, R)
         key = ("batch_prefill", R, layout.blocks, m)
@@ -217,8 +220,15 @@ def run_batch(
             gen.rows.append(R)
             gen.bytes_loaded.append(_loaded(prog))
             p += 1
+        ok = True
     finally:  # the batch's KV cache goes, whatever happened
-        model.pool.move_states({}, [x for r in range(rows0) for x in state_ids(cfg, model.gpus, r, reached)])  # type: ignore[attr-defined]
+        try:
+            model.pool.move_states(
+                {}, [x for r in range(rows0) for x in state_ids(cfg, model.gpus, r, reached)]
+            )
+        except Exception:
+            if ok:  # else the run's own error is the one to see (the workers may be gone)
+                raise
     gen.sequences = [done[i] for i in range(len(ids))]
     gen.planning_s = model.planning_s - planned
     gen.plans_made = len(model.plans) - nplans

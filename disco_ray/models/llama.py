@@ -294,7 +294,7 @@ class LlamaModel(Programs):
         `prompts` is one list of token ids (greedy, one sequence: its new ids, as before) or a list
         of such lists of any lengths (a batch, `run_generate_batch`: a list of new-id lists).
         `sampling` (`SamplingParams`; default greedy) and `stop_ids` (added to its stop ids)."""
-        batch = bool(prompts) and not isinstance(prompts[0], int)
+        batch = bool(len(prompts)) and isinstance(prompts[0], Sequence) and not isinstance(prompts[0], str)
         if not batch and sampling is None and stop_ids is None and micro == 1:
             if not isinstance(max_new_tokens, int):
                 raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
