@@ -3,7 +3,8 @@
 A ragged batch (prompts of 3, 17 and 69 tokens, left-padded to a shared cache length) must give
 every sequence the greedy tokens transformers gives that prompt alone (argmax of a full forward
 per step), with per-sequence maxima, a stop id and the end-of-sequence token, at a roomy
-capacity and at one that offloads, on 1 and 2 GPUs, on the local and the ray engine; its prefill
+capacity, at one that offloads to the host store and one that offloads to the spill file, on 1
+and 2 GPUs, on the local and the ray engine; its prefill
 the last-token logits of each prompt alone (relative error <= 1e-4). Sampling gives a sequence
 the same tokens alone and in a batch; finished sequences free their KV cache states; plans are
 reused; micro-batches give the same tokens and load each weight once per step.
@@ -81,14 +82,16 @@ def capacity(path: str, gpus: int, mode: str) -> list[int]:
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
-@pytest.mark.parametrize("mode", ["roomy", "tight"])
+@pytest.mark.parametrize("mode", ["roomy", "tight", "disk"])
 def test_a_ragged_batch_gives_each_prompt_its_own_greedy_tokens_and_logits(ckpt, free, gpus, mode):
     path, hf = ckpt
     stop = free[1][3]  # a token greedy decoding reaches in the second sequence
     want = [until(f, {stop, 2}) for f in free]  # 2: the checkpoint's end of sequence
     assert want[1][-1] == stop
     finished: list[int] = []
-    with LlamaModel(path, gpus=gpus, capacity=capacity(path, gpus, mode), block=BLOCK, engine="local") as m:
+    cap = capacity(path, gpus, "roomy" if mode == "roomy" else "tight")
+    host = 0 if mode == "disk" else None  # no host store: the offloads go to the spill file
+    with LlamaModel(path, gpus=gpus, capacity=cap, host_capacity=host, block=BLOCK, engine="local") as m:
         logits = m.prefill_batch(PROMPTS)
         for row, p in zip(logits, PROMPTS):
             assert rel_err(row, last_logits(hf, p)) <= 1e-4
@@ -104,7 +107,8 @@ def test_a_ragged_batch_gives_each_prompt_its_own_greedy_tokens_and_logits(ckpt,
         ]
         assert sorted(finished) == [0, 1, 2] and [s.prompt_ids for s in g.sequences] == PROMPTS
         moved = sum(p["bytes_reloaded"] for p in m.plans)
-        assert (moved > 0) == (mode == "tight"), m.plans  # the tight plans really reload
+        assert (moved > 0) == (mode != "roomy"), m.plans  # the tight plans really reload
+        assert (sum(p["bytes_offloaded_disk"] for p in m.plans) > 0) == (mode == "disk")
         assert len(g.bytes_loaded) == len(g.decode_s) == max(map(len, want)) - 1
 
 
