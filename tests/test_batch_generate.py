@@ -224,3 +224,24 @@ def test_bad_input_is_one_usage_error_naming_it(ckpt, prompts, new, message):
         with pytest.raises(UsageError, match="top_p must be in"):
             m.run_generate_batch([[1]], 1, sampling=SamplingParams(do_sample=True, top_p=0.0))
         assert m.plans == []  # refused before anything was planned
+
+
+def test_one_row_in_one_micro_batch_is_the_single_sequence_decode_graph_with_spans(ckpt):
+    """micro=1 and one row: the same kernels in the same order as the one-sequence decode step,
+    but for the attention that reads the row's span; micro=2 keeps one weight input per weight."""
+    from workloads.llm.model import decode_graph
+
+    ck = Checkpoint(ckpt[0])
+    one = decode_graph(ck, 2, 3, BLOCK).taskgraph
+    row = batch_decode_graph(ck, 2, 1, 3, BLOCK).taskgraph
+
+    def kernels(tg):
+        return [v.op for v in tg.vertices.values() if v.op is not None]
+
+    assert kernels(row) == [{"attention_at": "attention_span"}.get(op, op) for op in kernels(one)]
+    states = [v for v in row.vertices.values() if v.state]
+    assert len(states) == sum(v.state for v in one.vertices.values())
+    two = batch_decode_graph(ck, 2, 4, 3, BLOCK, micro=2)
+    sourced = [v.id for v in two.taskgraph.vertices.values() if v.source is not None]
+    assert sorted(sourced) == sorted(v.id for v in one.vertices.values() if v.source is not None)
+    assert sorted(two.order) == sorted(two.taskgraph.vertices)  # the zig-zag order holds every vertex
