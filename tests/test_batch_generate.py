@@ -205,6 +205,28 @@ def test_one_prompt_keeps_its_api_and_a_batch_of_one_agrees(ckpt, free):
         assert m.generate(PROMPTS[1], 9, stop_ids=[free[1][2]]) == until(free[1], {free[1][2], 2})
 
 
+def test_the_batch_bookkeeping_pads_finished_rows_and_compacts_at_powers_of_two():
+    from disco_ray.models.batch import BatchRows
+    from disco_ray.models.sampling import FinishReason
+
+    book = BatchRows([0, 1, 3, 2, 5, 4], SamplingParams(stop_ids=(9,)))
+    assert book.rows == [1, 2, 3, 4, 5, None, None, None] and book.done == {0: FinishReason.LENGTH}
+    assert book.advance([7, 7, 7, 7, 7]) == [(1, 7, FinishReason.LENGTH)] + [
+        (s, 7, None) for s in (2, 3, 4, 5)
+    ]
+    assert book.compaction() == [1, 2, 3, 4]  # 4 live rows fit in 4: rows 1..4 become 0..3
+    assert book.rows == [2, 3, 4, 5] and book.tokens() == [7, 7, 7, 7]
+    assert book.advance([1, 9, 2, 3]) == [(2, 1, None), (3, 9, FinishReason.STOP), (4, 2, None), (5, 3, None)]
+    assert book.compaction() is None and book.rows == [2, None, 4, 5]  # 3 live rows: padded to 4
+    assert book.tokens() == [1, 0, 2, 3]
+    assert book.advance([4, 4, 4])[0] == (2, 4, FinishReason.LENGTH)
+    assert book.compaction() == [2, 3] and book.rows == [4, 5]
+    book.advance([5, 9])
+    assert book.compaction() == [0] and book.rows == [4] and book.done[5] is FinishReason.STOP
+    book.advance([6])
+    assert book.live() == [] and book.new[4] == [7, 2, 4, 5, 6] and book.compaction() is None
+
+
 @pytest.mark.parametrize(
     "prompts, new, message",
     [

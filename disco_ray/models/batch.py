@@ -107,9 +107,10 @@ def check_prompts(prompts: object, vocab: int) -> list[list[int]]:
         for x in p:
             if isinstance(x, bool) or not isinstance(x, Integral):
                 raise UsageError(f"sequence {i}: token id {x!r} is not an integer")
+            x = int(x)
             if not 0 <= x < vocab:
-                raise UsageError(f"sequence {i}: token id {x!r} is outside the vocabulary 0..{vocab - 1}")
-            ids.append(int(x))
+                raise UsageError(f"sequence {i}: token id {x} is outside the vocabulary 0..{vocab - 1}")
+            ids.append(x)
         out.append(ids)
     return out
 
@@ -125,6 +126,55 @@ def check_max_new(max_new_tokens: object, n: int) -> list[int]:
     return list(each)
 
 
+class BatchRows:
+    """Which sequence each row of a running batch holds, the tokens each has made and why it ends,
+    and when the batch compacts: the bookkeeping of `run_batch`, pure (no model, no workers).
+
+    Rows are the live sequences rounded up to a power of two; a finished sequence's row stays as
+    padding (None) until the live count falls to the next lower power of two (`compaction`).
+    """
+
+    def __init__(self, maxes: Sequence[int], ends: SamplingParams):
+        self.maxes, self.ends = list(maxes), ends
+        self.new: list[list[int]] = [[] for _ in maxes]
+        self.done: dict[int, FinishReason] = {i: FinishReason.LENGTH for i, m in enumerate(maxes) if m == 0}
+        live = [i for i in range(len(maxes)) if i not in self.done]
+        self.rows: list[int | None] = live + [None] * ((pow2(len(live)) if live else 0) - len(live))
+
+    def live(self) -> list[int]:
+        """The rows holding an unfinished sequence."""
+        return [r for r, s in enumerate(self.rows) if s is not None]
+
+    def advance(self, tokens: Sequence[int]) -> list[tuple[int, int, FinishReason | None]]:
+        """Each live row's new token (in `live()` order) appended to its sequence: per row,
+        (sequence, token, why it ended or None); an ended sequence's row becomes padding."""
+        out = []
+        for r, t in zip(self.live(), tokens, strict=True):
+            s = self.rows[r]
+            assert s is not None
+            self.new[s].append(t)
+            why = finish_reason(t, len(self.new[s]), self.maxes[s], self.ends)
+            if why is not None:
+                self.done[s] = why
+                self.rows[r] = None
+            out.append((s, t, why))
+        return out
+
+    def compaction(self) -> list[int | None] | None:
+        """When the live rows fit in a lower power of two: the old row of each new row (None:
+        padding), applied here; else None."""
+        live = self.live()
+        if not live or pow2(len(live)) >= len(self.rows):
+            return None
+        keep: list[int | None] = [*live, *[None] * (pow2(len(live)) - len(live))]
+        self.rows = [None if r is None else self.rows[r] for r in keep]
+        return keep
+
+    def tokens(self) -> list[int]:
+        """What each row feeds next: its sequence's last token (0 for padding)."""
+        return [0 if s is None else self.new[s][-1] for s in self.rows]
+
+
 def run_batch(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -138,7 +188,8 @@ def run_batch(
     timeout: float | None = None,
     prefill_logits: bool = False,
 ) -> BatchGeneration:
-    """`LlamaModel.run_generate_batch` (see there)."""
+    """`LlamaModel.run_generate_batch` (see there); `prefill_logits` keeps each prompt's
+    last-token logits (`BatchGeneration.prefill_logits`)."""
     cfg = model.config
     ids = check_prompts(prompts, cfg.vocab)
     maxes = check_max_new(max_new_tokens, len(ids))
@@ -150,71 +201,57 @@ def run_batch(
     params.validate(cfg.vocab)
     if params.do_sample:
         params = params.with_seed()
-    ends = replace(params, stop_ids=tuple(params.stop_ids) + (tuple(cfg.eos) if stop_at_eos else ()))
     own = samplers(params, range(len(ids))) if params.do_sample else []
+    ends = replace(params, stop_ids=tuple(params.stop_ids) + (tuple(cfg.eos) if stop_at_eos else ()))
     planned, nplans = model.planning_s, len(model.plans)
-    new: list[list[int]] = [[] for _ in ids]
+    book = BatchRows(maxes, ends)
     done: dict[int, SequenceOutput] = {}
 
-    def finish(i: int, why: FinishReason) -> None:
-        done[i] = SequenceOutput(i, ids[i], list(new[i]), why.value)
+    def finish(i: int) -> None:
+        done[i] = SequenceOutput(i, ids[i], list(book.new[i]), book.done[i].value)
         if on_finish is not None:
             on_finish(done[i])
 
-    for i, m in enumerate(maxes):
-        if m == 0:
-            finish(i, FinishReason.LENGTH)
-    live = [i for i in range(len(ids)) if i not in done]
-    rows_of: list[int | None] = list(live)  # the sequence each row holds (None: padding)
-    R = pow2(len(live)) if live else 0
+    for i in sorted(book.done):  # max_new_tokens 0: done before anything runs
+        finish(i)
+    R = len(book.rows)
     gen = BatchGeneration([], R, min(micro, R) if R else micro)
-    if not live:
-        gen.sequences = [done[i] for i in range(len(ids))]
-        return gen
-    rows_of += [None] * (R - len(live))
-    layout = BatchLayout.of([len(ids[i]) for i in live], model.block, R)
+    layout = BatchLayout.of([len(ids[s]) for s in book.rows if s is not None] or [1], model.block, R)
     reached, rows0, ok = layout.blocks, R, False
     try:
-        m = min(micro, R)
-        key = ("batch_prefill", R, layout.blocks, m)
-        mgraph, prog = model._program(key)
-        feed = feed_prefill(mgraph, cfg, layout, [ids[i] for i in live], m)
-        outs, gen.prefill_s = _run(prog, feed, model.check, timeout)
-        gen.prefill_bytes_loaded = _loaded(prog)
-        logits = mgraph.gather(outs)
-        if prefill_logits:  # sequences with no new tokens were not prefilled: NaN rows
-            gen.prefill_logits = torch.full((len(ids), logits.shape[1]), float("nan"))
-            gen.prefill_logits[live] = logits[: len(live)]
+        if R:
+            m = min(micro, R)
+            mgraph, prog = model._program(("batch_prefill", R, layout.blocks, m))
+            feed = feed_prefill(mgraph, cfg, layout, [ids[s] for s in book.rows if s is not None], m)
+            outs, gen.prefill_s = _run(prog, feed, model.check, timeout)
+            gen.prefill_bytes_loaded = _loaded(prog)
+            logits = mgraph.gather(outs)
+            if prefill_logits:  # sequences with no new tokens were not prefilled: NaN rows
+                seqs = [s for s in book.rows if s is not None]
+                gen.prefill_logits = torch.full((len(ids), logits.shape[1]), float("nan"))
+                gen.prefill_logits[seqs] = logits[: len(seqs)]
         p = layout.length  # the cache index of the next token fed
-        while True:
-            rows = [r for r, s in enumerate(rows_of) if s is not None]
-            toks = sample(logits[rows], params, [own[rows_of[r]] for r in rows] if own else ())  # type: ignore[index]
-            for r, t in zip(rows, toks.tolist()):
-                s = rows_of[r]
-                assert s is not None
-                new[s].append(t)
+        while book.live():
+            live = book.live()
+            toks = sample(logits[live], params, [own[book.rows[r]] for r in live] if own else ())  # type: ignore[index]
+            for s, t, why in book.advance(toks.tolist()):
                 if on_token is not None:
                     on_token(s, t)
-                why = finish_reason(t, len(new[s]), maxes[s], ends)
                 if why is not None:
-                    finish(s, why)
-                    rows_of[r] = None
-            alive = [r for r, s in enumerate(rows_of) if s is not None]
-            if not alive:
+                    finish(s)
+            if not book.live():
                 break
-            if pow2(len(alive)) < R:  # compaction: live rows to 0..B'-1, the rest dropped
-                R = pow2(len(alive))
-                keep = alive + [None] * (R - len(alive))
-                _compact(model, keep, len(rows_of), reached)
-                layout = layout.take(keep)
-                rows_of = [rows_of[r] if r is not None else None for r in keep]
+            keep = book.compaction()
+            if keep is not None:  # live rows to 0..B'-1 on the workers, the rest dropped
+                _compact(model, keep, R, reached)
+                layout, R = layout.take(keep), len(keep)
             model._poll_budget()  # between steps: a new capacity takes effect here
             m = min(micro, R)
             blocks = p // model.block + 1
             reached = max(reached, blocks)
             mgraph, prog = model._program(("batch_decode", R, blocks, m))
-            tokens = [new[s][-1] if s is not None else 0 for s in rows_of]
-            outs, dt = _run(prog, feed_decode(mgraph, cfg, layout, tokens, p, m), model.check, timeout)
+            feed = feed_decode(mgraph, cfg, layout, book.tokens(), p, m)
+            outs, dt = _run(prog, feed, model.check, timeout)
             logits = mgraph.gather(outs)
             gen.decode_s.append(dt)
             gen.rows.append(R)
