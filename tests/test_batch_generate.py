@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from disco_ray.graph.errors import UsageError  # noqa: E402
 from disco_ray.graph.memgraph import MKind  # noqa: E402
 from disco_ray.models import LlamaModel  # noqa: E402
+from disco_ray.models.llama import capacity_bounds  # noqa: E402
 from disco_ray.models.sampling import SamplingParams  # noqa: E402
 from planner import min_capacity, roomy_capacity  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
@@ -73,12 +74,10 @@ def until(tokens: list[int], stops: set[int]) -> list[int]:
 
 def capacity(path: str, gpus: int, mode: str) -> list[int]:
     """Roomy: every tensor of the largest graph at once; tight: an eighth of it (offloads)."""
-    ck = Checkpoint(path)
-    graphs = [batch_prefill_graph(ck, gpus, 4, 18, BLOCK, tile=4 * BLOCK)]
-    graphs += [batch_decode_graph(ck, gpus, r, n, BLOCK) for r in (4, 2, 1) for n in range(19, 21)]
-    lo = [max(c) for c in zip(*(min_capacity(m.taskgraph) for m in graphs))]
-    hi = [max(c) for c in zip(*(roomy_capacity(m.taskgraph) for m in graphs))]
-    return hi if mode == "roomy" else [max(a + 4096, b // 8) for a, b in zip(lo, hi)]
+    b = capacity_bounds(path, gpus=gpus, prompt=69, new_tokens=max(MAX_NEW), block=BLOCK, batch=len(PROMPTS))
+    return (
+        b["roomy"] if mode == "roomy" else [max(lo + 4096, hi // 8) for lo, hi in zip(b["min"], b["roomy"])]
+    )
 
 
 @pytest.mark.parametrize("gpus", [1, 2])

@@ -431,22 +431,38 @@ def capacity_bounds(
     block: int = 64,
     tile: int | None = None,
     dtype: str | None = None,
+    batch: int | None = None,
+    micro: int = 1,
 ) -> dict[str, list[int]]:
     """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
     prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
-    for every tensor of the largest graph at once ("roomy": nothing offloaded)."""
+    for every tensor of the largest graph at once ("roomy": nothing offloaded).
+
+    `batch`: the graphs of `run_generate_batch` for that many prompts of at most `prompt` tokens
+    (rows rounded up to a power of two, `micro` micro-batches; the fewer rows after compaction
+    need no more), instead of the single-sequence ones."""
     from planner import roomy_capacity
 
     ck = Checkpoint(path)
     blocks = math.ceil(prompt / block)
-    graphs = [
-        prefill_graph(ck, gpus, blocks, block, dtype=dtype, cache=new_tokens > 1, tile=tile or 4 * block)
-    ]
+    tile = tile or 4 * block
     last = prompt + new_tokens - 2  # the position the last decode step feeds
-    if new_tokens > 1:
+    if batch is not None:
+        rows = 1 << (max(1, batch) - 1).bit_length()
+        m = min(micro, rows)
+        graphs = [batch_prefill_graph(ck, gpus, rows, blocks, block, dtype=dtype, micro=m, tile=tile)]
+        end = blocks * block + new_tokens - 2  # the cache index the last step feeds
         graphs += [
-            decode_graph(ck, gpus, n, block, dtype) for n in range(prompt // block + 1, last // block + 2)
+            batch_decode_graph(ck, gpus, rows, n, block, dtype=dtype, micro=m)
+            for n in range(blocks + 1, end // block + 2)
+            if new_tokens > 1
         ]
+    else:
+        graphs = [prefill_graph(ck, gpus, blocks, block, dtype=dtype, cache=new_tokens > 1, tile=tile)]
+        if new_tokens > 1:
+            graphs += [
+                decode_graph(ck, gpus, n, block, dtype) for n in range(prompt // block + 1, last // block + 2)
+            ]
     low = [max(col) for col in zip(*(min_capacity(m.taskgraph) for m in graphs))]
     high = [max(col) for col in zip(*(roomy_capacity(m.taskgraph) for m in graphs))]
     return {"min": low, "roomy": high}
