@@ -44,6 +44,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .backends import make_backend
 from .backends.base import Backend, Mode
+from .lanes import Lanes
 from .loads import Loads
 from .options import DEFAULT_WORKER, WorkerConfig
 from .plans import PlanKind, VertexPlan, Views, as_tensor, describe
@@ -57,7 +58,6 @@ from .worker_core import StreamSlots, WorkerCore
 
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
-COPY_DEPTH = 2  # copies in flight per lane: one running, the next queued behind it on the device
 
 
 class Executor:
@@ -185,21 +185,12 @@ class Executor:
         self.read_ahead = ReadAhead(spill, items, self.backend.alloc)
 
     def _open_streams(self) -> None:
-        """The lanes after the compute streams, their limits, and the backend's streams."""
-        streams = self.streams
-        # lanes after the compute streams: loads, offloads, a lane per peer sending to this GPU,
-        # and the deferred lane (no limit: NCCL posts its receives in its own order)
-        self.peers = sorted({p.src_gpu for p in self.plans.values() if p.kind is PlanKind.TRANSFER})
-        self.h2d, self.d2h = streams, streams + 1
-        self.peer_lane = {peer: streams + 2 + k for k, peer in enumerate(self.peers)}
-        self.deferred_lane = streams + 2 + len(self.peers)
-        limits: list[int | None] = [COPY_DEPTH] * (2 + len(self.peers)) + ([None] if self.peers else [])
-        # the disk lanes (write, read): one I/O each at a time, each on a bounce buffer of its own
-        self.disk_w = streams + len(limits)
-        self.disk_r = self.disk_w + 1
-        if self.spill is not None:
-            limits += [1, 1]
-        self.slots = StreamSlots(self.core, streams, limits)
+        """The lanes after the compute streams (the lane rule: actors/lanes.py) and the backend's streams."""
+        self.lanes = lanes = Lanes.of(self.mg, self.gpu, self.streams)
+        self.peers = list(lanes.peers)
+        self.h2d, self.d2h, self.peer_lane = lanes.h2d, lanes.d2h, lanes.peer
+        self.deferred_lane, self.disk_w, self.disk_r = lanes.deferred, lanes.disk_w, lanes.disk_r
+        self.slots = StreamSlots(self.core, self.streams, lanes.limits)
         # kernel temporaries: the most any kernel of this GPU needs, kept ready per compute stream
         self.workspace = max(
             [
@@ -209,7 +200,7 @@ class Executor:
             ]
             + [0]
         )
-        self.backend.open(self.slots.total, self._work, self._done, self.workspace, streams)
+        self.backend.open(self.slots.total, self._work, self._done, self.workspace, self.streams)
 
     # ---- a run ---------------------------------------------------------------------------------
     def begin(
@@ -271,23 +262,9 @@ class Executor:
 
     def _lanes(self) -> tuple[dict[int, int], dict[int, Mode]]:
         """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH)."""
-        lane_of: dict[int, int] = {}
-        mode: dict[int, Mode] = {}
-        for vid, p in self.plans.items():
-            k = p.kind
-            if k is PlanKind.INPUT or k is PlanKind.RELOAD_INPUT:
-                lane_of[vid] = self.h2d
-            elif k is PlanKind.COPY:
-                lane_of[vid] = self.d2h if p.out_loc.device == HOST else self.h2d
-            elif k is PlanKind.SPILL or k is PlanKind.UNSPILL:
-                lane_of[vid] = self.disk_w if k is PlanKind.SPILL else self.disk_r
-                mode[vid] = Mode.BLOCKING  # file I/O waits on the host (cuda: on a helper thread)
-            elif k is PlanKind.TRANSFER:
-                m = Mode.BLOCKING if self.transport is None else self.transport.mode(p.src_gpu)
-                lane_of[vid] = self.deferred_lane if m == Mode.DEFERRED else self.peer_lane[p.src_gpu]
-                if m != Mode.LAUNCH:
-                    mode[vid] = m
-        return lane_of, mode
+        tr = self.transport
+        mode_of = (lambda src: Mode.BLOCKING) if tr is None else tr.mode
+        return self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
 
     def dispatch(self, vids: list[int]) -> None:
         """The coordinator hands over vertices whose remote predecessors are done."""

@@ -4,7 +4,8 @@ Blocks tile [0, capacity) in offset order. A free block remembers the *ghosts* o
 before: (lo, hi, time, readers), the vertices that must finish before anything overwrites that
 range. Allocating over a ghost returns its readers, from which the planner adds the memory
 dependency edges of TURNIP section 4 ("v1 safely overwrites v2"). An allocation keeps the ghosts it
-covered, so retracting it restores the arena exactly.
+covered, so retracting it restores the arena exactly (planner.ghosts: cutting, clipping and
+merging them).
 
 Free-range choice (TURNIP section 6), `fit`: "oldest" takes, among free blocks that fit, the one
 whose newest ghost is oldest (its last use lies furthest in the past: the weakest memory edges),
@@ -14,7 +15,7 @@ oldest. The planner's default, "oldest", is chosen by simulated makespan (benchm
 bench_quality.py: fastest without memory pressure, "best" sometimes ahead under it). Within the
 chosen block the end whose ghosts are older is used. Free blocks are indexed per size class (bit
 length) in lists sorted by the choice's key, so a choice looks at one class's blocks and the first
-of each larger class, not at every free block (the former scan cost 20 us per allocation on a
+of each larger class, not at every free block (a scan of them all cost 20 us per allocation on a
 fragmented 65B plan). A host store or spill file (capacity None) grows at its top when no free range
 fits, and records its peak; a host store with a budget is bounded like a GPU arena.
 
@@ -34,32 +35,12 @@ from typing import Protocol, cast
 import numpy as np
 
 from .capacity import aligned
+from .ghosts import MAX_GHOSTS, NEVER, Ghost, bounded, clip, cut_at, top_is_older
 
-Ghost = tuple[int, int, int, tuple[int, ...]]  # lo, hi, time, readers
-NEVER = -1
 _INF = float("inf")
 RESERVED = 1e15  # key base of a reserved, unproduced output: undoing it moves nothing
 DONE = 1e14  # key of a kept value nobody reads again (its owner's dist is inf)
-MAX_GHOSTS = 16  # per free block; beyond it the oldest neighbours merge (more, older, memory edges)
 FITS = ("oldest", "best", "fewest")
-
-
-def _bounded(ghosts: list[Ghost]) -> list[Ghost]:
-    """Merges neighbouring ghosts pairwise until at most MAX_GHOSTS remain.
-
-    A merged ghost spans both ranges and keeps both reader sets: a later writer of either part
-    then waits for all of them. That only adds edges from vertices the simulation has already
-    run, so the MemGraph stays correct and acyclic; it bounds the cost of every allocation.
-    """
-    while len(ghosts) > MAX_GHOSTS:
-        merged = []
-        for i in range(0, len(ghosts) - 1, 2):
-            a, b = ghosts[i], ghosts[i + 1]
-            merged.append((a[0], b[1], a[2] if a[2] > b[2] else b[2], tuple(dict.fromkeys(a[3] + b[3]))))
-        if len(ghosts) % 2:
-            merged.append(ghosts[-1])
-        ghosts = merged
-    return ghosts
 
 
 def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -108,42 +89,6 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.off}+{self.size}, {'free' if self.owner is None else self.owner})"
-
-
-def _clip(ghosts: list[Ghost], lo: int, hi: int) -> list[Ghost]:
-    """The ghosts overlapping [lo, hi), cut to it (most lie wholly inside or outside: kept as they are)."""
-    return [
-        g if lo <= g[0] and g[1] <= hi else (g[0] if g[0] > lo else lo, g[1] if g[1] < hi else hi, g[2], g[3])
-        for g in ghosts
-        if g[0] < hi and g[1] > lo
-    ]
-
-
-def _cut(ghosts: list[Ghost], cut: int) -> tuple[list[Ghost], list[Ghost], int]:
-    """`_clip` below and above one offset in one pass: (below, above, newest time above)."""
-    below: list[Ghost] = []
-    above: list[Ghost] = []
-    newest = NEVER
-    for g in ghosts:
-        if g[0] < cut:
-            below.append(g if g[1] <= cut else (g[0], cut, g[2], g[3]))
-        if g[1] > cut:
-            above.append(g if g[0] >= cut else (cut, g[1], g[2], g[3]))
-            if g[2] > newest:
-                newest = g[2]
-    return below, above, newest
-
-
-def _top_is_older(ghosts: list[Ghost], lo: int, hi: int, size: int) -> bool:
-    """Whether the last use of [hi - size, hi) is older than that of [lo, lo + size)."""
-    a = b = NEVER
-    bottom, top = lo + size, hi - size
-    for g in ghosts:
-        if g[0] < bottom and g[2] > a:
-            a = g[2]
-        if g[1] > top and g[2] > b:
-            b = g[2]
-    return b < a
 
 
 class Arena:
@@ -253,7 +198,7 @@ class Arena:
                     best = classes[nonempty[i]][0]
         if best is not None:
             b = best[-1]
-            if b.size > size and b.ghosts and _top_is_older(b.ghosts, b.off, b.off + b.size, size):
+            if b.size > size and b.ghosts and top_is_older(b.ghosts, b.off, b.off + b.size, size):
                 return b, b.off + b.size - size
             return b, b.off
         if self.capacity is None:
@@ -288,7 +233,7 @@ class Arena:
         elif b.off == off:  # the bottom of b (the usual split): b becomes the part above
             mid = Block(off, size, owner)
             if ghosts:
-                mid.ghosts, b.ghosts, b.newest = _cut(ghosts, end)
+                mid.ghosts, b.ghosts, b.newest = cut_at(ghosts, end)
             covered = mid.ghosts
             self._link_after(b.prev, mid)
             b.off = end
@@ -299,11 +244,11 @@ class Arena:
             right = Block(end, bend - end) if end < bend else None
             if ghosts:
                 if right is None:
-                    b.ghosts, mid.ghosts, _ = _cut(ghosts, off)
+                    b.ghosts, mid.ghosts, _ = cut_at(ghosts, off)
                 else:  # two cuts (a compaction's window starts inside a free block)
-                    b.ghosts = _clip(ghosts, b.off, off)
-                    mid.ghosts = _clip(ghosts, off, end)
-                    right.ghosts = _clip(ghosts, end, bend)
+                    b.ghosts = clip(ghosts, b.off, off)
+                    mid.ghosts = clip(ghosts, off, end)
+                    right.ghosts = clip(ghosts, end, bend)
                     right.newest = max([g[2] for g in right.ghosts], default=NEVER)
                 b.newest = max([g[2] for g in b.ghosts], default=NEVER)
             covered = mid.ghosts
@@ -341,7 +286,7 @@ class Arena:
             self.tail = a
         a.size += b.size
         g = a.ghosts + b.ghosts
-        a.ghosts = _bounded(g) if len(g) > MAX_GHOSTS else g
+        a.ghosts = bounded(g) if len(g) > MAX_GHOSTS else g
         if b.newest > a.newest:
             a.newest = b.newest
 

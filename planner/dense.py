@@ -12,7 +12,7 @@ from itertools import chain
 
 import numpy as np
 
-from disco_ray.graph.errors import GraphError
+from disco_ray.graph.errors import CapacityError, GraphError
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .capacity import ALIGN
@@ -109,6 +109,29 @@ class Dense:
             np.concatenate((ks[~t], ks[t], ks[t])),
             np.concatenate((gpu[~t], gpu[first[t]], gpu[t])),  # a transfer needs its source there
             np.concatenate((need[~t], size[first[t]], size[t])),  # and its output here
+        )
+
+
+def check_fits(
+    d: Dense,
+    needs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    room: Sequence[int],
+    asked: Sequence[int],
+    alignment: int,
+) -> None:
+    """Raises CapacityError for the first vertex (in list order) whose `needs` row (vertex, gpu,
+    bytes: Dense.needs) exceeds its GPU's arena bytes `room` (`asked` before rounding)."""
+    ks, gs, need = needs
+    bad = np.flatnonzero(need > np.asarray(room, dtype=np.int64)[gs])
+    if len(bad):
+        i = int(bad[np.argmin(ks[bad])])
+        k, g = int(ks[i]), int(gs[i])
+        what = "its output" if d.kind[k] is Kind.INPUT else "its inputs plus output"
+        cap = int(room[g])
+        note = "" if asked[g] == cap else f" ({asked[g]} rounded down to the {alignment}-byte alignment)"
+        raise CapacityError(
+            f"vertex {d.ids[k]!r}: {what} need {int(need[i])} bytes on gpu {g}, whose capacity is "
+            f"{cap} bytes{note}"
         )
 
 

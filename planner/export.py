@@ -1,4 +1,4 @@
-"""Writing the MemGraph of a simulation (Planner.part), or of the parts of a split one
+"""Writing the MemGraph of a simulation (planner.number), or of the parts of a split one
 (planner.split): the transfers between parts joined, the vertices placed by id, the edges as
 columns sorted by target with the implied ones dropped (planner.prune), and the statistics.
 """
@@ -26,10 +26,10 @@ def export(
     started: float,
     window: int = WINDOW,
 ) -> MemGraph:
-    """The MemGraph of `parts` (every part's Planner.part, this process's own included).
+    """The MemGraph of `parts` (every part's numbered simulation, this process's own included).
 
     Args:
-        parts: the parts, numbered.
+        parts: the parts, numbered (planner.number).
         names: the TaskGraph's vertex ids by position; kept: the positions of the values kept.
         caps: arena bytes per GPU; host_budget: the host stores' budgets (statistics).
         started: when planning began (time.perf_counter).
@@ -40,6 +40,40 @@ def export(
     superfluous, held = merge(parts)
     counts["superfluous_mem_edges"] += superfluous
     built -= superfluous
+    verts = _vertices(parts, held, names)
+    edges, implied = _edges(parts, held, len(verts), window)
+    outputs = {}
+    for o in kept:
+        for part in parts:
+            if o in part.outputs:
+                outputs[names[o]] = part.outputs[o]
+    counts["superfluous_mem_edges"] += implied
+    peaks = [(0, 0, 0, 0, 0)] * len(caps)
+    for part in parts:
+        for g, pk in part.peaks.items():
+            peaks[g] = pk
+    moved, disk = _moved(verts)
+    stats = {
+        "planning_seconds": round(time.perf_counter() - started, 4),
+        **moved,
+        "peak_gpu_bytes": [pk[0] for pk in peaks],
+        "peak_host_bytes": [pk[1] for pk in peaks],
+        "peak_disk_bytes": [pk[3] for pk in peaks],
+        **disk,
+        "host_budget": host_budget,
+        **counts,
+        "implied_mem_edges": implied,
+        "mem_edges_built": built,
+    }
+    host_cap = [pk[2] for pk in peaks]
+    disk_cap = [pk[4] for pk in peaks]
+    return MemGraph(list(caps), verts, edges, outputs, host_cap, stats, disk_cap)
+
+
+def _vertices(
+    parts: Sequence[Part], held: list[tuple[tuple, dict[int, bool]]], names: Sequence[str]
+) -> list[MemVertex]:
+    """Every part's vertices, and the transfers between parts, placed by id."""
     n = sum(len(p.rows) for p in parts) + len(held)
     verts: list[MemVertex] = [None] * n  # type: ignore[list-item]
     for p in parts:
@@ -54,6 +88,14 @@ def export(
     for (i, kind, value, gpu, reads, out, acc), _ in held:  # read as merge made it
         ins = tuple(new_read(names[val], src, loc) for val, src, loc in reads)
         verts[i] = new_vertex(i, kind, names[value], gpu, ins, out, acc)
+    return verts
+
+
+def _edges(
+    parts: Sequence[Part], held: list[tuple[tuple, dict[int, bool]]], n: int, window: int
+) -> tuple[Edges, int]:
+    """The edges as columns sorted by target, those implied within `window` dropped; and how
+    many were dropped."""
     cols = [p.edges for p in parts]
     if held:  # the transfers between parts, merged: their preds by id
         us: list[int] = []
@@ -74,12 +116,11 @@ def export(
         raise PlanError(f"internal: {e}") from None
     if keep is not None:
         u, w, mem = u[keep], w[keep], mem[keep]
-    edges = Edges(u, w, mem)
-    outputs = {}
-    for o in kept:
-        for part in parts:
-            if o in part.outputs:
-                outputs[names[o]] = part.outputs[o]
+    return Edges(u, w, mem), implied
+
+
+def _moved(verts: Sequence[MemVertex]) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes offloaded and reloaded, in all and to or from disk (statistics)."""
     moved = {MKind.OFFLOAD: 0, MKind.RELOAD: 0}
     disk = {MKind.OFFLOAD: 0, MKind.RELOAD: 0}
     for v in verts:
@@ -87,28 +128,10 @@ def export(
             moved[v.kind] += v.out.nbytes
             if (v.out if v.kind is MKind.OFFLOAD else v.ins[0].loc).device == DISK:
                 disk[v.kind] += v.out.nbytes
-    counts["superfluous_mem_edges"] += implied
-    peaks = [(0, 0, 0, 0, 0)] * len(caps)
-    for part in parts:
-        for g, pk in part.peaks.items():
-            peaks[g] = pk
-    stats = {
-        "planning_seconds": round(time.perf_counter() - started, 4),
-        "bytes_offloaded": moved[MKind.OFFLOAD],
-        "bytes_reloaded": moved[MKind.RELOAD],
-        "peak_gpu_bytes": [pk[0] for pk in peaks],
-        "peak_host_bytes": [pk[1] for pk in peaks],
-        "peak_disk_bytes": [pk[3] for pk in peaks],
-        "bytes_offloaded_disk": disk[MKind.OFFLOAD],
-        "bytes_reloaded_disk": disk[MKind.RELOAD],
-        "host_budget": host_budget,
-        **counts,
-        "implied_mem_edges": implied,
-        "mem_edges_built": built,
-    }
-    host_cap = [pk[2] for pk in peaks]
-    disk_cap = [pk[4] for pk in peaks]
-    return MemGraph(list(caps), verts, edges, outputs, host_cap, stats, disk_cap)
+    return (
+        {"bytes_offloaded": moved[MKind.OFFLOAD], "bytes_reloaded": moved[MKind.RELOAD]},
+        {"bytes_offloaded_disk": disk[MKind.OFFLOAD], "bytes_reloaded_disk": disk[MKind.RELOAD]},
+    )
 
 
 def merge(parts: Sequence[Part]) -> tuple[int, list[tuple[tuple, dict[int, bool]]]]:

@@ -73,7 +73,7 @@ class Inst:
 
 
 class Part:
-    """One simulation's vertices, numbered (Planner.part), and what the MemGraph needs of its GPUs:
+    """One simulation's vertices, numbered (planner.number), and what the MemGraph needs of its GPUs:
     the whole plan's, or a part's of a split one (planner.split).
 
     `rows`: MemVertex objects, or (id, kind, value, gpu, reads, out, acc) to send, reads as places

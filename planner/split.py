@@ -1,15 +1,18 @@
-"""Planning the GPUs in parallel processes: a plan split into parts, one per group of GPUs.
+"""Split parts: what planning the GPUs in parallel processes adds to BUILDMEMGRAPH.
 
-BUILDMEMGRAPH's simulation couples the GPUs only through transfers: every other vertex reads and
-writes the arena of its own GPU, and the serial order V fixes when each value is read, so each
-GPU's allocations, evictions and memory edges depend on V alone. A part simulates all of V on its
-GPUs only. A transfer between two parts is done in both: the part of the source GPU makes the read
-(reloading the operand if it is out, noting where it lay and who wrote it: `xreads`), the part of
-the destination makes the vertex (its range and memory edges: `pending`), and `planner.export.merge`
-joins the two. A record of one part that another part names (the transfer, as a reader of its operand; the
+The paper simulates V on every GPU at once. Its simulation couples the GPUs only through
+transfers: every other vertex reads and writes the arena of its own GPU, and the serial order V
+fixes when each value is read, so each GPU's allocations, evictions and memory edges depend on V
+alone. A part (`PartSimulation`) simulates all of V on its GPUs only, one forked process per group
+of GPUs (`workers`): the steps of other GPUs are skipped (Step.SKIP). A transfer between two parts
+is done in both: the part of the source GPU makes the read (Step.SOURCE: reloading the operand if
+it is out, noting where it lay and who wrote it: `xreads`), the part of the destination makes the
+vertex (Step.DEST: its range and memory edges: `pending`), and `planner.export.merge` joins the
+two. A record of one part that another part names (the transfer, as a reader of its operand; the
 operand's writer) is a *phantom* there: a record with no location, renamed by its sort key when
 the parts' records are numbered together (keys of V[t] itself are the same in every part; parts
-number their offload and reload keys apart: Planner.run).
+number their offload and reload keys apart, `run`). Each part numbers its own vertices
+(planner.number) once the parts have swapped the keys of their offloads and reloads.
 
 The plan equals the one-process plan up to the order of offloads and reloads that two parts make
 at the same step (tests/test_split.py), so every guarantee carries over. The differences: a
@@ -28,23 +31,103 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from disco_ray.graph.errors import GraphError, PlanError
+from disco_ray.graph.memgraph import MKind
+from disco_ray.graph.taskgraph import Kind
 
-from .records import Part
+from .number import Xread, number
+from .records import STEP, Inst, Part
+from .simulation import Step
+from .state import INF, OWN_BIT
+from .sum_into import SumIntoSimulation
 
 MIN_STEPS = 50_000  # V shorter than this is planned in one process (forking and merging cost more)
 
 
-class Planner(Protocol):
-    """What a part needs of planner.buildmemgraph.Planner (which imports this module)."""
+class PartSimulation(SumIntoSimulation):
+    """The simulation of V on some GPUs only, as one part of a split plan (`run(gpus, ...)`), or
+    on all of them."""
 
-    def run(self, gpus: Sequence[int] | None = None, tag: int = 0, parts: int = 1) -> None: ...
-    def aux_keys(self) -> list[int]: ...
-    def part(self, aux: Sequence[int], portable: bool = False) -> Part: ...
-    def close(self) -> None: ...
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.own: list[bool] | None = None  # per GPU: simulated here (None: all are)
+        self.pending: dict[int, int] = {}  # transfer -> its record, whose read another part makes
+        self.xreads: list[Xread] = []  # reads made here of transfers to other parts' GPUs
+
+    def run(self, gpus: Sequence[int] | None = None, tag: int = 0, parts: int = 1) -> None:
+        """Simulates V: on every GPU, or as part `tag` of `parts` on `gpus` only."""
+        if gpus is not None and len(gpus) < self.d.gpus:
+            self.gpus = sorted(gpus)
+            self.own = [g in self.gpus for g in range(self.d.gpus)]
+            self.aux, self.stride = tag, parts  # aux keys unique across the parts
+            self.wake.intersection_update(gpus)
+        super().run()
+
+    def part(self, aux: Sequence[int], portable: bool = False) -> Part:
+        """This simulation's vertices numbered, given the sorted keys of every part's offloads and
+        reloads (planner.number)."""
+        return number(self, aux, self.pending, self.xreads, portable)
+
+    def codes(self) -> bytes:
+        """Per step of V, what this part does: the step's own code on its GPUs, SKIP on the
+        others', SOURCE (the read of a transfer to another part's GPU) or DEST (a transfer from
+        another part's GPU)."""
+        codes = super().codes()
+        own = self.own
+        if own is None:
+            return codes
+        d, n = self.d, len(self.d)
+        gpu, kind, operands, acc = d.gpu, d.kind, d.operands, self.mem.acc if self.mem is not None else ()
+        out = bytearray(codes)
+        for t, k in enumerate(self.seq):
+            if k >= n:
+                k = acc[k - n]
+            if kind[k] is Kind.TRANSFER:
+                src, dst = own[gpu[operands[k][0]]], own[gpu[k]]
+                if not dst:
+                    out[t] = Step.SOURCE if src else Step.SKIP
+                elif not src:
+                    out[t] = Step.DEST
+            elif not own[gpu[k]]:
+                out[t] = Step.SKIP
+        return bytes(out)
+
+    def _handlers(self) -> dict[int, Callable[[int], None]]:
+        return {**super()._handlers(), Step.SOURCE: self._execute_source, Step.DEST: self._execute_dest}
+
+    def _execute_source(self, t: int, compacted: bool = False) -> None:
+        """The read half of transfer V[t] to another part's GPU: reloads its operand if need be, and
+        notes the read (the part of the destination makes the vertex)."""
+        d = self.d
+        k = self.seq[t]
+        (x,) = d.operands[k]
+        r = self.rec_of[k]
+        if r < 0:  # the transfer as a reader here: a phantom (no location), numbered by its key
+            r = self.rec_of[k] = self._new(MKind.TRANSFER, k, d.gpu[k], (t << STEP) | OWN_BIT)
+        res = self.resident
+        if res[x] is None and not self._bring(k, x, compacted):
+            return self._execute_source(t, compacted=True)
+        inst = cast(Inst, res[x])
+        self.xreads.append((k, x, inst.src, None if inst.writers is None else tuple(inst.writers), inst.loc))
+        inst.readers.append(r)
+        self._read(x, inst)
+
+    def _execute_dest(self, t: int) -> None:
+        """The write half of transfer V[t] from another part's GPU: its operand's read comes in
+        when the parts are merged."""
+        k = self.seq[t]
+        if not self.allocated[k]:
+            self._room_for_output(k)
+        own = cast(Inst, self.resident[k])
+        own.produced = True
+        uk = self.uses[k]
+        own.dist = uk[0] if uk else INF
+        self.pending[k] = self.rec_of[k]
+        if not uk and k not in self.kept:
+            self._free(k)
 
 
 def usable_cpus() -> int:
@@ -91,11 +174,11 @@ def groups(gpu: Sequence[int], gpus: int, workers: int | None, steps: int) -> li
     return [sorted(gs) for gs in out if gs]
 
 
-def run_split(p: Planner, parts: list[list[int]]) -> list[Part]:
+def run_split(p: PartSimulation, parts: list[list[int]]) -> list[Part]:
     """Simulates part 0 here and the others in forked processes; returns every part numbered.
 
     The parts swap the keys of their offloads and reloads (few) so that each numbers its own
-    vertices (Planner.part) at once: this process its own while the others do theirs and send
+    vertices (planner.number) at once: this process its own while the others do theirs and send
     them.
     """
     ctx = multiprocessing.get_context("fork")
@@ -143,7 +226,7 @@ def _receive(proc, conn, gpus: list[int]):
     return got
 
 
-def _simulate(p: Planner, gpus: list[int], tag: int, parts: int, conn) -> None:
+def _simulate(p: PartSimulation, gpus: list[int], tag: int, parts: int, conn) -> None:
     """A forked part: simulates its GPUs, swaps offload and reload keys, sends its vertices (or its
     error) back."""
     try:

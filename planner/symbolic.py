@@ -140,41 +140,85 @@ def execute(
         VerifyError: a read saw another value than its src wrote, an output is not in place at
             the end, or the edges leave some vertex never ready (a cycle).
     """
-    m = _machine or _Machine(mg)
-    verts, pos = m.verts, m.pos
-    arenas = m.new_arenas()
-    inputs = {t.id for t in tg if t.kind is Kind.INPUT}
-    waiting = [len(p) for p in m.preds]
-    if policy not in ("uniform", "priority"):
-        raise ValueError(f"policy must be 'uniform' or 'priority', got {policy!r}")
-    prio = [rng.random() for _ in verts] if policy == "priority" else None
-    ready = [i for i, c in enumerate(waiting) if c == 0]  # policy "uniform"
-    heap: list[tuple[float, int]] = []  # policy "priority": (priority, vertex)
-    if prio is not None:
-        heap = [(prio[i], i) for i in ready]
-        heapq.heapify(heap)
-        ready = []
-    running: list[int] = []
-    done = 0
-    added: list[set[int]] = [set() for _ in m.size]  # per sum-into group: the parts added
-    locked: set[int] = set()  # groups with a member running
-    parked: dict[int, list[int]] = {}  # group -> its ready members waiting for the lock
+    run = _Run(tg, _machine or _Machine(mg), rng, policy)
+    run.run(in_flight)
+    run.check_outputs(tg, mg)
 
-    def check_reads(i: int, when: str) -> None:
+
+class _Run:
+    """One execution: the arenas' tags, the vertices waiting, ready and running, and the sum-into
+    groups' write locks."""
+
+    def __init__(self, tg: TaskGraph, m: _Machine, rng: random.Random, policy: str):
+        self.m, self.rng = m, rng
+        self.verts, self.pos = m.verts, m.pos
+        self.arenas = m.new_arenas()
+        self.inputs = {t.id for t in tg if t.kind is Kind.INPUT}
+        self.waiting = [len(p) for p in m.preds]
+        if policy not in ("uniform", "priority"):
+            raise ValueError(f"policy must be 'uniform' or 'priority', got {policy!r}")
+        self.prio = [rng.random() for _ in self.verts] if policy == "priority" else None
+        self.ready = [i for i, c in enumerate(self.waiting) if c == 0]  # policy "uniform"
+        self.heap: list[tuple[float, int]] = []  # policy "priority": (priority, vertex)
+        if self.prio is not None:
+            self.heap = [(self.prio[i], i) for i in self.ready]
+            heapq.heapify(self.heap)
+            self.ready = []
+        self.running: list[int] = []
+        self.done = 0
+        self.added: list[set[int]] = [set() for _ in m.size]  # per sum-into group: the parts added
+        self.locked: set[int] = set()  # groups with a member running
+        self.parked: dict[int, list[int]] = {}  # group -> its ready members waiting for the lock
+
+    def run(self, in_flight: int) -> None:
+        """Starts and completes vertices in a random order until none is left."""
+        rng, ready, heap, running, m = self.rng, self.ready, self.heap, self.running, self.m
+        while ready or heap or running:
+            if (ready or heap) and len(running) < in_flight and (not running or rng.random() < 0.5):
+                if self.prio is None:
+                    k = rng.randrange(len(ready))
+                    ready[k], ready[-1] = ready[-1], ready[k]
+                    i = ready.pop()
+                else:
+                    i = heapq.heappop(heap)[1]
+                g = m.group.get(i)
+                if g is not None and g in self.locked:
+                    self.parked.setdefault(g, []).append(i)  # another member holds the write lock
+                else:
+                    self.start(i)
+            else:
+                k = rng.randrange(len(running))
+                running[k], running[-1] = running[-1], running[k]
+                self.finish(running.pop())
+        verts = self.verts
+        if self.done != len(verts):
+            stuck = [verts[i].id for i, c in enumerate(self.waiting) if c > 0][:5]
+            raise VerifyError(
+                f"{len(verts) - self.done} vertices never became ready (a cycle?), e.g. {stuck}"
+            )
+
+    def _push(self, i: int) -> None:
+        if self.prio is None:
+            self.ready.append(i)
+        else:
+            heapq.heappush(self.heap, (self.prio[i], i))
+
+    def check_reads(self, i: int, when: str) -> None:
+        verts, m = self.verts, self.m
         v = verts[i]
         for n, r in enumerate(v.ins):
             if r.src is None:
-                if r.loc.device != INPUT or r.value not in inputs or v.kind is not MKind.RELOAD:
+                if r.loc.device != INPUT or r.value not in self.inputs or v.kind is not MKind.RELOAD:
                     raise VerifyError(
                         f"vertex {v.id} ({v.kind.value} on gpu:{v.gpu}) read {n} of {r.value!r} "
                         f"has no src and is not a reload of a graph input"
                     )
                 continue
-            want = pos.get(r.src)
+            want = self.pos.get(r.src)
             if want is None:
                 raise VerifyError(f"vertex {v.id}: read {n} of {r.value!r} names unknown src {r.src}")
             k, a, b = m.segs(r.loc, v.gpu)
-            seg = arenas[k][a:b]
+            seg = self.arenas[k][a:b]
             bad = np.flatnonzero(seg != want)
             if bad.size or verts[want].value != r.value:
                 got = int(seg[bad[0]]) if bad.size else want
@@ -184,88 +228,67 @@ def execute(
                     f"found {m.found(got)}"
                 )
 
-    def start(i: int) -> None:
-        check_reads(i, "on start")
-        v = verts[i]
+    def start(self, i: int) -> None:
+        self.check_reads(i, "on start")
+        m, v = self.m, self.verts[i]
         g = m.group.get(i)
         if g is not None:
-            locked.add(g)
-            if cast("tuple[int, int]", v.acc)[0] in added[g]:
+            self.locked.add(g)
+            added = self.added[g]
+            if cast("tuple[int, int]", v.acc)[0] in added:
                 raise VerifyError(f"vertex {v.id}: part {v.acc} of {v.value!r} was added already")
-            if added[g]:  # it adds into the partial sum the earlier members left
+            if added:  # it adds into the partial sum the earlier members left
                 k, a, b = m.segs(v.out, v.gpu)
-                seg = arenas[k][a:b]
+                seg = self.arenas[k][a:b]
                 bad = np.flatnonzero(seg != m.partial(g))
                 if bad.size:
                     raise VerifyError(
                         f"vertex {v.id} (sum-into {v.acc} of {v.value!r} on gpu:{v.gpu}) on start: "
-                        f"expects the partial sum of {len(added[g])} members at {_name(v.out, v.gpu)}, "
+                        f"expects the partial sum of {len(added)} members at {_name(v.out, v.gpu)}, "
                         f"found {m.found(int(seg[bad[0]]))}"
                     )
         if v.out.device != INPUT:
             k, a, b = m.segs(v.out, v.gpu)
-            arenas[k][a:b] = busy(i)
-        running.append(i)
+            self.arenas[k][a:b] = busy(i)
+        self.running.append(i)
 
-    def finish(i: int) -> None:
-        nonlocal done
-        check_reads(i, "on completion")
-        v = verts[i]
+    def finish(self, i: int) -> None:
+        self.check_reads(i, "on completion")
+        m, v = self.m, self.verts[i]
         tag = i
         g = m.group.get(i)
         if g is not None:
-            added[g].add(cast("tuple[int, int]", v.acc)[0])
-            tag = m.rep[g] if len(added[g]) == m.size[g] else m.partial(g)
-            locked.discard(g)
-            for p in parked.pop(g, ()):
-                if prio is None:
-                    ready.append(p)
-                else:
-                    heapq.heappush(heap, (prio[p], p))
+            added = self.added[g]
+            added.add(cast("tuple[int, int]", v.acc)[0])
+            tag = m.rep[g] if len(added) == m.size[g] else m.partial(g)
+            self.locked.discard(g)
+            for p in self.parked.pop(g, ()):
+                self._push(p)
         if v.out.device != INPUT:
             k, a, b = m.segs(v.out, v.gpu)
-            arenas[k][a:b] = tag
-        done += 1
+            self.arenas[k][a:b] = tag
+        self.done += 1
+        waiting = self.waiting
         for w in m.succs[i]:
             waiting[w] -= 1
             if waiting[w] == 0:
-                if prio is None:
-                    ready.append(w)
-                else:
-                    heapq.heappush(heap, (prio[w], w))
+                self._push(w)
 
-    while ready or heap or running:
-        if (ready or heap) and len(running) < in_flight and (not running or rng.random() < 0.5):
-            if prio is None:
-                k = rng.randrange(len(ready))
-                ready[k], ready[-1] = ready[-1], ready[k]
-                i = ready.pop()
-            else:
-                i = heapq.heappop(heap)[1]
-            g = m.group.get(i)
-            if g is not None and g in locked:
-                parked.setdefault(g, []).append(i)  # another member holds the write lock
-            else:
-                start(i)
-        else:
-            k = rng.randrange(len(running))
-            running[k], running[-1] = running[-1], running[k]
-            finish(running.pop())
-    if done != len(verts):
-        stuck = [verts[i].id for i, c in enumerate(waiting) if c > 0][:5]
-        raise VerifyError(f"{len(verts) - done} vertices never became ready (a cycle?), e.g. {stuck}")
-    for name in tg.kept:
-        vid = mg.outputs.get(name)
-        if vid is None or vid not in pos:
-            raise VerifyError(f"output {name!r}: no MemGraph vertex holds it")
-        o = verts[pos[vid]]
-        seg_key, a, b = m.segs(o.out, o.gpu)
-        for tag in arenas[seg_key][a:b]:
-            if tag < 0 or verts[tag].value != name:
-                raise VerifyError(
-                    f"output {name!r} at {_name(o.out, o.gpu)} (vertex {vid}): at the end "
-                    f"found {m.found(int(tag))}"
-                )
+    def check_outputs(self, tg: TaskGraph, mg: MemGraph) -> None:
+        """Every output is in place at the end, as its own value."""
+        verts, pos, m = self.verts, self.pos, self.m
+        for name in tg.kept:
+            vid = mg.outputs.get(name)
+            if vid is None or vid not in pos:
+                raise VerifyError(f"output {name!r}: no MemGraph vertex holds it")
+            o = verts[pos[vid]]
+            seg_key, a, b = m.segs(o.out, o.gpu)
+            for tag in self.arenas[seg_key][a:b]:
+                if tag < 0 or verts[tag].value != name:
+                    raise VerifyError(
+                        f"output {name!r} at {_name(o.out, o.gpu)} (vertex {vid}): at the end "
+                        f"found {m.found(int(tag))}"
+                    )
 
 
 def check_random_orders(

@@ -13,11 +13,12 @@ check the group is one writer G of its range: "u before G" means u before every 
 before w" every member before w, so a writer that may land between two members, or between a
 member and a reader, is caught like any other race.
 
-Every condition becomes a batch of "is u an ancestor of w?" questions: each read's source before
-its reader, and, per arena, the few writer orderings that rule out every race (planner.overlap),
-answered together by planner.reach in memory linear in the graph (the former n x n/8-byte bit
-matrix needed ~18 GB for a 65B prefill plan). Rejected: all-pairs overlap tests (quadratic in
-Python) and per-pair graph searches.
+This module checks the structure (kinds, ranges, capacities, groups, provenance, acyclicity);
+the order conditions become a batch of "is u an ancestor of w?" questions (planner.verify_order):
+each read's source before its reader, and, per arena, the few writer orderings that rule out
+every race (planner.overlap), answered together by planner.reach in memory linear in the graph
+(an n x n/8-byte bit matrix would need ~18 GB for a 65B prefill plan). Rejected: all-pairs
+overlap tests (quadratic in Python) and per-pair graph searches.
 """
 
 from __future__ import annotations
@@ -26,35 +27,19 @@ import contextlib
 from collections import defaultdict
 from typing import cast
 
-import numpy as np
-
 from disco_ray.graph.errors import VerifyError
-from disco_ray.graph.memgraph import DISK, HOST, INPUT, TIERS, Loc, MemGraph, MemVertex, MKind, device_name
+from disco_ray.graph.memgraph import DISK, HOST, INPUT, TIERS, Loc, MemGraph, MemVertex, MKind
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
-from .overlap import ArenaRaces
 from .reach import Reach
-
-
-class _Full(Exception):
-    """Raised internally once `limit` violations are collected."""
-
-
-class _Sink:
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.msgs: list[str] = []
-
-    def add(self, msg: str) -> None:
-        self.msgs.append(msg)
-        if len(self.msgs) >= self.limit:
-            raise _Full
+from .verify_common import Full, Groups, Sink, describe, where
+from .verify_order import check_order
 
 
 def verify(tg: TaskGraph, mg: MemGraph, limit: int = 20) -> list[str]:
     """Returns up to `limit` one-line violations of FORMATS.md's correctness conditions ([] if none)."""
-    sink = _Sink(max(1, limit))
-    with contextlib.suppress(_Full):
+    sink = Sink(max(1, limit))
+    with contextlib.suppress(Full):
         _verify(tg, mg, sink)
     return sink.msgs
 
@@ -76,33 +61,14 @@ def check_acyclic(mg: MemGraph) -> None:
         if e[0] not in pos or e[1] not in pos:
             raise VerifyError(f"MemGraph is incorrect: edge {e[0]} -> {e[1]} names an unknown vertex")
         preds[pos[e[1]]].append(pos[e[0]])
-    sink = _Sink(1)
-    with contextlib.suppress(_Full):
+    sink = Sink(1)
+    with contextlib.suppress(Full):
         _topo(preds, mg.vertices, sink)
     if sink.msgs:
         raise VerifyError(f"MemGraph is incorrect: {sink.msgs[0]}")
 
 
-def describe(v: MemVertex) -> str:
-    """'vertex 7 (kernel m1 on gpu:0)', 'vertex 9 (sum-into 2/4 of g on gpu:0)'."""
-    if v.acc is not None:
-        return f"vertex {v.id} (sum-into {v.acc[0]}/{v.acc[1]} of {v.value!r} on gpu:{v.gpu})"
-    return f"vertex {v.id} ({v.kind.value} {v.value!r} on gpu:{v.gpu})"
-
-
-def where(loc: Loc, gpu: int) -> str:
-    """'gpu:0[0:16384]', 'host(gpu:1)[0:4096]' or 'disk(gpu:1)[0:4096]'."""
-    dev = f"{TIERS[loc.device]}(gpu:{gpu})" if loc.device in TIERS else device_name(loc.device)
-    return f"{dev}[{loc.offset}:{loc.end}]"
-
-
-def _key(loc: Loc, gpu: int) -> tuple[int, int]:
-    """The arena a location lies in: host stores and spill files are per GPU (HOST and DISK mean
-    the vertex's own GPU's)."""
-    return (gpu, loc.device) if loc.device in TIERS else (loc.device, 0)
-
-
-def _verify(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
+def _verify(tg: TaskGraph, mg: MemGraph, sink: Sink) -> None:
     if mg.gpus != tg.gpus:  # run refuses it too: a plan is for exactly the TaskGraph's GPUs
         sink.add(f"the MemGraph has {mg.gpus} devices, the TaskGraph {tg.gpus} GPU(s)")
     verts = mg.vertices
@@ -126,22 +92,10 @@ def _verify(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> None:
     groups = _check_groups(tg, mg, sink)
     _check_provenance(tg, mg, groups, sink)
     reach = Reach([list(set(ps)) for ps in preds], order)
-    _check_order(tg, mg, pos, reach, groups, sink)
+    check_order(tg, mg, pos, reach, groups, sink)
 
 
-class Groups:
-    """The sum-into groups of a MemGraph: per group (an accumulate's id) its members' positions
-    (`members`) and its last member's (`rep`, the writer its readers name); `of` maps a member's
-    position to its group's index when it writes the group's range (else it is a plain writer)."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.members: list[list[int]] = []
-        self.rep: list[int] = []
-        self.of: dict[int, int] = {}
-
-
-def _check_groups(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> Groups:
+def _check_groups(tg: TaskGraph, mg: MemGraph, sink: Sink) -> Groups:
     verts = mg.vertices
     by_value: dict[str, list[int]] = defaultdict(list)
     for i, v in enumerate(verts):
@@ -189,7 +143,7 @@ def _check_groups(tg: TaskGraph, mg: MemGraph, sink: _Sink) -> Groups:
     return gs
 
 
-def _topo(preds: list[list[int]], verts: list[MemVertex], sink: _Sink) -> list[int] | None:
+def _topo(preds: list[list[int]], verts: list[MemVertex], sink: Sink) -> list[int] | None:
     """Kahn's algorithm over positions; reports a cycle (by vertex ids) and returns None if there is one."""
     n = len(verts)
     succ: list[list[int]] = [[] for _ in range(n)]
@@ -222,7 +176,7 @@ def _topo(preds: list[list[int]], verts: list[MemVertex], sink: _Sink) -> list[i
     return None
 
 
-def _check_kinds_and_capacity(mg: MemGraph, sink: _Sink) -> None:
+def _check_kinds_and_capacity(mg: MemGraph, sink: Sink) -> None:
     gpus = mg.gpus
     tier_cap = {HOST: mg.host_capacity, DISK: mg.disk_capacity}
 
@@ -294,7 +248,7 @@ def _check_kinds_and_capacity(mg: MemGraph, sink: _Sink) -> None:
                     sink.add(f"{describe(v)}: moves {v.value!r} but reads {r.value!r}")
 
 
-def _check_provenance(tg: TaskGraph, mg: MemGraph, groups: Groups, sink: _Sink) -> None:
+def _check_provenance(tg: TaskGraph, mg: MemGraph, groups: Groups, sink: Sink) -> None:
     realised: dict[str, list[MemVertex]] = defaultdict(list)
     for i, v in enumerate(mg.vertices):
         t = tg.vertices.get(v.value)
@@ -343,187 +297,3 @@ def _check_provenance(tg: TaskGraph, mg: MemGraph, groups: Groups, sink: _Sink) 
     for name, vid in mg.outputs.items():
         if name not in kept:
             sink.add(f"MemGraph output {name!r} (vertex {vid}) is not a TaskGraph output or carried value")
-
-
-def _read_pairs(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], sink: _Sink) -> np.ndarray:
-    """Checks every read's source; returns (src, reader, read index) rows whose order is still to check."""
-    verts = mg.vertices
-    pairs: list[tuple[int, int, int]] = []  # (src position, reader position, read index)
-    for i, v in enumerate(verts):
-        for n, r in enumerate(v.ins):
-            if r.src is None:
-                if not (v.kind is MKind.RELOAD and r.loc.device == INPUT):
-                    sink.add(
-                        f"{_head(v, n)}: no src (allowed only for a reload of a graph input from 'input')"
-                    )
-                elif r.value not in tg or tg[r.value].kind is not Kind.INPUT:
-                    sink.add(
-                        f"{_head(v, n)}: reads the caller's copy of {r.value!r}, which is not a graph input"
-                    )
-                continue
-            if r.loc.device == INPUT:
-                sink.add(f"{_head(v, n)}: reads the caller's input copy but names src {r.src}")
-                continue
-            j = pos.get(r.src)
-            if j is None:
-                sink.add(f"{_head(v, n)}: src {r.src} is not a vertex")
-                continue
-            s = verts[j]
-            if s.value != r.value or s.out != r.loc or (r.loc.device in TIERS and s.gpu != v.gpu):
-                sink.add(f"{_head(v, n)}: src {describe(s)} wrote {s.value!r} at {where(s.out, s.gpu)}")
-            pairs.append((j, i, n))
-    return np.array(pairs, dtype=np.int64).reshape(-1, 3)
-
-
-def _head(v: MemVertex, n: int) -> str:
-    r = v.ins[n]
-    return f"{describe(v)} read {n} of {r.value!r} at {where(r.loc, v.gpu)}"
-
-
-def _arena_races(
-    mg: MemGraph, pos: dict[int, int], rank: np.ndarray, groups: Groups, sink: _Sink
-) -> list[ArenaRaces]:
-    """Per arena, the ancestor questions that rule out every race (planner.overlap); a sum-into
-    group is one writer, position len(vertices) + its index, its readers' src."""
-    verts = mg.vertices
-    big = len(verts)
-    writers: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
-    for i, v in enumerate(verts):
-        g = groups.of.get(i)
-        if g is not None:
-            if groups.rep[g] != i:
-                continue  # the group writes once, as its last member
-            i = big + g
-        if v.out.nbytes > 0 and v.out.device != INPUT:
-            writers[_key(v.out, v.gpu)].append((v.out.offset, v.out.end, i))
-    # reads: (offset, end, src position, reader position or -1 for an output, read index)
-    reads: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = defaultdict(list)
-    for i, v in enumerate(verts):
-        for n, r in enumerate(v.ins):
-            j = pos.get(r.src) if r.src is not None else None
-            if j is None or r.loc.nbytes == 0 or r.loc.device == INPUT:
-                continue
-            if j in groups.of:
-                j = big + groups.of[j]
-            reads[_key(r.loc, v.gpu)].append((r.loc.offset, r.loc.end, j, i, n))
-    for name, vid in mg.outputs.items():
-        j = pos.get(vid)
-        if j is None:
-            sink.add(f"output {name!r}: vertex {vid} does not exist")
-            continue
-        o = verts[j]
-        if o.value != name:
-            sink.add(f"output {name!r}: {describe(o)} holds {o.value!r}")
-            continue
-        if j in groups.of:
-            g = groups.of[j]
-            if groups.rep[g] != j:
-                sink.add(f"output {name!r}: {describe(o)} is not its group's last member")
-            j = big + g
-        if o.out.nbytes:
-            reads[_key(o.out, o.gpu)].append((o.out.offset, o.out.end, j, -1, -1))
-    return [ArenaRaces(writers.get(key, []), reads[key], rank) for key in sorted(reads)]
-
-
-def _group_reads(mg: MemGraph, reads: np.ndarray, groups: Groups, sink: _Sink) -> np.ndarray:
-    """A read of a group's sum names its last member and follows every member: (member, reader,
-    read index) rows for the members other than the named one."""
-    verts = mg.vertices
-    rows: list[tuple[int, int, int]] = []
-    for j, i, n in reads.tolist():
-        g = groups.of.get(j)
-        if g is None:
-            continue
-        if groups.rep[g] != j:
-            sink.add(
-                f"{_head(verts[i], n)}: src {describe(verts[j])} is not its group's last member "
-                f"(vertex {verts[groups.rep[g]].id}), the writer the readers of a sum name"
-            )
-        rows += [(m, i, n) for m in groups.members[g] if m != j]
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
-
-
-def _expand(
-    u: np.ndarray, w: np.ndarray, groups: Groups, big: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Questions naming a group (position big + g) become one per member: (u, w, question index)."""
-    if not groups.names or not len(u):
-        return u, w, np.arange(len(u), dtype=np.int64)
-    members = [np.asarray(ms, dtype=np.int64) for ms in groups.members]
-
-    def side(x: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out_x, out_q = [x[x < big]], [q[x < big]]
-        for k in np.flatnonzero(x >= big).tolist():
-            ms = members[int(x[k]) - big]
-            out_x.append(ms)
-            out_q.append(np.full(len(ms), q[k], dtype=np.int64))
-        return np.concatenate(out_x), np.concatenate(out_q)
-
-    q = np.arange(len(u), dtype=np.int64)
-    u2, q2 = side(u, q)
-    w2 = w[q2]
-    w3, q3 = side(w2, np.arange(len(w2), dtype=np.int64))
-    return u2[q3], w3, q2[q3]
-
-
-def _check_order(
-    tg: TaskGraph, mg: MemGraph, pos: dict[int, int], reach: Reach, groups: Groups, sink: _Sink
-) -> None:
-    """Every read's source before its reader, no writer racing a read: all asked of `reach` at once."""
-    verts = mg.vertices
-    big = len(verts)
-    reads = _read_pairs(tg, mg, pos, sink)
-    greads = _group_reads(mg, reads, groups, sink)
-    rank = reach.rank
-    if groups.names:  # a group ranks as its last member in the race check's writer order
-        rank = np.concatenate((rank, np.array([rank[r] for r in groups.rep], dtype=np.int64)))
-    races = _arena_races(mg, pos, rank, groups, sink)
-    us = [reads[:, 0], greads[:, 0], *(a.u for a in races)]
-    ws = [reads[:, 1], greads[:, 1], *(a.w for a in races)]
-    qu, qw, qi = _expand(np.concatenate(us), np.concatenate(ws), groups, big)
-    n = max(big, 1)
-    uniq, inv = np.unique(qu * n + qw, return_inverse=True)
-    each = reach.ancestors(uniq // n, uniq % n)[inv] if len(uniq) else np.ones(0, dtype=bool)
-    ok = np.ones(sum(len(x) for x in us), dtype=bool)
-    np.logical_and.at(ok, qi, each)  # a question about a group holds when it holds for every member
-    for k in np.flatnonzero(~ok[: len(reads)]).tolist():
-        s, v = verts[reads[k, 0]], verts[reads[k, 1]]
-        sink.add(
-            f"{_head(v, int(reads[k, 2]))}: src {describe(s)} is not an ancestor (no path {s.id} -> {v.id})"
-        )
-    at = len(reads)
-    for k in np.flatnonzero(~ok[at : at + len(greads)]).tolist():
-        s, v = verts[greads[k, 0]], verts[greads[k, 1]]
-        sink.add(
-            f"{_head(v, int(greads[k, 2]))}: reads the sum of {describe(s)}, which is not an ancestor "
-            f"(no path {s.id} -> {v.id}; a reader of a sum follows every member)"
-        )
-    at += len(greads)
-
-    def real(p: int) -> int:
-        return p if p < big else groups.rep[p - big]
-
-    for arena in races:
-        part = ok[at : at + len(arena.u)]
-        at += len(arena.u)
-        for s, w, reader, n in arena.violations(part):
-            sv, wv = verts[real(s)], verts[real(w)]
-            if reader < 0:
-                sink.add(
-                    f"output {sv.value!r} of {describe(sv)} at {where(sv.out, sv.gpu)} may be overwritten: "
-                    f"{describe(wv)} writes {where(wv.out, wv.gpu)} and is not an ancestor of {sv.id}"
-                )
-            elif reader == w:
-                rd = wv.ins[n]
-                sink.add(
-                    f"{describe(wv)}: output {where(wv.out, wv.gpu)} overlaps its own input "
-                    f"{rd.value!r} at {where(rd.loc, wv.gpu)}"
-                )
-            else:
-                rv = verts[reader]
-                rd = rv.ins[n]
-                sink.add(
-                    f"race: {describe(wv)} writes {where(wv.out, wv.gpu)}, overlapping {rd.value!r} at "
-                    f"{where(rd.loc, rv.gpu)} written by {sv.id} and read by {describe(rv)}, and can run "
-                    f"between them (not an ancestor of {sv.id}, not a descendant of {rv.id})"
-                )

@@ -166,3 +166,62 @@ def test_the_plan_leaves_the_young_generation_empty():
     mg = _planned_with_pressure()
     assert len(mg) > 400
     assert gc.get_count()[0] < 700  # below the default threshold: nothing to scan yet
+
+
+# ---- the units: the paper's simulation alone, and with sum-into groups --------------------------
+def _plan_of(sim):
+    """A simulation run in one process, numbered and written as build_memgraph writes it."""
+    from planner.export import export
+    from planner.number import number
+
+    sim.run()
+    part = number(sim, sorted(sim.aux_keys()), {}, [])
+    try:
+        return export([part], sim.d.ids, sim.d.kept, sim.caps, sim.host_asked, 0.0)
+    finally:
+        sim.close()
+
+
+def _same_plan(mg, want):
+    assert mg.vertices == want.vertices
+    assert list(mg.edges) == list(want.edges)
+    assert mg.outputs == want.outputs
+    for k in (
+        "bytes_offloaded",
+        "bytes_reloaded",
+        "retractions",
+        "compactions",
+        "evictions",
+        "mem_edges_built",
+    ):
+        assert mg.stats[k] == want.stats[k], k
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("host", [None, 0])
+def test_the_papers_simulation_alone_makes_the_plan_of_a_graph_without_sums(seed, host):
+    """planner.simulation needs neither unit: on a graph without accumulates, run alone, it makes
+    build_memgraph's plan (evictions, reloads of kept outputs at the end, the disk tier)."""
+    from planner import tight_capacity
+    from planner.simulation import Simulation
+    from workloads.random_dag import random_dag
+
+    tg = random_dag(300, 2, seed, transfer_prob=0.3)
+    assert not any(v.op == "accumulate" for v in tg)
+    cap = tight_capacity(tg, 0.05)
+    want = build_memgraph(tg, cap, workers=1, host_capacity=host)
+    assert want.stats["evictions"] > 0, seed
+    _same_plan(_plan_of(Simulation(tg, cap, host_capacity=host)), want)
+
+
+@pytest.mark.parametrize("gpus,cap", [(1, 1536), (2, 1536), (2, 1 << 20)])
+def test_the_sum_into_unit_alone_makes_the_plan_of_a_graph_of_sums(gpus, cap):
+    from planner.sum_into import SumIntoSimulation
+    from tests.test_sum_into import grads
+
+    tg = grads(6, gpus)
+    want = build_memgraph(tg, cap, workers=1)
+    assert want.stats["sum_into"] == "eager" and "sum_into_demoted" not in want.stats
+    mg = _plan_of(SumIntoSimulation(tg, cap))
+    assert [v.acc for v in mg.vertices if v.acc] == [v.acc for v in want.vertices if v.acc]
+    _same_plan(mg, want)

@@ -1,6 +1,7 @@
 """Cost models for the simulator: device profiles (rates of a GPU and its links) and the unit model.
 
-A cost model gives each MemGraph vertex a duration and the lane it occupies on its GPU:
+A cost model gives each MemGraph vertex a duration; the lane it occupies on its GPU is the runtime's
+(`actors.lanes`):
 `compute` (kernels), `h2d` (input loads and reloads), `d2h` (offloads), `peer` (GPU-to-GPU
 transfers, on the destination GPU), and `disk_w` / `disk_r` (offloads to and reloads from the
 worker's spill file: the disk lanes). `h100` holds figures measured on the lent H100 (GPU.md);
@@ -12,19 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from actors.lanes import Route, route
 from disco_ray.graph import ops
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import DISK, MemVertex, MKind
 from disco_ray.graph.taskgraph import Vertex
 
-LANES = ("compute", "h2d", "d2h", "peer", "disk_w", "disk_r")
-_LANE = {
-    MKind.KERNEL: "compute",
-    MKind.INPUT: "h2d",
-    MKind.RELOAD: "h2d",
-    MKind.OFFLOAD: "d2h",
-    MKind.TRANSFER: "peer",
-}
+LANES = tuple(r.value for r in Route)  # compute, h2d, d2h, peer, disk_w, disk_r (actors/lanes.py)
 
 
 def on_disk(v: MemVertex) -> bool:
@@ -35,10 +30,8 @@ def on_disk(v: MemVertex) -> bool:
 
 
 def lane(v: MemVertex) -> str:
-    """The lane (channel) of its GPU that vertex `v` occupies while it runs."""
-    if on_disk(v):
-        return "disk_w" if v.kind is MKind.OFFLOAD else "disk_r"
-    return _LANE[v.kind]
+    """The lane (channel) of its GPU that vertex `v` occupies while it runs: the runtime's rule."""
+    return route(v).value
 
 
 def kernel_work(tv: Vertex, in_shapes: list[tuple[int, ...]]) -> float:
@@ -69,6 +62,8 @@ class Profile:
     # measures the disk of the machine it runs on)
     disk_write: float = 2e9
     disk_read: float = 3e9
+    ahead: int = 4  # kernels launched ahead per stream: the cuda backend's default
+    overlap: bool = False  # one vertex at a time per engine: a kernel's time assumes the whole GPU
 
     def time(self, v: MemVertex, tv: Vertex | None, in_shapes: list[tuple[int, ...]]) -> float:
         """Seconds vertex `v` occupies its lane (`tv`: its TaskGraph vertex, for kernels)."""
@@ -113,6 +108,8 @@ class UnitCost:
     streams: int = 5
     overrides: Mapping[str, float] = field(default_factory=dict)
     name: str = "unit"
+    ahead: int = 0  # kernels launched ahead per stream
+    overlap: bool = False  # one vertex at a time per engine (one matmul, one load, one transfer)
 
     def time(self, v: MemVertex, tv: Vertex | None, in_shapes: list[tuple[int, ...]]) -> float:
         if v.value in self.overrides:

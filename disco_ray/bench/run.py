@@ -194,7 +194,7 @@ def _simulated(w, settings: BenchSettings, modes: list[str], cost) -> BenchResul
             rows.append(report.row(mode, None, None, None, "not simulated"))
             continue
         mg = _plan(w, settings, mode)
-        r = simulate(mg, tg, cost, streams=settings.streams)
+        r = simulate(mg, tg, cost, streams=settings.streams, ahead=settings.ahead)
         rows.append(report.row(mode, r.makespan, report.sim_summary(mg, r), None, "simulated, not checked"))
         rows[-1]["summary"] = {**report.sim_summary(mg, r), "plan": mg.statistics()}
         traces[mode] = chrome_trace(mg, report.sim_records(r, tg.gpus, ns))

@@ -1,23 +1,25 @@
-"""Discrete-event simulation of a MemGraph under a cost model (no Ray, no GPU).
+"""Discrete-event simulation of a MemGraph under a cost model (no Ray, no GPU, no threads).
 
-The simulated runtime is the papers' work-conserving event loop (DISCO §1, appendix): a vertex
-starts as soon as all its predecessors have finished, a stream of its GPU is free (S per GPU) and
-its lane is free (one kernel at a time on `compute`, one copy at a time on each of `h2d`, `d2h`,
-`peer`); among the vertices that could start, the lowest id goes first. Durations come from the
-cost model (`disco_ray.bench.profiles`). It predicts makespans, and it checks the papers' worked example
-(levelwise 3n units, work-conserving 2n+1) exactly.
+The simulated runtime is the runtime itself: `disco_ray.bench.sim_engine` drives the
+coordinator's and the workers' own cores (`actors.scheduler`, `actors.worker_core`), their lane
+rule (`actors.lanes`: compute streams, a host-to-device and a device-to-host lane, a lane per
+peer, disk lanes; a copy depth of 2) and launch ahead, on a simulated clock: a worker launches
+its ready vertices lowest id first, and each engine of a GPU (compute, each copy direction) runs
+what was launched in launch order. Durations come from the cost model (`disco_ray.bench.profiles`, or a trace replayed: `disco_ray.bench.replay`). It predicts
+makespans, and it checks the papers' worked example (levelwise 3n units, work-conserving 2n+1)
+exactly. docs/RUNTIME.md, "The simulator", says how it works.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
-from disco_ray.graph.errors import GraphError
 from disco_ray.graph.memgraph import MemGraph, MKind
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .profiles import LANES, Profile, UnitCost, lane
+from .profiles import LANES, Profile, UnitCost
+from .replay import Replay
+from .sim_engine import Host, SimEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,7 @@ class SimResult:
     timeline: list[tuple[int, int, str, float, float]]
     profile: str = ""
     stats: dict = field(default_factory=dict)
+    stream_of: dict[int, int] = field(default_factory=dict)  # vertex -> the runtime's stream it ran on
 
     def statistics(self) -> dict:
         return {
@@ -47,103 +50,48 @@ class SimResult:
         raise KeyError(vid)
 
 
-def simulate(mg: MemGraph, tg: TaskGraph, cost: Profile | UnitCost, streams: int | None = None) -> SimResult:
+def simulate(
+    mg: MemGraph,
+    tg: TaskGraph,
+    cost: Profile | UnitCost | Replay,
+    streams: int | None = None,
+    *,
+    ahead: int | None = None,
+    host: Host | None = None,
+) -> SimResult:
     """Runs `mg` (planned from `tg`) in simulated time; GraphError if it deadlocks (a cycle).
 
     Args:
         mg: the MemGraph; its ids give the priority (lowest first).
         tg: the TaskGraph it was planned from (kernels' ops and shapes).
-        cost: a device profile or the unit cost model.
-        streams: streams per GPU; defaults to the cost model's.
+        cost: a device profile, the unit cost model or a replayed trace (`replay.Replay`).
+        streams: compute streams per GPU (WorkerConfig.streams); defaults to the cost model's.
+        ahead: kernels launched ahead per stream (WorkerConfig.ahead); defaults to the cost model's.
+        host: the host's costs (completion time, the reporter's lag); default none.
     """
-    n = len(mg)
     S = streams if streams is not None else cost.streams
     if S < 1:
         raise ValueError(f"streams must be >= 1, got {S}")
-    gpus = mg.gpus
-    dur = [_duration(v, tg, cost) for v in mg.vertices]
-    lanes = [LANES.index(lane(v)) for v in mg.vertices]
-    gpu = [v.gpu for v in mg.vertices]
-    ids = [v.id for v in mg.vertices]
-    succs = mg.succs()
-    indeg = [0] * n
-    for ss in succs:
-        for w in ss:
-            indeg[w] += 1
-    # per GPU and lane: heap of (id, position)
-    ready: list[list[list[tuple[int, int]]]] = [[[] for _ in LANES] for _ in range(gpus)]
-    lane_busy = [[False] * len(LANES) for _ in range(gpus)]
-    free = [S] * gpus
-    events: list[tuple[float, int, int]] = []  # (end time, sequence, position)
-    seq = 0
-    start = [0.0] * n
-    busy = [[0.0] * len(LANES) for _ in range(gpus)]
-
-    for p in range(n):
-        if indeg[p] == 0:
-            heapq.heappush(ready[gpu[p]][lanes[p]], (ids[p], p))
-
-    def dispatch(g: int, now: float) -> None:
-        nonlocal seq
-        while free[g]:
-            best = None
-            for li, h in enumerate(ready[g]):
-                if h and not lane_busy[g][li] and (best is None or h[0] < ready[g][best][0]):
-                    best = li
-            if best is None:
-                return
-            _, p = heapq.heappop(ready[g][best])
-            lane_busy[g][best] = True
-            free[g] -= 1
-            start[p] = now
-            busy[g][best] += dur[p]
-            seq += 1
-            heapq.heappush(events, (now + dur[p], seq, p))
-
-    now = 0.0
-    for g in range(gpus):
-        dispatch(g, now)
-    done = 0
-    while events:
-        now = events[0][0]
-        touched = set()
-        while events and events[0][0] == now:
-            _, _, p = heapq.heappop(events)
-            done += 1
-            g = gpu[p]
-            lane_busy[g][lanes[p]] = False
-            free[g] += 1
-            touched.add(g)
-            for w in succs[p]:
-                indeg[w] -= 1
-                if indeg[w] == 0:
-                    heapq.heappush(ready[gpu[w]][lanes[w]], (ids[w], w))
-                    touched.add(gpu[w])
-        for g in sorted(touched):
-            dispatch(g, now)
-    if done != n:
-        stuck = next(p for p in range(n) if indeg[p] > 0)
-        raise GraphError(
-            f"simulation deadlocked: vertex {ids[stuck]} never became ready "
-            f"({done} of {n} vertices ran; the MemGraph has a cycle)"
-        )
-    makespan = max((start[p] + dur[p] for p in range(n)), default=0.0)
+    A = ahead if ahead is not None else cost.ahead
+    dur = {v.id: _duration(v, tg, cost) for v in mg.vertices}
+    eng = SimEngine(mg, dur, S, A, host or Host(), cost.overlap)
+    span = eng.run()
+    lane = {v.id: eng.workers[v.gpu].engine[span[v.id][0]].value for v in mg.vertices}
+    makespan = max((e for _, _, e in span.values()), default=0.0)
+    busy = [[0.0] * len(LANES) for _ in range(mg.gpus)]
+    for v in mg.vertices:
+        busy[v.gpu][LANES.index(lane[v.id])] += dur[v.id]
     frac = [
         {ln: (busy[g][i] / makespan if makespan > 0 else 0.0) for i, ln in enumerate(LANES)}
-        for g in range(gpus)
+        for g in range(mg.gpus)
     ]
-    timeline = [(ids[p], gpu[p], LANES[lanes[p]], start[p], start[p] + dur[p]) for p in range(n)]
+    timeline = [(v.id, v.gpu, lane[v.id], span[v.id][1], span[v.id][2]) for v in mg.vertices]
     timeline.sort(key=lambda e: (e[3], e[0]))
     kinds: dict[str, int] = {k.value: 0 for k in MKind}
     for v in mg.vertices:
         kinds[v.kind.value] += 1
-    return SimResult(
-        makespan,
-        frac,
-        timeline,
-        getattr(cost, "name", ""),
-        {"streams": S, "by_kind": kinds, "work": sum(dur)},
-    )
+    stats = {"streams": S, "ahead": A, "by_kind": kinds, "work": sum(dur.values()), **eng.statistics()}
+    return SimResult(makespan, frac, timeline, cost.name, stats, {v: sp[0] for v, sp in span.items()})
 
 
 def _duration(v, tg: TaskGraph, cost) -> float:
