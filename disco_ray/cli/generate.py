@@ -139,7 +139,12 @@ def add_generate(p) -> None:
     p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block, in tokens (64)")
     p.add_argument("--tile", type=int, metavar="N", help="prefill row tile, a multiple of --block (4 blocks)")
     p.add_argument("--logits", metavar="OUT.npz", help="write the prompt's logits as array 'logits'")
-    p.add_argument("--json", action="store_true", help="print one JSON object with tokens and statistics")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one prompt: print one JSON object with the tokens and statistics; --prompts: the run's "
+        "statistics as one JSON object on stderr (stdout carries the results unless --out)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a run after S seconds")
     p.add_argument(
