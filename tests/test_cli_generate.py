@@ -23,6 +23,7 @@ from disco_ray.cli.prompts import LineSink, Request, Results  # noqa: E402
 from disco_ray.graph.errors import RunError  # noqa: E402
 from disco_ray.models import LlamaModel  # noqa: E402
 from disco_ray.models.sampling import SamplingParams  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
 from tests.test_models import expected, make_checkpoint  # noqa: E402
 
 WORDS = ["<unk>", *(f"w{i}" for i in range(1, 128))]  # a word per id of the 128-token vocabulary
@@ -252,6 +253,22 @@ def test_a_failed_run_keeps_only_the_whole_lines_of_the_sequences_done(ckpt, tmp
     code, _, err = run(capsys, ckpt[0], *args)
     assert code == 2 and "worker 0 died" in err and "finished sequences" not in err
     assert not out.exists() and not Path(f"{out}.partial").exists()
+
+
+def test_the_disco_ray_process_writes_the_jsonl_on_stdout_and_refuses_a_bad_line(ckpt, want, tmp_path):
+    prompts = jsonl(tmp_path / "p.jsonl", {"ids": PROMPTS[0]}, {"ids": PROMPTS[2]})
+    args = ["--batch", "2", "--max-new-tokens", "3", "--ignore-eos", *RUN]
+    r = run_cli("generate", ckpt[0], "--prompts", prompts, *args)
+    assert r.returncode == 0, r.stderr
+    got = sorted(lines_of(r.stdout), key=lambda d: d["index"])
+    assert [d["new_ids"] for d in got] == [want[0][:3], want[2][:3]]
+    assert "seq/s" not in r.stderr  # no bar: stderr is no terminal and --progress was not given
+    bad = jsonl(tmp_path / "bad.jsonl", {"ids": [1]}, '{"ids": [1,')
+    r = run_cli("generate", ckpt[0], "--prompts", bad, *args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        f"disco-ray: error: {bad}:2: malformed JSON at column 12: Expecting value"
+    ]
 
 
 # ---- sampling and stop ids ---------------------------------------------------------------------------
