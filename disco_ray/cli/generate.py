@@ -360,7 +360,7 @@ def generate_sampled(args) -> int:
     tokens = [int(t) for t in seq.new_ids]
     run = gen.statistics()
     if args.json:
-        doc = {"tokens": tokens, "finish_reason": seq.finish_reason.value, "seed": params.seed}
+        doc = {"tokens": tokens, "finish_reason": reason_of(seq), "seed": params.seed}
         doc.update(run, prompt_tokens=len(ids), **_model_stats(args, stats))
         if tok is not None:
             doc["text"] = tok.decode(tokens)
@@ -373,7 +373,7 @@ def generate_sampled(args) -> int:
     print(
         f"prefill {len(ids)} tokens in {run.get('prefill_s', 0.0):.3f} s; {len(tokens)} new tokens"
         + (f" at {rate:.1f} tokens/s" if rate else "")
-        + f"; seed {params.seed}; stopped: {seq.finish_reason.value}",
+        + f"; seed {params.seed}; stopped: {reason_of(seq)}",
         file=sys.stderr,
     )
     return 0
@@ -454,7 +454,7 @@ def _run_batch(model, args, part, params, results, sink, bar) -> dict:
             lengths if len(set(lengths)) > 1 else lengths[0],
             sampling=params,
             stop_at_eos=not args.ignore_eos,
-            on_finish=lambda seq: emit(results.finish(seq.index, seq.new_ids, seq.finish_reason.value)),
+            on_finish=lambda seq: emit(results.finish(seq.index, seq.new_ids, reason_of(seq))),
             on_token=on_token,
             timeout=args.timeout,
         )
@@ -465,7 +465,7 @@ def _run_batch(model, args, part, params, results, sink, bar) -> dict:
     bar.spent += time.perf_counter() - t
     bar.generated += sum(len(seq.new_ids) for seq in gen.sequences)
     for seq in gen.sequences:  # any the callback did not report
-        emit(results.finish(seq.index, seq.new_ids, seq.finish_reason.value))
+        emit(results.finish(seq.index, seq.new_ids, reason_of(seq)))
     return gen.statistics()
 
 
@@ -497,26 +497,34 @@ class _Progress:
         self.bar.update(1)
 
 
+def reason_of(seq) -> str:
+    """A `SequenceOutput`'s finish reason as the results write it: "stop" or "length"."""
+    from disco_ray.models.sampling import FinishReason
+
+    r = seq.finish_reason
+    return r.value if isinstance(r, FinishReason) else str(r)
+
+
+def _median(xs: list) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
 def run_statistics(batches: list[dict], new_tokens: int, spent: float, sequences: int, batch: int) -> dict:
     """The run's statistics from its batches' (`BatchGeneration.statistics()`, each with "first",
-    its first prompt's number): totals over the batches, and the batches themselves."""
-
-    def numbers(key: str) -> list[float]:
-        return [
-            b[key] for b in batches if isinstance(b.get(key), (int, float)) and not isinstance(b[key], bool)
-        ]
-
-    steps = numbers("step_ms")
-    loaded = numbers("bytes_loaded_per_step")
+    its first prompt's number): totals and medians over every decode step of the run, and the
+    batches themselves."""
+    steps = [ms for b in batches for ms in (b.get("step_ms") or {}).get("list", [])]
+    loaded = [n for b in batches for n in b.get("bytes_loaded_per_step", [])]
     return {
         "sequences": sequences,
         "new_tokens": new_tokens,
         "batch": batch,
         "micro": sorted({b["micro"] for b in batches if "micro" in b}),
-        "prefill_s": round(sum(numbers("prefill_s")), 6),
-        "generate_s": round(spent, 6),  # in the batches' runs, prefill included
+        "prefill_s": round(sum(b.get("prefill_s", 0.0) for b in batches), 6),
+        "generate_s": round(spent, 6),  # in the batches' runs, prefill and planning included
         "new_tokens_per_s": round(new_tokens / spent, 3) if spent > 0 else None,
-        "step_ms": round(sorted(steps)[len(steps) // 2], 3) if steps else None,  # the batches' median
-        "bytes_loaded_per_step": max(loaded) if loaded else None,
+        "decode_steps": len(steps),
+        "step_ms": _median(steps),  # the median decode step of the run
+        "bytes_loaded_per_step": _median(loaded),  # the median decode step's input and reload bytes
         "batches": batches,
     }
