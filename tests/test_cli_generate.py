@@ -211,6 +211,9 @@ def test_greedy_results_equal_transformers_per_prompt_and_come_as_sequences_fini
     assert stats["sequences"] == 3 and stats["batch"] == 2 and len(stats["batches"]) == 2
     assert {"prefill_s", "new_tokens_per_s", "step_ms", "bytes_loaded_per_step", "micro"} <= set(stats)
     assert [b["first"] for b in stats["batches"]] == [0, 2]
+    assert stats["new_tokens"] == sum(b["new_tokens"] for b in stats["batches"])  # dropped ones too
+    assert stats["decode_steps"] == sum(b["decode_steps"] for b in stats["batches"]) > 0
+    assert stats["step_ms"] > 0 and stats["bytes_loaded_per_step"] >= 0 and stats["micro"] == [1]
 
 
 def test_results_go_to_stdout_and_statistics_to_a_file(ckpt, want, tmp_path, capsys):
