@@ -75,9 +75,11 @@ def finite_float(text: str) -> float:
 
 @command(
     "generate",
-    help="greedy generation with a Hugging Face LLaMA checkpoint",
+    help="generation with a Hugging Face LLaMA checkpoint: one prompt, or a JSONL file in batches",
     description="Load MODEL_DIR onto GPUS workers with CAPACITY arena bytes each, prefill the "
-    "prompt and decode greedily with a KV cache the workers keep. Prints the new token ids.",
+    "prompt and decode (greedy unless sampling is asked for) with a KV cache the workers keep. "
+    "One prompt: prints the new token ids. --prompts FILE.jsonl: runs the prompts --batch at a "
+    "time and writes a JSON line per sequence as it finishes (to --out, or stdout).",
 )
 def add_generate(p) -> None:
     p.add_argument("model", metavar="MODEL_DIR", help="config.json + model.safetensors (or shards)")
