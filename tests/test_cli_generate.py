@@ -145,6 +145,11 @@ def test_the_options_of_a_file_are_refused_with_one_prompt(ckpt, tmp_path, capsy
         (["--out", tmp_path / "o.jsonl"], "--out takes --prompts"),
         (["--progress"], "--progress takes --prompts"),
         ([], "--max-new-tokens is required"),
+        (
+            ["--max-new-tokens", "2", "--prompt-ids", "1,500"],
+            "--prompt-ids: token id 500 is outside the vocabulary",
+        ),
+        (["--max-new-tokens", "2", "--temperature", "0"], "--temperature must be > 0 when sampling"),
     ]:
         code, _, err = run(capsys, ckpt[0], "--prompt-ids", "1,2", *RUN, *args)
         assert code == 2 and message in err and len(err.splitlines()) == 1, err

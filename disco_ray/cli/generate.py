@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from disco_ray.graph.errors import UsageError
 
@@ -228,6 +229,19 @@ def _vocab(model: str) -> int:
     return Checkpoint(model).config.vocab
 
 
+def _prompt_ids(args, vocab: int) -> tuple[list[int], Any]:
+    """The one prompt's ids (and the tokenizer of --prompt, else None), checked against the vocabulary."""
+    tok = _tokenizer(args.model) if args.prompt is not None else None
+    ids = tok.encode(args.prompt).ids if tok is not None else args.prompt_ids
+    flag = "--prompt" if tok is not None else "--prompt-ids"
+    if not ids:
+        raise UsageError(f"{flag}: empty prompt (the text tokenizes to no ids)")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UsageError(f"{flag}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+    return ids, tok
+
+
 def cmd_generate(args) -> int:
     if args.prompts is not None:
         return generate_file(args)
@@ -245,15 +259,15 @@ def cmd_generate(args) -> int:
         or args.stop_ids
         or any(v is not None for v in (args.temperature, args.top_k, args.top_p))
     )
-    if chosen and args.max_new_tokens:
-        return generate_sampled(args)
+    if chosen:
+        sampling_of(args, _vocab(args.model))  # checked even when --max-new-tokens 0 samples nothing
+        if args.max_new_tokens:
+            return generate_sampled(args)
     return generate_one(args)
 
 
 def generate_one(args) -> int:
     """One prompt, greedy: `LlamaModel.run_generate`."""
-    from disco_ray.models import LlamaModel
-
     capacity, budget = _capacity(args)
     if args.logits:
         out = Path(args.logits)
@@ -261,18 +275,8 @@ def generate_one(args) -> int:
             raise UsageError(f"--logits {args.logits}: the logits are written as .npz")
         if not os.access(out.parent if str(out.parent) else ".", os.W_OK):
             raise UsageError(f"--logits {args.logits}: its directory is not writable")
-    tok = _tokenizer(args.model) if args.prompt is not None else None
-    ids = tok.encode(args.prompt).ids if tok is not None else args.prompt_ids
-    kw = model_run_kwargs(args, args.gpus)
-    with LlamaModel(
-        args.model,
-        gpus=args.gpus,
-        capacity=capacity,
-        dtype=args.dtype,
-        block=args.block,
-        tile=args.tile,
-        **kw,
-    ) as model:
+    ids, tok = _prompt_ids(args, _vocab(args.model))
+    with _open_model(args, capacity) as model:
         model.watch(budget)
         gen = model.run_generate(
             ids,
@@ -350,8 +354,7 @@ def generate_sampled(args) -> int:
     capacity, budget = _capacity(args)
     vocab = _vocab(args.model)
     params = sampling_of(args, vocab).with_seed()
-    tok = _tokenizer(args.model) if args.prompt is not None else None
-    ids = tok.encode(args.prompt).ids if tok is not None else args.prompt_ids
+    ids, tok = _prompt_ids(args, vocab)
     with _open_model(args, capacity) as model:
         model.watch(budget)
         gen = model.run_generate_batch(
