@@ -142,6 +142,7 @@ class Executor:
                 for value, key in tg.carry.items()
                 if tg[value].gpu == self.gpu
             ]
+            self._carry_keys = [tg.carry[value] for value, _, _ in self.carries]
         except BaseException:
             self.loads.release()
             raise
@@ -223,6 +224,11 @@ class Executor:
                 raise RunError(f"gpu:{self.gpu}: a run is still in progress")
             # loads of values the arena still holds from the last run are skipped (actors/loads.py)
             self._skip = self.loads.begin(inputs, self.arena_slot)
+            # the states to save, by id at each run: states move and go between runs (move_states)
+            self.carries = [
+                (value, vid, self.store.state(key, self.tg[value].nbytes, self.tg[value].dtype))
+                for (value, vid, _), key in zip(self.carries, self._carry_keys)
+            ]
             self._acc_started = set()
             self._acc_first = {}
             if check:

@@ -66,7 +66,6 @@ class Loads:
                     self._acquired.append(x)
                 else:
                     self.states[x] = store.state(x, tg[x].nbytes, tg[x].dtype)
-                    self.inputs[x] = self.states[x].buf
         except BaseException:
             self.release()
             raise
@@ -102,6 +101,8 @@ class Loads:
                 flat = self.staging[off : off + nb].copy_(flat)
             self.inputs[name] = flat
             self.given[name] = next(_versions)
+        for x in self.states:  # by id at each run: states move and go between runs (move_states)
+            self.states[x] = self.store.state(x, self.tg[x].nbytes, self.tg[x].dtype)
         self.tokens = {}
         skip = []
         for vid in self.stable:
@@ -119,6 +120,8 @@ class Loads:
         else with `copy` from its host bytes."""
         if self.streams is not None and value in self.streams:
             self.streams.load(value, out)
+        elif value in self.states:
+            copy(out, self.states[value].buf)
         else:
             copy(out, self.inputs[value])
 

@@ -192,6 +192,14 @@ class GpuWorker:
         if self.store is not None:
             self.store.clear_states()
 
+    def move_states(self, renames: dict[str, str], drop: list[str]) -> dict:
+        if self.store is None:
+            return {"moved": 0, "dropped": 0}
+        return self.store.move_states(renames, drop)
+
+    def state_count(self) -> int:
+        return 0 if self.store is None else len(self.store.states)
+
     def _report(self, gpu: int, vids: list[int]) -> None:
         self.coord.report.remote(gpu, vids)  # fire and forget: the coordinator orders nothing by it
 

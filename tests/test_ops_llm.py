@@ -116,6 +116,61 @@ def test_kv_write_replaces_the_rows_at_the_position_and_keeps_the_rest():
     torch.testing.assert_close(inplace[:2], new)
 
 
+@pytest.mark.parametrize("kvh", [4, 2])
+def test_attention_span_gives_each_group_its_own_keys_and_each_row_its_span(kvh):
+    gen = torch.Generator().manual_seed(5)
+    heads, d, groups, t = 4, 8, 3, 2
+    q = torch.randn(groups * t, heads * d, generator=gen)
+    ks = [torch.randn(4, kvh * d, generator=gen) for _ in range(2 * groups)]  # 2 tiles per group
+    vs = [torch.randn(4, kvh * d, generator=gen) for _ in range(2 * groups)]
+    span = torch.tensor([[0, 7], [2, 5], [3, 3], [6, 2], [1, 6], [0, 0]])  # row 3: empty (padding)
+    out = _run(
+        "attention_span",
+        q.shape,
+        torch.float32,
+        [q, span, *ks, *vs],
+        heads=heads,
+        kv_heads=kvh,
+        scale=0.3,
+        groups=groups,
+    )
+    for r in range(groups * t):
+        g = r // t
+        k, v = torch.cat(ks[2 * g : 2 * g + 2]), torch.cat(vs[2 * g : 2 * g + 2])
+        lo, hi = span[r].tolist()
+        mask = torch.zeros(1, 8, dtype=torch.bool)
+        mask[0, lo : hi + 1] = True
+        mask[0, hi] = True  # a padding row sees itself
+        want = _ref_attention(q[r : r + 1], k, v, heads, kvh, 0.3, mask)
+        torch.testing.assert_close(out[r : r + 1], want, **TOL[torch.float32])
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="groups' key tiles differ"):
+        ops.OPS["attention_span"].infer(
+            [(6, 32), (6, 2), (4, 8 * kvh), (5, 8 * kvh), (4, 8 * kvh), (5, 8 * kvh)] * 1,
+            ["float32", "int64", *["float32"] * 4],
+            {"heads": 4, "kv_heads": kvh, "scale": 1.0, "groups": 2},
+        )
+    with pytest.raises(ValueError, match="span must be integers"):
+        ops.OPS["attention_span"].infer(
+            [(6, 32), (5, 2), (4, 8 * kvh), (4, 8 * kvh)],
+            ["float32", "int64", "float32", "float32"],
+            {"heads": 4, "kv_heads": kvh, "scale": 1.0, "groups": 1},
+        )
+
+
+def test_kv_write_of_one_row_writes_that_row_only():
+    block = torch.zeros(4, 3)
+    new = torch.arange(9, dtype=torch.float32).view(3, 3)
+    out = _run("kv_write", (4, 3), torch.float32, [block, new, torch.tensor([6])], start=4, row=2)
+    want = torch.zeros(4, 3)
+    want[2] = new[2]
+    torch.testing.assert_close(out, want)
+    with pytest.raises(ValueError, match="row 3 is not a row"):
+        ops.OPS["kv_write"].infer(
+            [(4, 3), (3, 3), (1,)], ["float32", "float32", "int64"], {"row": 3, "start": 0}
+        )
+
+
 def test_bad_shapes_and_attrs_are_refused():
     g = TaskGraph()
     x = g.input("x", (2, 8))

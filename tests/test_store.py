@@ -225,6 +225,42 @@ def test_states_persist_across_runs_and_programs_of_one_pool(engine, request):
         b.close()
 
 
+def adder(name: str) -> TaskGraph:
+    """state `name` <- itself + x, and its new value as the output."""
+    g = TaskGraph()
+    new = g.add(g.input(name, (4, 4), state=True), g.input("x", (4, 4)), id="new")
+    g.output(g.scale(new, 1.0, id="seen"))
+    g.save_state(new, name)
+    return g
+
+
+def test_moved_states_are_read_under_their_new_id_and_dropped_ones_free_their_place():
+    """Renames between runs copy nothing; graphs already loaded read the moved value (never the
+    arena's stale copy of the id's old value) and save to the moved state; a drop frees it."""
+    shared = LocalPool()
+    reader = TaskGraph()
+    reader.output(reader.scale(reader.input("a", (4, 4), state=True), 2.0, id="twice"))
+    progs = {n: compile(adder(n), engine="local", pool=shared, capacity=1 << 16) for n in "ab"}
+    progs["read"] = compile(reader, engine="local", pool=shared, capacity=1 << 16)
+    try:
+        one, ten = torch.ones(4, 4), torch.full((4, 4), 10.0)
+        progs["a"].run({"x": one})
+        progs["b"].run({"x": ten})
+        for _ in range(2):  # the second run skips the state's load: the arena holds it
+            torch.testing.assert_close(progs["read"].run({})["twice"], 2 * one)
+        assert shared.stores[0].loads_skipped == 1
+        assert shared.stores[0].move_states({"b": "a", "a": "b"}) == {"moved": 2, "dropped": 0}
+        torch.testing.assert_close(progs["read"].run({})["twice"], 2 * ten)  # b's value, under a
+        torch.testing.assert_close(progs["a"].run({"x": one})["seen"], ten + one)
+        torch.testing.assert_close(progs["b"].run({"x": one})["seen"], 2 * one)
+        assert shared.move_states({}, ["a", "nothing"]) == [{"moved": 0, "dropped": 1}]
+        assert shared.state_count() == [1]
+        torch.testing.assert_close(progs["read"].run({})["twice"], 0 * one)  # a new zero state
+    finally:
+        for p in progs.values():
+            p.close()
+
+
 def test_a_state_of_another_size_is_refused():
     shared = LocalPool()
     with compile(counter(1), engine="local", pool=shared) as p:

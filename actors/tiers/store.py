@@ -14,7 +14,10 @@ A worker may hold several graphs at once (a model's prefill and its decode steps
   every graph and run that names it, for as long as the worker lives (`drop_unused` frees those
   no loaded graph names). With sources streamed from disk (`actors.tiers.diskio`) there are none.
 - **states**: named values a run saves (`TaskGraph.carry`) and later runs read (`state` inputs),
-  for example a KV cache. Each has a version that counts its saves.
+  for example a KV cache. Each has a version that counts its saves. `move_states` renames and
+  drops them between runs without copying data (a batch's finished sequences give their KV cache
+  back, the live ones take their rows); an id's version only grows, whatever moved through it,
+  so a load is never skipped for a value the arena held under that id before.
 
 Everything is allocated when a graph is loaded, never while a graph runs.
 """
@@ -74,6 +77,8 @@ class WorkerStore:
         self.pinned = pinned
         self.arenas: dict[int, ArenaSlot] = {}
         self.states: dict[str, State] = {}
+        self._gone: dict[str, int] = {}  # a moved or dropped state's last version: ids never reuse one
+        self.states_dropped = 0
         self._resident: dict[tuple, _Resident] = {}
         self.bytes_read = 0  # from sources, since the store was made
         self.reader = FileReader()  # streamed sources' reads (actors/tiers/diskio.py)
@@ -140,7 +145,7 @@ class WorkerStore:
         """State `id`, made (zero) on first use; RunError if it exists with another size."""
         s = self.states.get(id)
         if s is None:
-            s = self.states[id] = State(self._alloc(nbytes, True))
+            s = self.states[id] = State(self._alloc(nbytes, True), self._gone.pop(id, -1) + 1)
             s.buf.zero_()
         elif s.buf.numel() != nbytes:
             raise RunError(
@@ -162,6 +167,34 @@ class WorkerStore:
             raise RunError(f"gpu:{self.gpu}: no state {id!r}")
         return s.buf.to("cpu", copy=True).view(torch_dtype(dtype)).view(shape)
 
+    def move_states(self, renames: dict[str, str], drop: list[str] | tuple[str, ...] = ()) -> dict:
+        """Between runs: drops the states `drop` (their memory freed) and gives each state of
+        `renames` (old id -> new id, all at once: a permutation is fine) its new id. Ids this
+        worker does not hold are ignored (a model's ids name every GPU's states). A state taken
+        over by a rename is dropped. No data is copied. Returns the counts."""
+        dropped = 0
+        for id in drop:
+            dropped += self._drop(id)
+        moving = {old: self.states.pop(old) for old in renames if old in self.states}
+        for old, st in moving.items():
+            self._gone[old] = max(self._gone.get(old, -1), st.version)
+        for old, st in moving.items():
+            new = renames[old]
+            dropped += self._drop(new)
+            # a version the arena cannot hold under `new`: above any it saw there
+            st.version = max(st.version, self._gone.pop(new, -1)) + 1
+            self.states[new] = st
+        self.states_dropped += dropped
+        return {"moved": len(moving), "dropped": dropped}
+
+    def _drop(self, id: str) -> int:
+        st = self.states.pop(id, None)
+        if st is None:
+            return 0
+        self._gone[id] = max(self._gone.get(id, -1), st.version)
+        st.buf = torch.empty(0, dtype=torch.uint8)  # a graph that still names it cannot keep its memory
+        return 1
+
     def clear_states(self) -> None:
         """Forgets every state's contents (zeros, a new version); their memory stays."""
         for s in self.states.values():
@@ -174,6 +207,7 @@ class WorkerStore:
             "resident_inputs": len(self._resident),
             "resident_bytes": sum(r.buf.numel() for r in self._resident.values()),
             "states": len(self.states),
+            "states_dropped": self.states_dropped,
             "state_bytes": sum(s.buf.numel() for s in self.states.values()),
             "bytes_read_from_sources": self.bytes_read,
             "loads_skipped": self.loads_skipped,

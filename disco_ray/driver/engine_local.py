@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -54,6 +54,14 @@ class LocalPool:
     def clear_states(self) -> None:
         for s in self.stores.values():
             s.clear_states()
+
+    def move_states(self, renames: Mapping[str, str], drop: Sequence[str] = ()) -> list[dict]:
+        """Renames and drops states on every worker, no data copied (`WorkerStore.move_states`)."""
+        return [s.move_states(dict(renames), list(drop)) for s in self.stores.values()]
+
+    def state_count(self) -> list[int]:
+        """How many states each worker holds."""
+        return [len(s.states) for s in self.stores.values()]
 
     def close(self) -> None:
         self.stores.clear()

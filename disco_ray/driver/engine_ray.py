@@ -182,6 +182,19 @@ class RayPool:
 
         ray.get([w.clear_states.remote() for w in self.workers])
 
+    def move_states(self, renames: Mapping[str, str], drop: Sequence[str] = ()) -> list[dict]:
+        """Renames and drops states on every worker, no data copied (`WorkerStore.move_states`)."""
+        import ray
+
+        renames, drop = dict(renames), list(drop)
+        return ray.get([w.move_states.remote(renames, drop) for w in self.workers])
+
+    def state_count(self) -> list[int]:
+        """How many states each worker holds."""
+        import ray
+
+        return ray.get([w.state_count.remote() for w in self.workers])
+
     def close(self) -> None:
         """Kills the actors, and shuts Ray down if this pool started it."""
         import ray

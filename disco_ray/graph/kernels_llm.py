@@ -109,11 +109,43 @@ def _attention_at(out, ins, attrs):
     _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask)
 
 
+@_into(KERNELS, "attention_span")
+def _attention_span(out, ins, attrs):
+    # every group at once: keys stacked [groups, kv_heads, s, d], one batched product per key/value
+    # head with its query heads as rows (grouped-query: no copy of keys per query head)
+    q, span, kv = ins[0], ins[1], ins[2:]
+    groups = attrs["groups"]
+    m = len(kv) // 2 // groups
+    h = attrs["heads"]
+    kvh = attrs["kv_heads"] or h
+    t, per = q.shape[0] // groups, h // kvh
+
+    def stacked(tiles):  # -> [groups, kvh, s, d]
+        x = torch.stack([torch.cat(tiles[g * m : (g + 1) * m], dim=0) for g in range(groups)])
+        return x.unflatten(-1, (kvh, -1)).transpose(1, 2)
+
+    k, v = stacked(kv[: groups * m]), stacked(kv[groups * m :])
+    s, d = k.shape[2], k.shape[3]
+    keys = torch.arange(s, device=q.device).unsqueeze(0)
+    lo, hi = span[:, :1], span[:, 1:]
+    # a row sees its span and always its own last key: a row with an empty span (padding) stays finite
+    mask = ((keys >= lo) & (keys <= hi)) | (keys == hi)  # [groups*t, s]
+    mask = mask.view(groups, 1, 1, t, s).expand(groups, 1, per, t, s).reshape(groups, 1, per * t, s)
+    # query head kv_head * per + i uses key/value head kv_head (transformers' repeat_kv)
+    qh = q.view(groups, t, kvh, per, d).permute(0, 2, 3, 1, 4).reshape(groups, kvh, per * t, d)
+    sc = torch.matmul(qh, k.transpose(-1, -2)).mul_(attrs["scale"])
+    sc.masked_fill_(~mask, float("-inf"))
+    o = torch.matmul(sc.softmax(-1), v)  # [groups, kvh, per*t, d]
+    out.view(groups, t, kvh, per, d).copy_(o.view(groups, kvh, per, t, d).permute(0, 3, 1, 2, 4))
+
+
 @_into(KERNELS, "kv_write")
 def _kv_write(out, ins, attrs):
     block, new, pos = ins
     if out.data_ptr() != block.data_ptr():
         out.copy_(block)
+    if attrs.get("row") is not None:  # .get: vertices saved before the attribute existed
+        new = new[attrs["row"] : attrs["row"] + 1]
     rows = torch.arange(new.shape[0], device=new.device) + (pos - attrs["start"])
     out.index_copy_(0, rows, new)
 
@@ -174,6 +206,18 @@ def _attention_temps_op(out, ins, attrs):
 @_into(TEMPS, "attention_at")
 def _attention_at_temps(out, ins, attrs):
     return _attention_temps(ins[0], ins[2:], attrs, True)
+
+
+@_into(TEMPS, "attention_span")
+def _attention_span_temps(out, ins, attrs):
+    q, kv, groups = ins[0], ins[2:], attrs["groups"]
+    h = attrs["heads"]
+    s = sum(k.shape[0] for k in kv[: len(kv) // 2]) // groups
+    t, d, esz = q.shape[0], q.shape[1] // h, q.element_size()
+    kvh = attrs["kv_heads"] or h
+    kv_bytes = 2 * groups * s * kvh * d * esz  # the stacked keys and values
+    # the mask (two aranges' compares, its per-head copy), scores and probabilities, the output
+    return kv_bytes + t * s * (2 + 2 * 8 + h) + 2 * t * s * h * max(esz, 4) + t * h * d * esz
 
 
 @_into(TEMPS, "kv_write")

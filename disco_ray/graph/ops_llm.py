@@ -117,9 +117,44 @@ def _flops_attention_at(shapes, out, attrs):  # an upper bound: every key scored
     return q[0] * keys * attrs["heads"] * (4.0 * q[1] / attrs["heads"] + 5.0)
 
 
+def _infer_attention_span(shapes, dtypes, attrs):
+    groups = _int_attr("attention_span", attrs, "groups", 1)
+    if len(shapes) < 4 or (len(shapes) - 2) % (2 * groups):
+        raise ValueError(
+            f"attention_span takes q, span and {groups} group(s) of key tiles then of value tiles, "
+            f"got {len(shapes)} operands"
+        )
+    q, span, kv = shapes[0], shapes[1], shapes[2:]
+    _, kvh, d = _heads("attention_span", q, attrs)
+    if q[0] % groups:
+        raise ValueError(f"attention_span: {q[0]} query rows do not split into {groups} groups")
+    if span != (q[0], 2) or dtypes[1] not in ("int32", "int64"):
+        raise ValueError(
+            f"attention_span: span must be integers [{q[0]}, 2] (a key range per query row), "
+            f"got {list(span)} {dtypes[1]}"
+        )
+    _check_kv("attention_span", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
+    m = len(kv) // 2 // groups  # key tiles per group: the same shapes in every group
+    if any(kv[g * m + j] != kv[j] for g in range(groups) for j in range(m)):
+        raise ValueError(f"attention_span: the {groups} groups' key tiles differ in shape")
+    return q, _same_dtype("attention_span", [dtypes[0], *dtypes[2:]])
+
+
+def _flops_attention_span(shapes, out, attrs):  # an upper bound: every key of its group scored
+    q, groups = shapes[0], attrs["groups"]
+    keys = sum(s[0] for s in shapes[2 : 2 + (len(shapes) - 2) // 2]) // groups
+    return q[0] * keys * attrs["heads"] * (4.0 * q[1] / attrs["heads"] + 5.0)
+
+
 def _infer_kv_write(shapes, dtypes, attrs):
     block, new, pos = shapes
     _int_attr("kv_write", attrs, "start")
+    row = attrs.get("row")
+    if row is not None:
+        _int_attr("kv_write", attrs, "row")
+        if len(new) != 2 or row >= new[0]:
+            raise ValueError(f"kv_write: row {row} is not a row of the new rows {list(new)}")
+        new = (1, *new[1:])
     if len(block) != 2 or len(new) != 2 or new[1] != block[1] or new[0] > block[0]:
         raise ValueError(f"kv_write: new rows {list(new)} do not fit the block {list(block)}")
     if pos != (1,) or dtypes[2] not in ("int32", "int64"):
@@ -202,14 +237,30 @@ register(
 )
 register(
     OpSpec(
+        "attention_span",
+        4,
+        None,
+        _infer_attention_span,
+        attrs={"heads": REQUIRED, "scale": REQUIRED, "kv_heads": None, "groups": 1},
+        flops=_flops_attention_span,
+        doc="attention of q [groups*t, heads*d] where each group of t query rows has key tiles of its own: "
+        "operands q, span (int [groups*t, 2]), the key tiles k_{1,1}..k_{1,m}, .., k_{groups,m}, then the "
+        "value tiles in the same order ([t_j, kv_heads*d], the same shapes in every group); query row r "
+        "sees its group's keys at indices span[r,0]..span[r,1] and always the one at span[r,1] (a "
+        "padding row sees itself: finite, never NaN). Ragged batches: left padding and causality as "
+        "run-time data",
+    )
+)
+register(
+    OpSpec(
         "kv_write",
         3,
         3,
         _infer_kv_write,
-        attrs={"start": 0},
+        attrs={"start": 0, "row": None},
         flops=no_flops,
         doc="a KV cache block [b, c] (positions start..start+b-1) with new rows [t, c] written at positions "
-        "pos..pos+t-1 (pos: int [1], read on the device)",
+        "pos..pos+t-1 (pos: int [1], read on the device); row r: only new row r, at pos",
     )
 )
 register(

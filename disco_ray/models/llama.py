@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,10 +29,13 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
 from planner import build_memgraph, min_capacity
+from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
 from workloads.llm.checkpoint import Checkpoint
 from workloads.llm.model import ModelGraph, decode_graph, prefill_graph
 
+from .batch import BatchGeneration, SequenceOutput, run_batch
 from .programs import Programs, open_checkpoint, plan_entry
+from .sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -159,8 +162,25 @@ class LlamaModel(Programs):
                     cache=cache,
                     tile=self.tile,
                 )
-            else:
+            elif key[0] == "decode":
                 mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
+            else:  # a batch's: (kind, rows, cache blocks, micro-batches)
+                _, rows, blocks, micro = key
+                if key[0] == "batch_prefill":
+                    mgraph = batch_prefill_graph(
+                        self.ck,
+                        self.gpus,
+                        rows,
+                        blocks,
+                        self.block,
+                        dtype=self.dtype,
+                        micro=micro,
+                        tile=self.tile,
+                    )
+                else:
+                    mgraph = batch_decode_graph(
+                        self.ck, self.gpus, rows, blocks, self.block, dtype=self.dtype, micro=micro
+                    )
             tg = mgraph.taskgraph
             need = min_capacity(tg)
             if self.resizes and any(c < n for c, n in zip(caps, need)):
@@ -169,7 +189,8 @@ class LlamaModel(Programs):
                 self.clamped += 1
                 caps = [max(c, n) for c, n in zip(caps, need)]
             # the builder's order: layer by layer, each tile's vertices together
-            mg = build_memgraph(tg, caps, order=list(tg.vertices), host_capacity=self.host_capacity)
+            order = mgraph.order or list(tg.vertices)  # a batch's micro-batches: zig-zag
+            mg = build_memgraph(tg, caps, order=order, host_capacity=self.host_capacity)
             dt = time.perf_counter() - t
             self.planning_s += dt
             self.plans.append(plan_entry("/".join(str(k) for k in key), tg, mg, dt, capacity=caps))
@@ -256,10 +277,88 @@ class LlamaModel(Programs):
         logits, _, _ = self._run(("prefill", blocks, "all", False), ids, 0)
         return logits[: len(ids)]
 
-    def generate(self, ids: Sequence[int], max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
-        """Greedy decoding: the new token ids after the prompt `ids` (at most `max_new_tokens`;
-        the first end-of-sequence token of the config ends it, and is included)."""
-        return self.run_generate(ids, max_new_tokens, stop_at_eos=stop_at_eos).tokens
+    def generate(
+        self,
+        prompts: Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        sampling: SamplingParams | None = None,
+        stop_ids: Sequence[int] | None = None,
+        stop_at_eos: bool = True,
+        micro: int = 1,
+        timeout: float | None = None,
+    ) -> list[int] | list[list[int]]:
+        """The new token ids after each prompt (at most `max_new_tokens`, an int or one per
+        prompt; a stop id or the config's end-of-sequence token ends a sequence, and is included).
+
+        `prompts` is one list of token ids (greedy, one sequence: its new ids, as before) or a list
+        of such lists of any lengths (a batch, `run_generate_batch`: a list of new-id lists).
+        `sampling` (`SamplingParams`; default greedy) and `stop_ids` (added to its stop ids)."""
+        batch = bool(len(prompts)) and isinstance(prompts[0], Sequence) and not isinstance(prompts[0], str)
+        if not batch and sampling is None and stop_ids is None and micro == 1:
+            if not isinstance(max_new_tokens, int):
+                raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+            return self.run_generate(prompts, max_new_tokens, stop_at_eos=stop_at_eos, timeout=timeout).tokens  # type: ignore[arg-type]
+        if stop_ids is not None:
+            sampling = sampling or SamplingParams()
+            sampling = replace(sampling, stop_ids=tuple(sampling.stop_ids) + tuple(stop_ids))
+        got = self.run_generate_batch(
+            prompts if batch else [prompts],  # type: ignore[arg-type,list-item]
+            max_new_tokens,
+            sampling=sampling,
+            stop_at_eos=stop_at_eos,
+            micro=micro,
+            timeout=timeout,
+        )
+        new = [s.new_ids for s in got.sequences]
+        return new if batch else new[0]
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], *, micro: int = 1) -> torch.Tensor:
+        """The logits [len(prompts), vocab] (float32) of each prompt's last token, the prompts
+        prefilled together in one run (a ragged batch)."""
+        return run_batch(self, prompts, 1, micro=micro, prefill_logits=True).prefill_logits  # type: ignore[return-value]
+
+    def run_generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        sampling: SamplingParams | None = None,
+        stop_at_eos: bool = True,
+        micro: int = 1,
+        on_finish: Callable[[SequenceOutput], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+        timeout: float | None = None,
+    ) -> BatchGeneration:
+        """Generation for a batch of prompts of different lengths: one prefill run for all, then
+        one run of one plan per step for every unfinished sequence (`disco_ray.models.batch`).
+
+        Args:
+            prompts: token-id lists, any lengths (each checked against the vocabulary).
+            max_new_tokens: an int >= 0, or one per prompt.
+            sampling: greedy (the default) or sampling, and the request's stop ids.
+            stop_at_eos: the config's end-of-sequence ids also end a sequence.
+            micro: micro-batches per step (a power of two; the rows split into that many groups
+                that pass each layer in turn, sharing its weight loads).
+            on_finish: called with each sequence's `SequenceOutput` as it finishes.
+            on_token: called with (sequence index, token) for every new token.
+            timeout: bounds each run (RunError past it).
+
+        Raises:
+            UsageError: one line naming the bad input (an empty prompt, an id outside the
+                vocabulary with its sequence index, max_new_tokens < 0, bad sampling fields).
+        """
+        return run_batch(
+            self,
+            prompts,
+            max_new_tokens,
+            sampling=sampling,
+            stop_at_eos=stop_at_eos,
+            micro=micro,
+            on_finish=on_finish,
+            on_token=on_token,
+            timeout=timeout,
+        )
 
     def run_generate(
         self,
@@ -332,22 +431,38 @@ def capacity_bounds(
     block: int = 64,
     tile: int | None = None,
     dtype: str | None = None,
+    batch: int | None = None,
+    micro: int = 1,
 ) -> dict[str, list[int]]:
     """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
     prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
-    for every tensor of the largest graph at once ("roomy": nothing offloaded)."""
+    for every tensor of the largest graph at once ("roomy": nothing offloaded).
+
+    `batch`: the graphs of `run_generate_batch` for that many prompts of at most `prompt` tokens
+    (rows rounded up to a power of two, `micro` micro-batches; the fewer rows after compaction
+    need no more), instead of the single-sequence ones."""
     from planner import roomy_capacity
 
     ck = Checkpoint(path)
     blocks = math.ceil(prompt / block)
-    graphs = [
-        prefill_graph(ck, gpus, blocks, block, dtype=dtype, cache=new_tokens > 1, tile=tile or 4 * block)
-    ]
+    tile = tile or 4 * block
     last = prompt + new_tokens - 2  # the position the last decode step feeds
-    if new_tokens > 1:
+    if batch is not None:
+        rows = 1 << (max(1, batch) - 1).bit_length()
+        m = min(micro, rows)
+        graphs = [batch_prefill_graph(ck, gpus, rows, blocks, block, dtype=dtype, micro=m, tile=tile)]
+        end = blocks * block + new_tokens - 2  # the cache index the last step feeds
         graphs += [
-            decode_graph(ck, gpus, n, block, dtype) for n in range(prompt // block + 1, last // block + 2)
+            batch_decode_graph(ck, gpus, rows, n, block, dtype=dtype, micro=m)
+            for n in range(blocks + 1, end // block + 2)
+            if new_tokens > 1
         ]
+    else:
+        graphs = [prefill_graph(ck, gpus, blocks, block, dtype=dtype, cache=new_tokens > 1, tile=tile)]
+        if new_tokens > 1:
+            graphs += [
+                decode_graph(ck, gpus, n, block, dtype) for n in range(prompt // block + 1, last // block + 2)
+            ]
     low = [max(col) for col in zip(*(min_capacity(m.taskgraph) for m in graphs))]
     high = [max(col) for col in zip(*(roomy_capacity(m.taskgraph) for m in graphs))]
     return {"min": low, "roomy": high}

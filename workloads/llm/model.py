@@ -54,6 +54,7 @@ class ModelGraph:
     logits: list[tuple[int, list[str]]] = field(default_factory=list)  # (first row, output per GPU)
     split: Split | None = None
     tiles: list[tuple[int, int]] = field(default_factory=list)  # prefill: (first row, rows) per tile
+    order: list[str] = field(default_factory=list)  # the planner's serial order (empty: the builder's)
 
     def feed(self, cfg: LlamaConfig, ids: list[int], pos: int = 0) -> dict[str, torch.Tensor]:
         """The caller inputs of one run: token ids (padded to `rows`), positions from `pos`."""

@@ -1,0 +1,296 @@
+"""Batched generation: many prompts of different lengths, one run per step for the whole batch.
+
+The graphs and the cache layout are `workloads.llm.batch`'s (left-aligned cache index, per-row
+KV cache states, micro-batches). This module is the loop around them (`run_batch`, what
+`LlamaModel.run_generate_batch` runs) and what it returns:
+
+- the prompts are prefilled together, in one run; then each decode step advances every
+  unfinished sequence in one run of one plan, so each weight block is loaded once per step;
+- plans are keyed by (rows, cache blocks, micro-batches), with rows the live sequences rounded up
+  to a power of two: a finished sequence's row stays as padding (token 0, output ignored) until
+  the live count falls to the next lower power of two, when the batch is compacted: the live
+  rows' KV cache states are renamed to rows 0..B'-1 and the others dropped on the workers
+  (`move_states`: no data copied, memory freed). So a batch of B makes at most log2(B) + 1 row
+  counts, each planned once per cache block reached, and later calls reuse every plan;
+- the next tokens are chosen on the driver from the gathered logits rows
+  (`disco_ray.models.sampling`: greedy by default, or sampling with one generator per sequence
+  by its index in the request, so a sequence's tokens do not depend on its batch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from numbers import Integral
+from typing import Any
+
+import torch
+
+from disco_ray.graph.errors import UsageError
+from workloads.llm.batch import BatchLayout, feed_decode, feed_prefill, state_ids
+
+from .sampling import FinishReason, SamplingParams, finish_reason, sample, samplers
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceOutput:
+    """One sequence of a batch, once it has finished."""
+
+    index: int  # its place in the request's list of prompts
+    prompt_ids: list[int]
+    new_ids: list[int]
+    finish_reason: str  # "stop" (a stop id or end-of-sequence, included) or "length"
+
+
+@dataclass(slots=True)
+class BatchGeneration:
+    """What one `LlamaModel.run_generate_batch` did."""
+
+    sequences: list[SequenceOutput]  # in request order
+    batch: int  # rows of the first step (the live sequences rounded up to a power of two)
+    micro: int  # micro-batches per step
+    prefill_s: float = 0.0  # the prefill run (planning excluded)
+    decode_s: list[float] = field(default_factory=list)  # each decode step's run
+    rows: list[int] = field(default_factory=list)  # each decode step's rows (compaction shrinks them)
+    planning_s: float = 0.0  # plans made during this call
+    plans_made: int = 0
+    bytes_loaded: list[int] = field(default_factory=list)  # per decode step: input and reload bytes
+    prefill_bytes_loaded: int = 0
+    prefill_logits: torch.Tensor | None = None  # [sequences, vocab]: each prompt's last token's, when asked
+
+    def statistics(self) -> dict:
+        """A JSON-able summary: new tokens/s counts every new token over prefill and decode time."""
+        new = sum(len(s.new_ids) for s in self.sequences)
+        steps = sorted(self.decode_s)
+        total = self.prefill_s + sum(self.decode_s)
+        return {
+            "sequences": len(self.sequences),
+            "new_tokens": new,
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_steps": len(self.decode_s),
+            "decode_s": round(sum(self.decode_s), 6),
+            "new_tokens_per_s": round(new / total, 3) if total > 0 else None,
+            "step_ms": {
+                "median": round(1e3 * steps[len(steps) // 2], 3) if steps else None,
+                "list": [round(1e3 * s, 3) for s in self.decode_s],
+            },
+            "bytes_loaded_per_step": list(self.bytes_loaded),
+            "prefill_bytes_loaded": self.prefill_bytes_loaded,
+            "batch": self.batch,
+            "rows_per_step": list(self.rows),
+            "micro": self.micro,
+            "planning_s": round(self.planning_s, 6),
+            "plans_made": self.plans_made,
+            "finish_reasons": {
+                r: sum(s.finish_reason == r for s in self.sequences) for r in ("stop", "length")
+            },
+        }
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def check_prompts(prompts: object, vocab: int) -> list[list[int]]:
+    """The prompts as lists of ints; UsageError naming the sequence and the id otherwise."""
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)) or not prompts:
+        raise UsageError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Sequence) or isinstance(p, (str, bytes)):
+            raise UsageError(f"sequence {i}: a prompt must be a list of token ids, got {type(p).__name__}")
+        if not p:
+            raise UsageError(f"sequence {i}: the prompt has no token ids")
+        ids = []
+        for x in p:
+            if isinstance(x, bool) or not isinstance(x, Integral):
+                raise UsageError(f"sequence {i}: token id {x!r} is not an integer")
+            x = int(x)
+            if not 0 <= x < vocab:
+                raise UsageError(f"sequence {i}: token id {x} is outside the vocabulary 0..{vocab - 1}")
+            ids.append(x)
+        out.append(ids)
+    return out
+
+
+def check_max_new(max_new_tokens: object, n: int) -> list[int]:
+    """max_new_tokens per sequence: one int for all or a list of n; UsageError otherwise."""
+    each = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * n
+    if len(each) != n:
+        raise UsageError(f"max_new_tokens has {len(each)} entries for {n} prompts")
+    for i, m in enumerate(each):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise UsageError(f"sequence {i}: max_new_tokens must be an integer >= 0, got {m!r}")
+    return list(each)
+
+
+class BatchRows:
+    """Which sequence each row of a running batch holds, the tokens each has made and why it ends,
+    and when the batch compacts: the bookkeeping of `run_batch`, pure (no model, no workers).
+
+    Rows are the live sequences rounded up to a power of two; a finished sequence's row stays as
+    padding (None) until the live count falls to the next lower power of two (`compaction`).
+    """
+
+    def __init__(self, maxes: Sequence[int], ends: SamplingParams):
+        self.maxes, self.ends = list(maxes), ends
+        self.new: list[list[int]] = [[] for _ in maxes]
+        self.done: dict[int, FinishReason] = {i: FinishReason.LENGTH for i, m in enumerate(maxes) if m == 0}
+        live = [i for i in range(len(maxes)) if i not in self.done]
+        self.rows: list[int | None] = live + [None] * ((pow2(len(live)) if live else 0) - len(live))
+
+    def live(self) -> list[int]:
+        """The rows holding an unfinished sequence."""
+        return [r for r, s in enumerate(self.rows) if s is not None]
+
+    def advance(self, tokens: Sequence[int]) -> list[tuple[int, int, FinishReason | None]]:
+        """Each live row's new token (in `live()` order) appended to its sequence: per row,
+        (sequence, token, why it ended or None); an ended sequence's row becomes padding."""
+        out = []
+        for r, t in zip(self.live(), tokens, strict=True):
+            s = self.rows[r]
+            assert s is not None
+            self.new[s].append(t)
+            why = finish_reason(t, len(self.new[s]), self.maxes[s], self.ends)
+            if why is not None:
+                self.done[s] = why
+                self.rows[r] = None
+            out.append((s, t, why))
+        return out
+
+    def compaction(self) -> list[int | None] | None:
+        """When the live rows fit in a lower power of two: the old row of each new row (None:
+        padding), applied here; else None."""
+        live = self.live()
+        if not live or pow2(len(live)) >= len(self.rows):
+            return None
+        keep: list[int | None] = [*live, *[None] * (pow2(len(live)) - len(live))]
+        self.rows = [None if r is None else self.rows[r] for r in keep]
+        return keep
+
+    def tokens(self) -> list[int]:
+        """What each row feeds next: its sequence's last token (0 for padding)."""
+        return [0 if s is None else self.new[s][-1] for s in self.rows]
+
+
+def run_batch(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int | Sequence[int],
+    *,
+    sampling: SamplingParams | None = None,
+    stop_at_eos: bool = True,
+    micro: int = 1,
+    on_finish: Callable[[SequenceOutput], None] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    timeout: float | None = None,
+    prefill_logits: bool = False,
+) -> BatchGeneration:
+    """`LlamaModel.run_generate_batch` (see there); `prefill_logits` keeps each prompt's
+    last-token logits (`BatchGeneration.prefill_logits`)."""
+    cfg = model.config
+    ids = check_prompts(prompts, cfg.vocab)
+    maxes = check_max_new(max_new_tokens, len(ids))
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1):
+        raise UsageError(f"micro must be a power of two >= 1, got {micro!r}")
+    params = sampling if sampling is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise UsageError(f"sampling must be a SamplingParams, got {type(params).__name__}")
+    params.validate(cfg.vocab)
+    if params.do_sample:
+        params = params.with_seed()
+    own = samplers(params, range(len(ids))) if params.do_sample else []
+    ends = replace(params, stop_ids=tuple(params.stop_ids) + (tuple(cfg.eos) if stop_at_eos else ()))
+    planned, nplans = model.planning_s, len(model.plans)
+    book = BatchRows(maxes, ends)
+    done: dict[int, SequenceOutput] = {}
+
+    def finish(i: int) -> None:
+        done[i] = SequenceOutput(i, ids[i], list(book.new[i]), book.done[i].value)
+        if on_finish is not None:
+            on_finish(done[i])
+
+    for i in sorted(book.done):  # max_new_tokens 0: done before anything runs
+        finish(i)
+    R = len(book.rows)
+    gen = BatchGeneration([], R, min(micro, R) if R else micro)
+    layout = BatchLayout.of([len(ids[s]) for s in book.rows if s is not None] or [1], model.block, R)
+    reached, rows0, ok = layout.blocks, R, False
+    try:
+        if R:
+            m = min(micro, R)
+            mgraph, prog = model._program(("batch_prefill", R, layout.blocks, m))
+            feed = feed_prefill(mgraph, cfg, layout, [ids[s] for s in book.rows if s is not None], m)
+            outs, gen.prefill_s = _run(prog, feed, model.check, timeout)
+            gen.prefill_bytes_loaded = _loaded(prog)
+            logits = mgraph.gather(outs)
+            if prefill_logits:  # sequences with no new tokens were not prefilled: NaN rows
+                seqs = [s for s in book.rows if s is not None]
+                gen.prefill_logits = torch.full((len(ids), logits.shape[1]), float("nan"))
+                gen.prefill_logits[seqs] = logits[: len(seqs)]
+        p = layout.length  # the cache index of the next token fed
+        while book.live():
+            live = book.live()
+            toks = sample(logits[live], params, [own[book.rows[r]] for r in live] if own else ())  # type: ignore[index]
+            for s, t, why in book.advance(toks.tolist()):
+                if on_token is not None:
+                    on_token(s, t)
+                if why is not None:
+                    finish(s)
+            if not book.live():
+                break
+            keep = book.compaction()
+            if keep is not None:  # live rows to 0..B'-1 on the workers, the rest dropped
+                _compact(model, keep, R, reached)
+                layout, R = layout.take(keep), len(keep)
+            model._poll_budget()  # between steps: a new capacity takes effect here
+            m = min(micro, R)
+            blocks = p // model.block + 1
+            reached = max(reached, blocks)
+            mgraph, prog = model._program(("batch_decode", R, blocks, m))
+            feed = feed_decode(mgraph, cfg, layout, book.tokens(), p, m)
+            outs, dt = _run(prog, feed, model.check, timeout)
+            logits = mgraph.gather(outs)
+            gen.decode_s.append(dt)
+            gen.rows.append(R)
+            gen.bytes_loaded.append(_loaded(prog))
+            p += 1
+        ok = True
+    finally:  # the batch's KV cache goes, whatever happened
+        try:
+            model.pool.move_states(
+                {}, [x for r in range(rows0) for x in state_ids(cfg, model.gpus, r, reached)]
+            )
+        except Exception:
+            if ok:  # else the run's own error is the one to see (the workers may be gone)
+                raise
+    gen.sequences = [done[i] for i in range(len(ids))]
+    gen.planning_s = model.planning_s - planned
+    gen.plans_made = len(model.plans) - nplans
+    return gen
+
+
+def _run(prog, feed: dict[str, torch.Tensor], check: bool, timeout: float | None) -> tuple[dict, float]:
+    t = time.perf_counter()
+    outs = prog.run(feed, check=check, timeout=timeout)
+    return outs, time.perf_counter() - t
+
+
+def _loaded(prog) -> int:
+    """Bytes the last run loaded into the arenas: inputs (skipped loads excluded) and reloads."""
+    moved = (prog.last_summary or {}).get("bytes", {})
+    return int(moved.get("input", 0) + moved.get("reload", 0))
+
+
+def _compact(model: Any, keep: list[int | None], rows: int, blocks: int) -> None:
+    """Row keep[i] becomes row i on every worker; the other rows' KV cache states are dropped."""
+    cfg, G = model.config, model.gpus
+    renames: dict[str, str] = {}
+    for i, r in enumerate(keep):
+        if r is not None and r != i:
+            renames.update(zip(state_ids(cfg, G, r, blocks), state_ids(cfg, G, i, blocks)))
+    kept = {r for r in keep if r is not None}
+    drop = [x for r in range(rows) if r not in kept for x in state_ids(cfg, G, r, blocks)]
+    model.pool.move_states(renames, drop)  # type: ignore[attr-defined]
