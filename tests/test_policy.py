@@ -199,3 +199,72 @@ def test_a_config_only_decode_step_plans_and_simulates():
     assert weights and all(v.dtype == "float16" for v in weights)
     got = search(lambda b, m: tg, 1 << 30, cost=COST, batches=(1,), micros=(1,))
     assert got.step_s > 0 and got.candidates[0].loaded >= sum(v.nbytes for v in weights)
+
+
+# ---- `disco-ray generate --batch auto` ------------------------------------------------------------
+
+
+def test_auto_chooses_again_when_the_capacity_changed():
+    from types import SimpleNamespace
+
+    from disco_ray.cli.generate import _Auto
+    from disco_ray.cli.prompts import Request
+
+    ck = Checkpoint.from_config(dict(TINY))
+    model = SimpleNamespace(
+        ck=ck, gpus=1, capacity=1 << 30, block=4, dtype="float32", tile=16, host_capacity=None, resizes=[]
+    )
+    args = SimpleNamespace(policy_profile="t4", backend="cpu", streams=5)
+    reqs = [Request(i, i + 1, tuple(range(1, 9)), 4) for i in range(8)]
+    auto = _Auto(args)
+    first = auto.choose(model, reqs, 0)
+    kw = dict(gpus=1, prompt=8, new_tokens=4, cost=COST, block=4, dtype="float32", tile=16)
+    roomy = policy.for_checkpoint(ck, capacity=1 << 30, batches=(1, 2, 4, 8), **kw)
+    assert first == (roomy.batch, roomy.micro) and first[0] > 1
+    assert auto.choose(model, reqs, 8) == first and len(auto.chosen) == 1  # no change, no search
+    model.capacity = pair_need(ck, *first) - 1  # the roomy choice no longer fits
+    model.resizes.append({"capacity": [model.capacity]})
+    again = auto.choose(model, reqs, 8)
+    small = policy.for_checkpoint(ck, capacity=model.capacity, batches=(1, 2, 4, 8), **kw)
+    assert again == (small.batch, small.micro) and again != first
+    assert not next(c for c in small.candidates if (c.batch, c.micro) == first).fits
+    assert [c["first"] for c in auto.chosen] == [0, 8] and auto.chosen[1]["capacity"] == model.capacity
+    assert auto.predicted()["predicted_tokens_per_s"] == round(small.tokens_per_s, 3)
+
+
+def pair_need(ck: Checkpoint, batch: int, micro: int) -> int:
+    """The least arena in which both the batch's decode step (8 + 4 tokens, blocks of 4) and its
+    prefill have room for their largest vertex."""
+    from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
+
+    dec = batch_decode_graph(ck, 1, batch, 3, 4, dtype="float32", micro=micro).taskgraph
+    pre = batch_prefill_graph(ck, 1, batch, 2, 4, dtype="float32", micro=micro, tile=16).taskgraph
+    return max(min_capacity(dec)[0], min_capacity(pre)[0])
+
+
+def test_generate_batch_auto_runs_the_choice_and_reports_it_beside_the_measured(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from disco_ray.cli.app import main
+    from tests.test_models import expected, make_checkpoint
+
+    hf = make_checkpoint(tmp_path / "ck")
+    prompts = [[5, 17, 3, 99, 42, 7, 8, 1, 60, 63], [9, 4], [33, 12, 77, 101, 6]]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"ids": p}) + "\n" for p in prompts))
+    run = ["--capacity", "1MiB", "--engine", "local", "--block", "4", "--max-new-tokens", "4", "--ignore-eos"]
+    args = ["generate", str(tmp_path / "ck"), "--prompts", str(tmp_path / "p.jsonl"), *run]
+    code = main([*args, "--batch", "auto", "--policy-profile", "t4", "--stats", str(tmp_path / "s.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    got = sorted((json.loads(ln) for ln in out.splitlines()), key=lambda d: d["index"])
+    assert [d["new_ids"] for d in got] == [expected(hf, p, 4)[1] for p in prompts]
+    doc = json.loads((tmp_path / "s.json").read_text())
+    (chosen,) = doc["policy"]
+    assert chosen["profile"] == "t4" and chosen["batch"] in (1, 2, 4) and chosen["predicted_tokens_per_s"] > 0
+    assert doc["batch"] == chosen["batch"] and doc["micro"] == [chosen["micro"]]
+    assert all(b["predicted_step_ms"] == chosen["predicted_step_ms"] and b["step_ms"] for b in doc["batches"])
+    for bad, message in (
+        (["--batch", "2", "--policy-profile", "t4"], "--policy-profile takes --batch auto"),
+        (["--batch", "auto", "--policy-profile", "x9"], "unknown device profile 'x9'"),
+    ):
+        assert main([*args, *bad]) == 2
+        assert message in capsys.readouterr().err

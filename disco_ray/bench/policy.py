@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from disco_ray.graph.errors import CapacityError, UsageError
 from disco_ray.graph.memgraph import MemGraph, MKind
@@ -35,6 +36,9 @@ from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .profiles import Profile, UnitCost
 from .replay import Replay
+
+if TYPE_CHECKING:
+    from workloads.llm.checkpoint import Checkpoint
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MICROS = (1, 2, 4, 8)
@@ -159,6 +163,44 @@ def search(
     )
 
 
+def for_checkpoint(
+    ck: Checkpoint,
+    *,
+    gpus: int,
+    prompt: int,
+    new_tokens: int,
+    capacity: int | Sequence[int],
+    cost: Profile | UnitCost | Replay | CostFn,
+    block: int = 64,
+    dtype: str | None = None,
+    tile: int | None = None,
+    host_capacity: int | Sequence[int | None] | None = None,
+    host_memory: int | None = None,
+    batches: Iterable[int] = BATCHES,
+    micros: Iterable[int] = MICROS,
+) -> Policy:
+    """`search` over a checkpoint's batched decode step (`workloads.llm.batch`) at the cache length
+    of the last step of `new_tokens` after prompts of up to `prompt` tokens, each pair's batched
+    prefill required to plan too: what `disco-ray generate --batch auto` runs."""
+    from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
+
+    blocks = (prompt + max(new_tokens, 2) - 2) // block + 1
+    pblocks = -(-prompt // block)
+    tile = 4 * block if tile is None else tile
+    return search(
+        lambda b, m: batch_decode_graph(ck, gpus, b, blocks, block, dtype=dtype, micro=m).taskgraph,
+        capacity,
+        cost=cost,
+        batches=batches,
+        micros=micros,
+        host_capacity=host_capacity,
+        host_memory=host_memory,
+        prefill=lambda b, m: (
+            batch_prefill_graph(ck, gpus, b, pblocks, block, dtype=dtype, micro=m, tile=tile).taskgraph
+        ),
+    )
+
+
 def evaluate(
     make_graph: MakeGraph,
     batch: int,
@@ -186,8 +228,8 @@ def evaluate(
             return Candidate(
                 batch,
                 micro,
-                excluded=f"its prefill's largest vertex needs {format_size(need[g])} on gpu:{g}, the "
-                f"arena is {format_size(caps[g])}",
+                excluded=f"its prefill's largest vertex needs {need[g]} bytes on gpu:{g}, the arena is "
+                f"{caps[g]} ({format_size(need[g])} > {format_size(caps[g])})",
             )
     if host_memory is not None:
         held = host_bytes(tg)
@@ -207,8 +249,8 @@ def evaluate(
         return Candidate(
             batch,
             micro,
-            excluded=f"its largest vertex needs {format_size(need[g])} on gpu:{g}, the arena is "
-            f"{format_size(caps[g])}",
+            excluded=f"its largest vertex needs {need[g]} bytes on gpu:{g}, the arena is {caps[g]} "
+            f"({format_size(need[g])} > {format_size(caps[g])})",
         )
     try:
         mg = build_memgraph(tg, caps, order=list(tg.vertices), host_capacity=host_capacity)

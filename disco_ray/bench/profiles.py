@@ -164,6 +164,34 @@ unit = UnitCost()
 PROFILES: dict[str, Profile | UnitCost] = {"h100": h100, "a100": a100, "p100": p100, "t4": t4, "unit": unit}
 
 
+def measure_cpu(launch: float = 30e-6, streams: int = 5) -> Profile:
+    """This machine's CPU as a profile for the cpu backend (about a second of micro-benchmarks):
+    float32 matmul FLOP/s (a [512, 1024] x [1024, 2816] product, best of 3), memory bytes/s (a
+    64 MiB copy, read and written), which is also its load and offload rate (a copy between the
+    host store and the arena); `launch`, the runtime's cost per vertex (the local engine's order).
+    Speeds of a shared machine drift: a prediction is as good as the moment it was measured."""
+    import time
+
+    import torch
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    a, b = torch.randn(512, 1024), torch.randn(1024, 2816)
+    flops = 2 * 512 * 1024 * 2816 / best(lambda: a @ b)
+    x = torch.randn(16 << 20)
+    y = torch.empty_like(x)
+    copy = x.numel() * 4 / best(lambda: y.copy_(x))
+    rates = {"float32": flops, "float16": flops / 4, "bfloat16": flops / 4}  # no fast half matmul on a CPU
+    return Profile("cpu", rates, 2 * copy, copy, copy, copy, 1 << 40, launch=launch, streams=streams)
+
+
 def get(name: str) -> Profile | UnitCost:
     """The profile called `name`; UsageError names the known ones."""
     if name not in PROFILES:

@@ -59,9 +59,9 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
-def batch_arg(text: str) -> int:
-    """argparse type for `--batch N`: prompts per batch, >= 1."""
-    return positive_int(text)
+def batch_arg(text: str) -> int | str:
+    """argparse type for `--batch N|auto`: prompts per batch, >= 1, or "auto" (the policy search)."""
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def finite_float(text: str) -> float:
@@ -99,7 +99,20 @@ def add_generate(p) -> None:
         metavar="N",
         help="0: prefill only (one prompt); with --prompts, for lines without their own",
     )
-    p.add_argument("--batch", type=batch_arg, metavar="N", help="--prompts: prompts per batch (default 1)")
+    p.add_argument(
+        "--batch",
+        type=batch_arg,
+        metavar="N|auto",
+        help="--prompts: prompts per batch (default 1); auto: the batch and micro-batches of the most "
+        "predicted new tokens/s at the capacity (disco_ray.bench.policy), chosen again when "
+        "--budget-file changes the capacity",
+    )
+    p.add_argument(
+        "--policy-profile",
+        metavar="NAME",
+        help="--batch auto: the simulator's device profile (h100, a100, p100, t4; cpu: this machine's "
+        "CPU measured at start, the default with --backend cpu; h100 with cuda)",
+    )
     p.add_argument(
         "--out",
         metavar="FILE.jsonl",
@@ -245,7 +258,12 @@ def _prompt_ids(args, vocab: int) -> tuple[list[int], Any]:
 def cmd_generate(args) -> int:
     if args.prompts is not None:
         return generate_file(args)
-    for flag, value in (("--batch", args.batch), ("--out", args.out), ("--stats", args.stats)):
+    for flag, value in (
+        ("--batch", args.batch),
+        ("--out", args.out),
+        ("--stats", args.stats),
+        ("--policy-profile", args.policy_profile),
+    ):
         if value is not None:
             raise UsageError(f"{flag} takes --prompts (one prompt prints its tokens on stdout)")
     if args.progress:
@@ -393,6 +411,8 @@ def generate_file(args) -> int:
         raise UsageError("--logits takes one prompt (--prompt-ids or --prompt), not --prompts")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1 with --prompts, got {args.max_new_tokens}")
+    if args.policy_profile is not None and args.batch != "auto":
+        raise UsageError("--policy-profile takes --batch auto")
     capacity, budget = _capacity(args)
     if args.out is not None:
         check_writable(args.out, "--out")
@@ -411,7 +431,8 @@ def generate_file(args) -> int:
 
     requests = read_prompts(args.prompts, vocab=vocab, max_new_tokens=args.max_new_tokens, encode=encode)
     decode = tokenizer[0].decode if tokenizer else None
-    batch = args.batch or 1
+    auto = _Auto(args) if args.batch == "auto" else None
+    batch, micro = (1, 1) if auto else (args.batch or 1, 1)
     batches: list[dict] = []
     with (
         _open_model(args, capacity) as model,
@@ -419,14 +440,20 @@ def generate_file(args) -> int:
         _Progress(args, requests) as bar,
     ):
         model.watch(budget)
-        for start in range(0, len(requests), batch):
+        start = 0
+        while start < len(requests):
+            if auto is not None:  # the first batch, and the first after the capacity changed
+                batch, micro = auto.choose(model, requests[start:], start)
             part = requests[start : start + batch]
             stats = _run_batch(
-                model, args, part, batch_params(params, start), Results(part, decode), sink, bar
+                model, args, part, batch_params(params, start), Results(part, decode), sink, bar, micro
             )
-            batches.append({"first": start, **stats})
+            batches.append({"first": start, **stats, **(auto.predicted() if auto else {})})
+            start += len(part)
         sink.commit()
         doc = run_statistics(batches, bar.generated, bar.spent, len(requests), batch)
+        if auto is not None:
+            doc["policy"] = auto.chosen
         doc.update(seed=params.seed if params.do_sample else None, **_model_stats(args, model.statistics()))
     if args.stats is not None:
         from disco_ray.graph.formats import write_doc
@@ -437,7 +464,60 @@ def generate_file(args) -> int:
     return 0
 
 
-def _run_batch(model, args, part, params, results, sink, bar) -> dict:
+class _Auto:
+    """`--batch auto`: the policy search (`disco_ray.bench.policy.for_checkpoint`) at the model's
+    capacity, run again when a `--budget-file` has changed it; what it chose and predicted."""
+
+    def __init__(self, args):
+        from disco_ray.bench import profiles
+
+        name = args.policy_profile or ("cpu" if args.backend == "cpu" else "h100")
+        self.cost = profiles.measure_cpu(streams=args.streams) if name == "cpu" else profiles.get(name)
+        self.name = name
+        self.resizes = -1  # len(model.resizes) when it last chose
+        self.chosen: list[dict] = []  # one per choice
+
+    def choose(self, model, requests, start: int) -> tuple[int, int]:
+        from disco_ray.bench import policy
+
+        if len(model.resizes) != self.resizes or not self.chosen:
+            self.resizes = len(model.resizes)
+            got = policy.for_checkpoint(
+                model.ck,
+                gpus=model.gpus,
+                prompt=max(len(r.ids) for r in requests),
+                new_tokens=max(r.max_new_tokens for r in requests),
+                capacity=model.capacity,
+                cost=self.cost,
+                block=model.block,
+                dtype=model.dtype,
+                tile=model.tile,
+                host_capacity=model.host_capacity,
+                batches=[b for b in policy.BATCHES if b < 2 * len(requests)],  # none beyond the prompts
+            )
+            self.chosen.append(
+                {
+                    "first": start,
+                    "capacity": model.capacity,
+                    "profile": self.name,
+                    "batch": got.batch,
+                    "micro": got.micro,
+                    "predicted_step_ms": round(1e3 * got.step_s, 3),
+                    "predicted_tokens_per_s": round(got.tokens_per_s, 3),
+                    "candidates": len(got.candidates),
+                    "excluded": sum(not c.fits for c in got.candidates),
+                }
+            )
+        last = self.chosen[-1]
+        return last["batch"], last["micro"]
+
+    def predicted(self) -> dict:
+        """The prediction of the choice the batch ran with, beside its measured figures."""
+        last = self.chosen[-1]
+        return {k: last[k] for k in ("predicted_step_ms", "predicted_tokens_per_s")}
+
+
+def _run_batch(model, args, part, params, results, sink, bar, micro: int = 1) -> dict:
     """One batch, its result lines written as its sequences finish; returns its statistics. A
     failure names the `.partial` file that keeps the sequences finished so far."""
     from disco_ray.graph.errors import DiscoError
@@ -462,6 +542,7 @@ def _run_batch(model, args, part, params, results, sink, bar) -> dict:
             on_finish=lambda seq: emit(results.finish(seq.index, seq.new_ids, reason_of(seq))),
             on_token=on_token,
             timeout=args.timeout,
+            micro=micro,
         )
     except DiscoError as e:
         if sink.lines and sink.partial is not None:
