@@ -9,8 +9,8 @@ Here the same two knobs are searched, `batch` rows per decode step split into `m
 each pass a layer before the next layer (sharing its weight loads), but nothing is modelled by
 hand: each candidate's decode-step graph is planned by the planner at the capacity (so the plan's
 own offloads, reloads and spill-file traffic are what is costed), and the cost model predicts the
-plan's step time: the simulator under a device profile (`disco_ray.bench.simulate`), or any
-function of (TaskGraph, MemGraph) -> seconds, such as measured kernel costs. FlexGen's placement
+plan's step time: the simulator under a device profile or a replayed trace
+(`disco_ray.bench.simulate`), or any function of (TaskGraph, MemGraph) -> seconds. FlexGen's placement
 percentages (weights, cache, activations on GPU/CPU/disk) are the planner's decisions here, not
 searched; FlexGen solves an LP per (batch, block) pair, this enumerates the pairs and plans each.
 
