@@ -189,7 +189,20 @@ def measure_cpu(launch: float = 30e-6, streams: int = 5) -> Profile:
     y = torch.empty_like(x)
     copy = x.numel() * 4 / best(lambda: y.copy_(x))
     rates = {"float32": flops, "float16": flops / 4, "bfloat16": flops / 4}  # no fast half matmul on a CPU
-    return Profile("cpu", rates, 2 * copy, copy, copy, copy, 1 << 40, launch=launch, streams=streams)
+    # the cpu backend launches nothing ahead; its streams' kernels run at once, sharing the cores
+    return Profile(
+        "cpu",
+        rates,
+        2 * copy,
+        copy,
+        copy,
+        copy,
+        1 << 40,
+        launch=launch,
+        streams=streams,
+        ahead=0,
+        overlap=True,
+    )
 
 
 def get(name: str) -> Profile | UnitCost:
