@@ -262,6 +262,13 @@ def test_generate_batch_auto_runs_the_choice_and_reports_it_beside_the_measured(
     assert chosen["profile"] == "t4" and chosen["batch"] in (1, 2, 4) and chosen["predicted_tokens_per_s"] > 0
     assert doc["batch"] == chosen["batch"] and doc["micro"] == [chosen["micro"]]
     assert all(b["predicted_step_ms"] == chosen["predicted_step_ms"] and b["step_ms"] for b in doc["batches"])
+    # the cpu backend's default cost model: this machine measured at start
+    code = main([*args, "--batch", "auto", "--stats", str(tmp_path / "s.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    got = sorted((json.loads(ln) for ln in out.splitlines()), key=lambda d: d["index"])
+    assert [d["new_ids"] for d in got] == [expected(hf, p, 4)[1] for p in prompts]
+    assert json.loads((tmp_path / "s.json").read_text())["policy"][0]["profile"] == "cpu"
     for bad, message in (
         (["--batch", "2", "--policy-profile", "t4"], "--policy-profile takes --batch auto"),
         (["--batch", "auto", "--policy-profile", "x9"], "unknown device profile 'x9'"),
