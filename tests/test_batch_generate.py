@@ -112,12 +112,12 @@ def test_a_ragged_batch_gives_each_prompt_its_own_greedy_tokens_and_logits(ckpt,
 
 
 @pytest.mark.ray
-def test_the_ray_engine_gives_the_same_batch(ckpt, free, pool):  # noqa: F811
+@pytest.mark.parametrize("gpus, mode", [(2, "tight"), (1, "roomy")])
+def test_the_ray_engine_gives_the_same_batch(ckpt, free, pool, gpus, mode):  # noqa: F811
     path, hf = ckpt
     stop, k = own_stop(free)
-    with LlamaModel(
-        path, gpus=2, capacity=capacity(path, 2, "tight"), block=BLOCK, engine="ray", pool=pool
-    ) as m:
+    cap = capacity(path, gpus, mode)
+    with LlamaModel(path, gpus=gpus, capacity=cap, block=BLOCK, engine="ray", pool=pool) as m:
         before = pool.state_count()
         for row, p in zip(m.prefill_batch(PROMPTS), PROMPTS):
             assert rel_err(row, last_logits(hf, p)) <= 1e-4
@@ -125,6 +125,7 @@ def test_the_ray_engine_gives_the_same_batch(ckpt, free, pool):  # noqa: F811
         own = m.generate(PROMPTS, MAX_NEW, stop_ids=[[], [], [stop]], stop_at_eos=False)
         assert own == [free[0], free[1], free[2][:k]]
         assert pool.state_count() == before  # the batch's KV cache is gone with it
+        assert (sum(p["bytes_reloaded"] for p in m.plans) > 0) == (mode == "tight")
 
 
 def test_finished_sequences_free_their_states_and_plans_are_reused(ckpt, free):

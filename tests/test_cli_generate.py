@@ -153,6 +153,28 @@ def test_the_options_of_a_file_are_refused_with_one_prompt(ckpt, tmp_path, capsy
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize(
+    "prompt, args, message",
+    [
+        (["--prompt-ids", ""], [], "argument --prompt-ids: no token ids given"),
+        (["--prompt", ""], [], "--prompt: empty prompt (the text tokenizes to no ids)"),
+        (["--prompt-ids", "1,128"], [], "--prompt-ids: token id 128 is outside the vocabulary 0..127"),
+        (["--prompt-ids", "1,2"], ["--do-sample", "--temperature", "0"], "--temperature must be > 0"),
+        (["--prompt-ids", "1,2"], ["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--prompt-ids", "1,2"], ["--top-p", "1.01"], "--top-p must be in (0, 1], got 1.01"),
+    ],
+)
+def test_one_bad_prompt_is_refused_in_one_line_and_writes_nothing(
+    ckpt, tmp_path, capsys, prompt, args, message
+):
+    logits = tmp_path / "logits.npz"
+    code, stdout, err = run(
+        capsys, ckpt[0], *prompt, "--max-new-tokens", "2", *RUN, *args, "--logits", logits
+    )
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert stdout == "" and list(tmp_path.iterdir()) == []
+
+
 def assert_refused(capsys, tmp_path, model, *args, message: str) -> None:
     out = tmp_path / "out.jsonl"
     n = [] if "--max-new-tokens" in args else ["--max-new-tokens", "2"]  # unless the case gives its own

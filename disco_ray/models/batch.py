@@ -144,12 +144,14 @@ def check_stop_ids(stop_ids: object, n: int, vocab: int) -> list[tuple[int, ...]
     for i, own in enumerate(stop_ids):
         if not isinstance(own, Sequence) or isinstance(own, (str, bytes)):
             raise UsageError(f"sequence {i}: its stop ids must be a list of token ids, got {own!r}")
+        ids = []
         for x in own:
             if isinstance(x, bool) or not isinstance(x, Integral):
                 raise UsageError(f"sequence {i}: stop id {x!r} is not an integer")
-            if not 0 <= x < vocab:
+            if not 0 <= int(x) < vocab:
                 raise UsageError(f"sequence {i}: stop id {x} is outside the vocabulary 0..{vocab - 1}")
-        out.append(tuple(int(x) for x in own))
+            ids.append(int(x))
+        out.append(tuple(ids))
     return out
 
 
@@ -164,7 +166,7 @@ def check_indices(indices: object, n: int) -> list[int]:
         raise UsageError(f"indices has {len(indices)} entries for {n} prompts")
     seen: dict[int, int] = {}
     for i, x in enumerate(indices):
-        if isinstance(x, bool) or not isinstance(x, Integral) or x < 0:
+        if isinstance(x, bool) or not isinstance(x, Integral) or int(x) < 0:
             raise UsageError(f"sequence {i}: index {x!r} is not an integer >= 0")
         if int(x) in seen:  # two sequences would draw one stream
             raise UsageError(f"sequences {seen[int(x)]} and {i} have the same index {x}")
