@@ -112,14 +112,20 @@ def test_a_ragged_batch_gives_each_prompt_its_own_greedy_tokens_and_logits(ckpt,
 
 
 @pytest.mark.ray
-def test_the_ray_engine_gives_the_same_batch(ckpt, free, pool):  # noqa: F811
-    path, _ = ckpt
-    with LlamaModel(
-        path, gpus=2, capacity=capacity(path, 2, "tight"), block=BLOCK, engine="ray", pool=pool
-    ) as m:
+@pytest.mark.parametrize("gpus, mode", [(2, "tight"), (1, "roomy")])
+def test_the_ray_engine_gives_the_same_batch(ckpt, free, pool, gpus, mode):  # noqa: F811
+    path, hf = ckpt
+    stop, k = own_stop(free)
+    cap = capacity(path, gpus, mode)
+    with LlamaModel(path, gpus=gpus, capacity=cap, block=BLOCK, engine="ray", pool=pool) as m:
         before = pool.state_count()
+        for row, p in zip(m.prefill_batch(PROMPTS), PROMPTS):
+            assert rel_err(row, last_logits(hf, p)) <= 1e-4
         assert m.generate(PROMPTS, MAX_NEW, stop_at_eos=False) == free
+        own = m.generate(PROMPTS, MAX_NEW, stop_ids=[[], [], [stop]], stop_at_eos=False)
+        assert own == [free[0], free[1], free[2][:k]]
         assert pool.state_count() == before  # the batch's KV cache is gone with it
+        assert (sum(p["bytes_reloaded"] for p in m.plans) > 0) == (mode == "tight")
 
 
 def test_finished_sequences_free_their_states_and_plans_are_reused(ckpt, free):
@@ -142,6 +148,53 @@ def test_finished_sequences_free_their_states_and_plans_are_reused(ckpt, free):
         again = m.run_generate_batch(PROMPTS, [1, 2, 7], stop_at_eos=False)
         assert [s.new_ids for s in again.sequences] == [s.new_ids for s in g.sequences]
         assert len(m.plans) == plans and again.plans_made == 0
+
+
+def own_stop(free: list[list[int]]) -> tuple[int, int]:
+    """A token sequence 2 makes that sequence 0 makes too (and must go past) and sequence 1
+    never, and how many tokens sequence 2 has with it."""
+    stop = next(t for t in free[2] if t in free[0][:-1] and t not in free[1])
+    return stop, free[2].index(stop) + 1
+
+
+def test_a_sequences_own_stop_id_ends_it_alone_and_frees_its_row(ckpt, free):
+    path, _ = ckpt
+    stop, k = own_stop(free)
+    lengths = [len(free[0]), len(free[1]), k]
+    counts: list[int] = []  # the workers' states at each token of the longest sequence
+    with LlamaModel(path, capacity=1 << 24, block=BLOCK, engine="local") as m:
+
+        def seen(i: int, _t: int) -> None:
+            if i == 1:
+                counts.append(sum(m.pool.state_count()))
+
+        g = m.run_generate_batch(
+            PROMPTS, MAX_NEW, stop_ids=[[], [], [stop]], stop_at_eos=False, on_token=seen
+        )
+    assert [s.new_ids for s in g.sequences] == [free[0], free[1], free[2][:k]]
+    assert [s.finish_reason for s in g.sequences] == ["length", "length", "stop"]
+    # decode step j runs the sequences with more than j tokens, rows rounded up to a power of two
+    rows = [1 << (sum(n > j for n in lengths) - 1).bit_length() for j in range(1, max(lengths))]
+    assert g.rows == rows and rows[k - 1] < rows[k - 2]  # sequence 2's row went at its stop
+    per = 2 * 2  # states per row and block: layers x (k, v)
+    blocks = [(72 + j - 1) // BLOCK + 1 for j in range(1, max(lengths))]  # prompts fill 72 indices
+    assert counts == [4 * 18 * per] + [r * b * per for r, b in zip(rows, blocks)]
+
+
+def test_indices_make_a_sequences_samples_independent_of_the_calls_it_is_split_into(ckpt):
+    path, _ = ckpt
+    params = SamplingParams(do_sample=True, temperature=1.5, seed=3)
+    with LlamaModel(path, capacity=1 << 24, block=BLOCK, engine="local") as m:
+
+        def new(prompts, **kw) -> list[list[int]]:
+            g = m.run_generate_batch(prompts, 6, sampling=params, stop_at_eos=False, **kw)
+            return [s.new_ids for s in g.sequences]
+
+        whole = new(PROMPTS)
+        assert new(PROMPTS[:1], indices=[0]) + new(PROMPTS[1:], indices=[1, 2]) == whole
+        assert new(PROMPTS[::-1], indices=[2, 1, 0]) == whole[::-1]
+        assert new(PROMPTS[1:]) != whole[1:]  # by default a call counts its own prompts from 0
+        assert m.generate(PROMPTS[2], 6, sampling=params, indices=[2], stop_at_eos=False) == whole[2]
 
 
 def test_sampled_tokens_of_a_sequence_do_not_depend_on_its_batch(ckpt):
@@ -224,24 +277,35 @@ def test_the_batch_bookkeeping_pads_finished_rows_and_compacts_at_powers_of_two(
     assert book.compaction() == [0] and book.rows == [4] and book.done[5] is FinishReason.STOP
     book.advance([6])
     assert book.live() == [] and book.new[4] == [7, 2, 4, 5, 6] and book.compaction() is None
+    # a sequence's own stop ids join the request's, for it alone
+    book = BatchRows([3, 3], SamplingParams(stop_ids=(9,)), [[5], []])
+    assert book.advance([5, 5]) == [(0, 5, FinishReason.STOP), (1, 5, None)]
+    assert book.advance([9]) == [(1, 9, FinishReason.STOP)]
 
 
 @pytest.mark.parametrize(
-    "prompts, new, message",
+    "prompts, new, kw, message",
     [
-        ([[1, 2], []], 3, "sequence 1: the prompt has no token ids"),
-        ([[1, 2], [3, 128]], 3, "sequence 1: token id 128 is outside the vocabulary 0..127"),
-        ([[1, -1]], 3, "sequence 0: token id -1 is outside"),
-        ([[1, 2]], -1, "sequence 0: max_new_tokens must be an integer >= 0, got -1"),
-        ([[1, 2], [3]], [1], "max_new_tokens has 1 entries for 2 prompts"),
-        ([], 1, "prompts must be a non-empty list"),
+        ([[1, 2], []], 3, {}, "sequence 1: the prompt has no token ids"),
+        ([[1, 2], [3, 128]], 3, {}, "sequence 1: token id 128 is outside the vocabulary 0..127"),
+        ([[1, -1]], 3, {}, "sequence 0: token id -1 is outside"),
+        ([[1, 2]], -1, {}, "sequence 0: max_new_tokens must be an integer >= 0, got -1"),
+        ([[1, 2], [3]], [1], {}, "max_new_tokens has 1 entries for 2 prompts"),
+        ([], 1, {}, "prompts must be a non-empty list"),
+        ([[1], [2]], 3, {"stop_ids": [[5]]}, "stop_ids has 1 entries for 2 prompts"),
+        ([[1], [2]], 3, {"stop_ids": [[], [7, 128]]}, "sequence 1: stop id 128 is outside the vocabulary"),
+        ([[1], [2]], 3, {"stop_ids": [[], 7]}, "sequence 1: its stop ids must be a list of token ids"),
+        ([[1], [2]], 3, {"stop_ids": [[True], []]}, "sequence 0: stop id True is not an integer"),
+        ([[1], [2]], 3, {"indices": [4]}, "indices has 1 entries for 2 prompts"),
+        ([[1], [2]], 3, {"indices": [4, -1]}, "sequence 1: index -1 is not an integer >= 0"),
+        ([[1], [2], [3]], 3, {"indices": [4, 0, 4]}, "sequences 0 and 2 have the same index 4"),
     ],
 )
-def test_bad_input_is_one_usage_error_naming_it(ckpt, prompts, new, message):
+def test_bad_input_is_one_usage_error_naming_it(ckpt, prompts, new, kw, message):
     path, _ = ckpt
     with LlamaModel(path, capacity=1 << 24, block=BLOCK, engine="local") as m:
         with pytest.raises(UsageError, match=message.replace("(", r"\(")):
-            m.run_generate_batch(prompts, new)
+            m.run_generate_batch(prompts, new, **kw)
         with pytest.raises(UsageError, match="top_p must be in"):
             m.run_generate_batch([[1]], 1, sampling=SamplingParams(do_sample=True, top_p=0.0))
         assert m.plans == []  # refused before anything was planned

@@ -18,11 +18,9 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from disco_ray.cli.app import main  # noqa: E402
-from disco_ray.cli.generate import batch_params  # noqa: E402
 from disco_ray.cli.prompts import LineSink, Request, Results  # noqa: E402
 from disco_ray.graph.errors import RunError  # noqa: E402
 from disco_ray.models import LlamaModel  # noqa: E402
-from disco_ray.models.sampling import SamplingParams  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 from tests.test_models import expected, make_checkpoint  # noqa: E402
 
@@ -155,6 +153,28 @@ def test_the_options_of_a_file_are_refused_with_one_prompt(ckpt, tmp_path, capsy
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize(
+    "prompt, args, message",
+    [
+        (["--prompt-ids", ""], [], "argument --prompt-ids: no token ids given"),
+        (["--prompt", ""], [], "--prompt: empty prompt (the text tokenizes to no ids)"),
+        (["--prompt-ids", "1,128"], [], "--prompt-ids: token id 128 is outside the vocabulary 0..127"),
+        (["--prompt-ids", "1,2"], ["--do-sample", "--temperature", "0"], "--temperature must be > 0"),
+        (["--prompt-ids", "1,2"], ["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--prompt-ids", "1,2"], ["--top-p", "1.01"], "--top-p must be in (0, 1], got 1.01"),
+    ],
+)
+def test_one_bad_prompt_is_refused_in_one_line_and_writes_nothing(
+    ckpt, tmp_path, capsys, prompt, args, message
+):
+    logits = tmp_path / "logits.npz"
+    code, stdout, err = run(
+        capsys, ckpt[0], *prompt, "--max-new-tokens", "2", *RUN, *args, "--logits", logits
+    )
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert stdout == "" and list(tmp_path.iterdir()) == []
+
+
 def assert_refused(capsys, tmp_path, model, *args, message: str) -> None:
     out = tmp_path / "out.jsonl"
     n = [] if "--max-new-tokens" in args else ["--max-new-tokens", "2"]  # unless the case gives its own
@@ -216,7 +236,9 @@ def test_greedy_results_equal_transformers_per_prompt_and_come_as_sequences_fini
     assert stats["sequences"] == 3 and stats["batch"] == 2 and len(stats["batches"]) == 2
     assert {"prefill_s", "new_tokens_per_s", "step_ms", "bytes_loaded_per_step", "micro"} <= set(stats)
     assert [b["first"] for b in stats["batches"]] == [0, 2]
-    assert stats["new_tokens"] == sum(b["new_tokens"] for b in stats["batches"])  # dropped ones too
+    assert stats["new_tokens"] == sum(b["new_tokens"] for b in stats["batches"])
+    # line 0 ended at its own stop id in the model: no token decoded past it
+    assert stats["new_tokens"] == sum(len(d["new_ids"]) for d in got.values())
     assert stats["decode_steps"] == sum(b["decode_steps"] for b in stats["batches"]) > 0
     assert stats["step_ms"] > 0 and stats["bytes_loaded_per_step"] >= 0 and stats["micro"] == [1]
 
@@ -303,27 +325,46 @@ def test_sampling_with_a_seed_repeats_and_one_prompt_takes_stop_ids(ckpt, want, 
     assert "stopped: stop" in err
 
 
+def test_a_lines_sampled_tokens_do_not_depend_on_batch(ckpt, want, tmp_path, capsys):
+    lines = [
+        {"ids": PROMPTS[0]},
+        {"ids": PROMPTS[1], "max_new_tokens": 3},
+        {"ids": PROMPTS[2], "stop_ids": [want[2][1]]},  # may stop early if sampled: frees its row
+        {"ids": PROMPTS[0][::-1]},
+        {"ids": PROMPTS[2][:3], "max_new_tokens": 5},
+    ]
+    prompts = jsonl(tmp_path / "p.jsonl", *lines)
+    args = ["--prompts", prompts, "--max-new-tokens", "6", "--ignore-eos", *RUN]
+    sampled = ["--temperature", "1.5", "--seed", "11"]
+    runs = {}
+    for batch in (1, 2, 4):
+        code, stdout, err = run(capsys, ckpt[0], *args, *sampled, "--batch", batch)
+        assert code == 0, err
+        runs[batch] = sorted(lines_of(stdout), key=lambda d: d["index"])
+    assert runs[1] == runs[2] == runs[4]
+    assert len({tuple(d["new_ids"]) for d in runs[1]}) == 5  # each line its own stream
+    # line 0 of a file samples as the same prompt given alone
+    ids = ",".join(map(str, PROMPTS[0]))
+    code, stdout, err = run(
+        capsys, ckpt[0], "--prompt-ids", ids, "--max-new-tokens", "6", "--ignore-eos", *RUN, *sampled
+    )
+    assert code == 0 and stdout.strip() == ",".join(map(str, runs[1][0]["new_ids"])), err
+
+
 # ---- the pure parts ------------------------------------------------------------------------------------
-def test_a_lines_own_stop_ids_end_it_and_drop_its_later_tokens():
-    batch = [Request(10, 1, (1, 2), 5, stop_ids=(7,)), Request(11, 2, (3,), 5)]
-    r = Results(batch)
-    assert r.token(0, 4) is None and r.token(1, 7) is None  # 7 stops line 10 only
-    done = r.token(0, 7)
-    assert done == {"index": 10, "ids": [1, 2], "new_ids": [4, 7], "finish_reason": "stop"}
-    assert r.token(0, 9) is None and r.finish(0, [4, 7, 9, 9, 9], "length") is None  # dropped
-    assert r.finish(1, [7, 3], "length")["new_ids"] == [7, 3] and r.all_done()
-    # a stop id the token callback missed is still found in the finished sequence
-    r = Results(batch)
-    assert r.finish(0, [4, 4, 7, 1], "length")["new_ids"] == [4, 4, 7]
-
-
-def test_each_batch_draws_its_own_streams_and_the_first_keeps_the_seed():
-    p = SamplingParams(do_sample=True, seed=5)
-    assert batch_params(p, 0) == p
-    seeds = {batch_params(p, s).seed for s in (0, 4, 8, 12)}
-    assert len(seeds) == 4 and all(0 <= s < 2**64 for s in seeds)
-    greedy = SamplingParams()
-    assert batch_params(greedy, 4) == greedy
+def test_results_make_a_line_per_finished_sequence_once():
+    batch = [Request(10, 1, (1, 2), 5, stop_ids=(7,)), Request(11, 2, (3,), 5, text=True)]
+    r = Results(batch, decode=lambda ids: " ".join(WORDS[i] for i in ids))
+    assert r.finish(0, [4, 7], "stop") == {
+        "index": 10,
+        "ids": [1, 2],
+        "new_ids": [4, 7],
+        "finish_reason": "stop",
+    }
+    assert r.finish(0, [4, 7], "stop") is None and not r.all_done()  # reported once
+    doc = r.finish(1, [7, 3], "length")
+    assert doc == {"index": 11, "ids": [3], "new_ids": [7, 3], "text": "w7 w3", "finish_reason": "length"}
+    assert r.all_done()
 
 
 def test_the_sink_renames_only_when_committed(tmp_path):

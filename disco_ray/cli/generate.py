@@ -23,13 +23,11 @@ without `--greedy`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -209,15 +207,6 @@ def sampling_of(args, vocab: int):
         flag = _FLAGS.get(field)
         raise UsageError(f"{flag} {rest}" if flag else f"--stop-ids: {e}") from None
     return params
-
-
-def batch_params(params, start: int):
-    """The params of the batch whose first prompt is number `start`: its own seed (the first
-    batch keeps the run's), so that the sequences of different batches draw different streams."""
-    if start == 0 or not params.do_sample:
-        return params
-    digest = hashlib.blake2b(f"{params.seed}:batch:{start}".encode(), digest_size=8).digest()
-    return replace(params, seed=int.from_bytes(digest, "little"))
 
 
 def _capacity(args):
@@ -445,9 +434,7 @@ def generate_file(args) -> int:
             if auto is not None:  # the first batch, and the first after the capacity changed
                 batch, micro = auto.choose(model, requests[start:], start)
             part = requests[start : start + batch]
-            stats = _run_batch(
-                model, args, part, batch_params(params, start), Results(part, decode), sink, bar, micro
-            )
+            stats = _run_batch(model, args, part, params, Results(part, decode), sink, bar, micro)
             batches.append({"first": start, **stats, **(auto.predicted() if auto else {})})
             start += len(part)
         sink.commit()
@@ -527,10 +514,6 @@ def _run_batch(model, args, part, params, results, sink, bar, micro: int = 1) ->
             sink.write(doc)
             bar.finished()
 
-    def on_token(pos: int, token: int) -> None:
-        bar.token()
-        emit(results.token(pos, token))
-
     lengths = [r.max_new_tokens for r in part]
     t = time.perf_counter()
     try:
@@ -538,9 +521,11 @@ def _run_batch(model, args, part, params, results, sink, bar, micro: int = 1) ->
             [list(r.ids) for r in part],
             lengths if len(set(lengths)) > 1 else lengths[0],
             sampling=params,
+            stop_ids=[list(r.stop_ids) for r in part],  # each line's own, beside --stop-ids
+            indices=[r.index for r in part],  # a line samples by its index in the file, whatever --batch
             stop_at_eos=not args.ignore_eos,
             on_finish=lambda seq: emit(results.finish(seq.index, seq.new_ids, reason_of(seq))),
-            on_token=on_token,
+            on_token=lambda _pos, _token: bar.token(),
             timeout=args.timeout,
             micro=micro,
         )
@@ -564,7 +549,7 @@ class _Progress:
         shown = sys.stderr.isatty() or args.progress
         self.bar = tqdm(total=len(requests), unit="seq", desc="generate", file=sys.stderr, disable=not shown)
         self.tokens = 0  # new tokens reported so far, for the rate
-        self.generated = 0  # new tokens of the batches done (a line's own stop id drops none of them)
+        self.generated = 0  # new tokens of the batches done
         self.spent = 0.0  # seconds in the batches' runs
         self.t0 = time.perf_counter()
 

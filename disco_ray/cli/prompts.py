@@ -34,7 +34,7 @@ class Request:
     line: int  # its line number in the file, from 1 (for messages)
     ids: tuple[int, ...]  # the prompt's token ids (tokenized when given as text)
     max_new_tokens: int
-    stop_ids: tuple[int, ...] = ()  # this line's own, beside --stop-ids and the EOS ids
+    stop_ids: tuple[int, ...] = ()  # this line's own, beside --stop-ids and the EOS ids (the model's)
     text: bool = False  # given as text: the output gets the decoded new tokens
 
 
@@ -133,50 +133,28 @@ def read_prompts(
 
 
 class Results:
-    """Which result lines a batch's events make: a pure core, fed the model's callbacks.
-
-    A line's own `stop_ids` are watched here, token by token (`token`), so that a batch can
-    share one `SamplingParams`: the line is done at its first own stop id even if its sequence
-    runs on in the batch, whose later tokens are dropped. `finish` takes the model's verdict
-    for the others. Each returns the finished line's result (a dict) or None.
+    """Which result line each finished sequence of a batch makes: a pure core, fed the model's
+    `on_finish` (a line's own `stop_ids` go to the model, which ends the sequence at the first).
     """
 
     def __init__(self, batch: Sequence[Request], decode: Callable[[list[int]], str] | None = None):
         self.batch = list(batch)
         self.decode = decode
-        self.tokens: list[list[int]] = [[] for _ in self.batch]  # the new tokens seen, per position
         self.done: list[bool] = [False] * len(self.batch)
-        self.new_tokens = 0  # every token the model reported, dropped ones included
-
-    def _result(self, pos: int, new_ids: list[int], reason: str) -> dict:
-        self.done[pos] = True
-        req = self.batch[pos]
-        doc: dict = {"index": req.index, "ids": list(req.ids), "new_ids": new_ids}
-        if req.text and self.decode is not None:
-            doc["text"] = self.decode(new_ids)
-        doc["finish_reason"] = reason
-        return doc
-
-    def token(self, pos: int, token: int) -> dict | None:
-        """Sequence `pos` of the batch produced `token`."""
-        self.new_tokens += 1
-        if self.done[pos]:
-            return None
-        self.tokens[pos].append(token)
-        if token in self.batch[pos].stop_ids:
-            return self._result(pos, list(self.tokens[pos]), "stop")
-        return None
 
     def finish(self, pos: int, new_ids: Sequence[int], reason: str) -> dict | None:
-        """The model finished sequence `pos` with `new_ids` for `reason` ("stop" or "length")."""
+        """The model finished sequence `pos` of the batch with `new_ids` for `reason` ("stop" or
+        "length"): its result line, or None if it was reported already."""
         if self.done[pos]:
             return None
+        self.done[pos] = True
+        req = self.batch[pos]
         ids = [int(t) for t in new_ids]
-        own = self.batch[pos].stop_ids
-        cut = next((k for k, t in enumerate(ids) if t in own), None)
-        if cut is not None:  # a line's own stop id the token callback did not see
-            return self._result(pos, ids[: cut + 1], "stop")
-        return self._result(pos, ids, reason)
+        doc: dict = {"index": req.index, "ids": list(req.ids), "new_ids": ids}
+        if req.text and self.decode is not None:
+            doc["text"] = self.decode(ids)
+        doc["finish_reason"] = reason
+        return doc
 
     def all_done(self) -> bool:
         return all(self.done)

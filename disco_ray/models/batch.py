@@ -14,7 +14,10 @@ KV cache states, micro-batches). This module is the loop around them (`run_batch
   counts, each planned once per cache block reached, and later calls reuse every plan;
 - the next tokens are chosen on the driver from the gathered logits rows
   (`disco_ray.models.sampling`: greedy by default, or sampling with one generator per sequence
-  by its index in the request, so a sequence's tokens do not depend on its batch).
+  by its index, its place in the call unless `indices=` names it otherwise, so a sequence's
+  tokens do not depend on its batch, nor on how a caller splits its prompts into calls);
+- a sequence ends at the request's stop ids, its own (`stop_ids=`, one list per prompt), the
+  end-of-sequence ids or its own maximum, and its row is free from that step on.
 """
 
 from __future__ import annotations
@@ -126,6 +129,51 @@ def check_max_new(max_new_tokens: object, n: int) -> list[int]:
     return list(each)
 
 
+def check_stop_ids(stop_ids: object, n: int, vocab: int) -> list[tuple[int, ...]]:
+    """Each sequence's own stop ids (None: none), a list of token-id lists, one per prompt;
+    UsageError naming the sequence and the id otherwise."""
+    if stop_ids is None:
+        return [()] * n
+    if not isinstance(stop_ids, Sequence) or isinstance(stop_ids, (str, bytes)):
+        raise UsageError(
+            f"stop_ids must be a list of token-id lists, one per prompt, got {type(stop_ids).__name__}"
+        )
+    if len(stop_ids) != n:
+        raise UsageError(f"stop_ids has {len(stop_ids)} entries for {n} prompts")
+    out = []
+    for i, own in enumerate(stop_ids):
+        if not isinstance(own, Sequence) or isinstance(own, (str, bytes)):
+            raise UsageError(f"sequence {i}: its stop ids must be a list of token ids, got {own!r}")
+        ids = []
+        for x in own:
+            if isinstance(x, bool) or not isinstance(x, Integral):
+                raise UsageError(f"sequence {i}: stop id {x!r} is not an integer")
+            if not 0 <= int(x) < vocab:
+                raise UsageError(f"sequence {i}: stop id {x} is outside the vocabulary 0..{vocab - 1}")
+            ids.append(int(x))
+        out.append(tuple(ids))
+    return out
+
+
+def check_indices(indices: object, n: int) -> list[int]:
+    """Each sequence's index, which seeds its sampler (None: its place in the call, 0..n-1);
+    distinct integers >= 0, else UsageError."""
+    if indices is None:
+        return list(range(n))
+    if not isinstance(indices, Sequence) or isinstance(indices, (str, bytes)):
+        raise UsageError(f"indices must be a list of integers, one per prompt, got {type(indices).__name__}")
+    if len(indices) != n:
+        raise UsageError(f"indices has {len(indices)} entries for {n} prompts")
+    seen: dict[int, int] = {}
+    for i, x in enumerate(indices):
+        if isinstance(x, bool) or not isinstance(x, Integral) or int(x) < 0:
+            raise UsageError(f"sequence {i}: index {x!r} is not an integer >= 0")
+        if int(x) in seen:  # two sequences would draw one stream
+            raise UsageError(f"sequences {seen[int(x)]} and {i} have the same index {x}")
+        seen[int(x)] = i
+    return list(seen)
+
+
 class BatchRows:
     """Which sequence each row of a running batch holds, the tokens each has made and why it ends,
     and when the batch compacts: the bookkeeping of `run_batch`, pure (no model, no workers).
@@ -134,8 +182,17 @@ class BatchRows:
     padding (None) until the live count falls to the next lower power of two (`compaction`).
     """
 
-    def __init__(self, maxes: Sequence[int], ends: SamplingParams):
-        self.maxes, self.ends = list(maxes), ends
+    def __init__(
+        self, maxes: Sequence[int], ends: SamplingParams, stop_ids: Sequence[Sequence[int]] | None = None
+    ):
+        self.maxes = list(maxes)
+        # per sequence: the request's stop ids (`ends`) and its own
+        self.ends = [
+            replace(ends, stop_ids=ends.stop_ids + tuple(own)) if own else ends
+            for own in (stop_ids if stop_ids is not None else [()] * len(self.maxes))
+        ]
+        if len(self.ends) != len(self.maxes):
+            raise ValueError(f"{len(self.ends)} stop-id lists for {len(self.maxes)} sequences")
         self.new: list[list[int]] = [[] for _ in maxes]
         self.done: dict[int, FinishReason] = {i: FinishReason.LENGTH for i, m in enumerate(maxes) if m == 0}
         live = [i for i in range(len(maxes)) if i not in self.done]
@@ -153,7 +210,7 @@ class BatchRows:
             s = self.rows[r]
             assert s is not None
             self.new[s].append(t)
-            why = finish_reason(t, len(self.new[s]), self.maxes[s], self.ends)
+            why = finish_reason(t, len(self.new[s]), self.maxes[s], self.ends[s])
             if why is not None:
                 self.done[s] = why
                 self.rows[r] = None
@@ -181,6 +238,8 @@ def run_batch(
     max_new_tokens: int | Sequence[int],
     *,
     sampling: SamplingParams | None = None,
+    stop_ids: Sequence[Sequence[int]] | None = None,
+    indices: Sequence[int] | None = None,
     stop_at_eos: bool = True,
     micro: int = 1,
     on_finish: Callable[[SequenceOutput], None] | None = None,
@@ -193,6 +252,8 @@ def run_batch(
     cfg = model.config
     ids = check_prompts(prompts, cfg.vocab)
     maxes = check_max_new(max_new_tokens, len(ids))
+    own_stops = check_stop_ids(stop_ids, len(ids), cfg.vocab)
+    seeds = check_indices(indices, len(ids))
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1):
         raise UsageError(f"micro must be a power of two >= 1, got {micro!r}")
     params = sampling if sampling is not None else SamplingParams()
@@ -201,10 +262,10 @@ def run_batch(
     params.validate(cfg.vocab)
     if params.do_sample:
         params = params.with_seed()
-    own = samplers(params, range(len(ids))) if params.do_sample else []
+    own = samplers(params, seeds) if params.do_sample else []
     ends = replace(params, stop_ids=tuple(params.stop_ids) + (tuple(cfg.eos) if stop_at_eos else ()))
     planned, nplans = model.planning_s, len(model.plans)
-    book = BatchRows(maxes, ends)
+    book = BatchRows(maxes, ends, own_stops)
     done: dict[int, SequenceOutput] = {}
 
     def finish(i: int) -> None:

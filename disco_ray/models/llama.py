@@ -283,7 +283,8 @@ class LlamaModel(Programs):
         max_new_tokens: int | Sequence[int],
         *,
         sampling: SamplingParams | None = None,
-        stop_ids: Sequence[int] | None = None,
+        stop_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        indices: Sequence[int] | None = None,
         stop_at_eos: bool = True,
         micro: int = 1,
         timeout: float | None = None,
@@ -293,19 +294,26 @@ class LlamaModel(Programs):
 
         `prompts` is one list of token ids (greedy, one sequence: its new ids, as before) or a list
         of such lists of any lengths (a batch, `run_generate_batch`: a list of new-id lists).
-        `sampling` (`SamplingParams`; default greedy) and `stop_ids` (added to its stop ids)."""
+        `sampling` (`SamplingParams`; default greedy); `stop_ids`: token ids added to its stop ids
+        for every sequence, or (a batch) one list per prompt, each sequence's own; `indices`:
+        each sequence's sampling index (`run_generate_batch`)."""
         batch = bool(len(prompts)) and isinstance(prompts[0], Sequence) and not isinstance(prompts[0], str)
-        if not batch and sampling is None and stop_ids is None and micro == 1:
+        simple = sampling is None and stop_ids is None and indices is None and micro == 1
+        if not batch and simple:
             if not isinstance(max_new_tokens, int):
                 raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
             return self.run_generate(prompts, max_new_tokens, stop_at_eos=stop_at_eos, timeout=timeout).tokens  # type: ignore[arg-type]
-        if stop_ids is not None:
+        # a list of lists: one per prompt; a flat list: the same for every sequence
+        each = batch and bool(stop_ids) and isinstance(stop_ids[0], Sequence)  # type: ignore[index]
+        if stop_ids is not None and not each:
             sampling = sampling or SamplingParams()
-            sampling = replace(sampling, stop_ids=tuple(sampling.stop_ids) + tuple(stop_ids))
+            sampling = replace(sampling, stop_ids=tuple(sampling.stop_ids) + tuple(stop_ids))  # type: ignore[arg-type]
         got = self.run_generate_batch(
             prompts if batch else [prompts],  # type: ignore[arg-type,list-item]
             max_new_tokens,
             sampling=sampling,
+            stop_ids=stop_ids if each else None,  # type: ignore[arg-type]
+            indices=indices,
             stop_at_eos=stop_at_eos,
             micro=micro,
             timeout=timeout,
@@ -324,6 +332,8 @@ class LlamaModel(Programs):
         max_new_tokens: int | Sequence[int],
         *,
         sampling: SamplingParams | None = None,
+        stop_ids: Sequence[Sequence[int]] | None = None,
+        indices: Sequence[int] | None = None,
         stop_at_eos: bool = True,
         micro: int = 1,
         on_finish: Callable[[SequenceOutput], None] | None = None,
@@ -336,7 +346,13 @@ class LlamaModel(Programs):
         Args:
             prompts: token-id lists, any lengths (each checked against the vocabulary).
             max_new_tokens: an int >= 0, or one per prompt.
-            sampling: greedy (the default) or sampling, and the request's stop ids.
+            sampling: greedy (the default) or sampling, and the stop ids of every sequence.
+            stop_ids: each prompt's own stop ids (a list per prompt, beside the sampling's): a
+                sequence that produces one finishes ("stop") and frees its row at that step.
+            indices: each prompt's index, distinct integers >= 0 (default 0..n-1): sampling
+                seeds sequence i's generator from (the seed, indices[i]), so a caller that
+                splits a list of prompts into several calls passes each prompt's place in the
+                list to get the tokens of one call, whatever the split (greedy ignores them).
             stop_at_eos: the config's end-of-sequence ids also end a sequence.
             micro: micro-batches per step (a power of two; the rows split into that many groups
                 that pass each layer in turn, sharing its weight loads).
@@ -346,13 +362,16 @@ class LlamaModel(Programs):
 
         Raises:
             UsageError: one line naming the bad input (an empty prompt, an id outside the
-                vocabulary with its sequence index, max_new_tokens < 0, bad sampling fields).
+                vocabulary with its sequence index, max_new_tokens < 0, bad sampling fields,
+                stop ids or indices that are not one per prompt, out of the vocabulary or repeated).
         """
         return run_batch(
             self,
             prompts,
             max_new_tokens,
             sampling=sampling,
+            stop_ids=stop_ids,
+            indices=indices,
             stop_at_eos=stop_at_eos,
             micro=micro,
             on_finish=on_finish,
