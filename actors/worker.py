@@ -244,11 +244,6 @@ class GpuWorker:
     def trace(self) -> list[tuple[int, int, int, int]]:
         return self._ex().trace
 
-    def finish(self, wanted: list[tuple[str, int]]) -> tuple[dict[str, Any], list[tuple[int, int, int, int]]]:
-        """A run's end in one call: the wanted outputs' bytes (`outputs`) and the trace records."""
-        ex = self._ex()
-        return {value: ex.output_bytes(vid) for value, vid in wanted}, ex.trace
-
     def statistics(self, key: str | None = None) -> dict:
         ex, transport = (self.ex, self.transport) if key is None else self._graph(key)
         if ex is None:

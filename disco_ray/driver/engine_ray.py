@@ -11,6 +11,8 @@ none (cpu backend only).
 End detection: the driver `ray.wait`s on the coordinator's `wait` and every worker's long-lived
 `serve` together, so a kernel that raises (reported by its worker) and a worker that dies
 (its `serve` ref raises ActorDiedError) both end the run within a poll interval, never a hang.
+Each `serve` brings back its worker's outputs and trace records. A one-worker plan runs in one
+call, `run_alone`, without the coordinator (docs/RUNTIME.md, "One worker").
 """
 
 from __future__ import annotations
