@@ -1,10 +1,10 @@
 """The runtime's own cost per decode step: wall time minus the union of its vertices' intervals.
 
     .venv/bin/python benchmarks/bench_step.py [--model tiny|bench] [--engine ray|local]
-        [--steps 40] [--prompt 128] [--dir /tmp/bench_llama] [--json out.json]
+        [--gpus 1] [--steps 40] [--prompt 128] [--dir /tmp/bench_llama] [--json out.json]
 
 One LLaMA checkpoint (`tiny`: 2 layers, hidden 64, made here; `bench`: the 0.49 GB checkpoint
-of benchmarks/bench_llama_cpu.py), one GPU, batch 1, a roomy arena. After a prompt and a few
+of benchmarks/bench_llama_cpu.py), one GPU (`--gpus`: split over more), batch 1, a roomy arena. After a prompt and a few
 warm-up steps (plans made, weights in the arena), `--steps` runs of the same decode step, each
 timed around `Program.run`: its wall time, the union of its trace records' intervals (what the
 worker's streams and lanes were busy with) and the rest, the runtime's own share (the driver's
@@ -57,14 +57,14 @@ def union_ns(intervals: list[tuple[int, int]]) -> int:
     return busy
 
 
-def measure(path: Path, engine: str, steps: int, prompt: int) -> dict:
+def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1) -> dict:
     from disco_ray.models import LlamaModel
     from disco_ray.models.llama import capacity_bounds
 
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    cap = capacity_bounds(str(path), prompt=prompt, new_tokens=8)["roomy"][0]
-    with LlamaModel(str(path), capacity=cap, engine=engine) as m:
+    cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8)["roomy"][0]
+    with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine) as m:
         g = m.run_generate(ids, 4, stop_at_eos=False)  # plans, weights into the arena
         key = max(k for k in m._programs if k[0] == "decode")
         mgraph, prog = m._programs[key]
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("tiny", "bench"), default="tiny")
     ap.add_argument("--engine", choices=("ray", "local"), default="ray")
+    ap.add_argument("--gpus", type=int, default=1, help="workers the model is split over")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--dir", default=None, help="the checkpoint (made if missing)")
@@ -115,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench_llama_cpu import checkpoint
 
         path = checkpoint(Path(args.dir or "/tmp/bench_llama"))
-    r = measure(path, args.engine, args.steps, args.prompt)
-    r.update(model=args.model, engine=args.engine, prompt=args.prompt, root=str(ROOT))
+    r = measure(path, args.engine, args.steps, args.prompt, args.gpus)
+    r.update(model=args.model, engine=args.engine, gpus=args.gpus, prompt=args.prompt, root=str(ROOT))
     for name in ("median", "best"):
         x = r[name]
         print(
-            f"{args.model} {args.engine} {name}: step {x['wall_ms']:.2f} ms = vertices {x['kernels_ms']:.2f} "
+            f"{args.model} {args.engine} {args.gpus} GPU {name}: step {x['wall_ms']:.2f} ms = vertices {x['kernels_ms']:.2f} "
             f"+ own {x['own_ms']:.2f} (before the first vertex {x['before_first_ms']:.2f}, after the "
             f"last {x['after_last_ms']:.2f}, between {x['between_ms']:.2f}); {r['vertices']} vertices"
         )

@@ -39,6 +39,7 @@ def test_one_worker_runs_match_reference_without_the_coordinator(pool, mode):  #
                 assert_same(out, evaluate(tg, first), (seed, run))
             stats = prog.statistics()["engine"]
             assert stats["scheduler"]["coordinator"] is False
+            assert stats["scheduler"]["dispatch_messages"] == stats["scheduler"]["cross_worker_edges"] == 0
             assert stats["scheduler"]["state"] == "finished"
             assert stats["scheduler"]["completed"] == len(prog.mg)
             assert stats["workers"][0]["reports"] == 0  # not one message to the coordinator

@@ -338,7 +338,16 @@ class RayEngine:
         from ray.exceptions import RayActorError, RayTaskError
 
         w = self.workers[0]
-        self._alone = {"vertices": len(self.mg), "completed": 0, "state": "running", "coordinator": False}
+        # the keys of the coordinator's statistics (`Scheduler.statistics`), counted here
+        self._alone = {
+            "vertices": len(self.mg),
+            "completed": 0,
+            "state": "running",
+            "events": 0,
+            "dispatch_messages": 0,
+            "cross_worker_edges": 0,
+            "coordinator": False,
+        }
         self._alone_done = []
         dog = Watchdog({0: w}, HEARTBEAT_S, STALL_S)
         ref = w.run_alone.remote(
