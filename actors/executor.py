@@ -161,6 +161,7 @@ class Executor:
         self._rng = random.Random(0)
         self._finished = threading.Event()
         self._error: str | None = None
+        self._coordinated = True  # completions and failures go to the coordinator (not in `run_alone`)
         self.trace: list[tuple[int, int, int, int]] = []
 
     def _make_disk_tier(self, mine: list[MemVertex], config: WorkerConfig) -> None:
@@ -192,6 +193,7 @@ class Executor:
         self.h2d, self.d2h, self.peer_lane = lanes.h2d, lanes.d2h, lanes.peer
         self.deferred_lane, self.disk_w, self.disk_r = lanes.deferred, lanes.disk_w, lanes.disk_r
         self.slots = StreamSlots(self.core, self.streams, lanes.limits)
+        self._lane_tables: dict[tuple[Mode, ...], tuple[dict[int, int], dict[int, Mode]]] = {}
         # kernel temporaries: the most any kernel of this GPU needs, kept ready per compute stream
         self.workspace = max(
             [
@@ -211,8 +213,12 @@ class Executor:
         check: bool = False,
         delay: tuple[float, float] | None = None,
         seed: int = 0,
+        coordinated: bool = True,
     ) -> None:
         """Resets the counters for a new run on `inputs` (the caller's tensors this GPU reads).
+
+        `coordinated=False`: a run of a one-GPU plan driven by `run_alone`, which no coordinator
+        follows, so completions and failures are not sent to one (`report` and `fail` unused).
 
         An input missing from `inputs` that an earlier run handed in is the one of that run: the
         worker keeps its copy (in its pinned staging buffer on cuda) and, when the plan never
@@ -261,6 +267,7 @@ class Executor:
                 self.spill.reset()
                 self._read_ahead().begin()
             self._reporter.reset()
+            self._coordinated = coordinated
             self._error = None
             self._finished.clear()
             if self.core.finished:
@@ -270,7 +277,12 @@ class Executor:
         """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH)."""
         tr = self.transport
         mode_of = (lambda src: Mode.BLOCKING) if tr is None else tr.mode
-        return self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
+        # a table per plan, kept: it only changes with the transport's mode of each peer
+        key = tuple(mode_of(p) for p in self.peers)
+        got = self._lane_tables.get(key)
+        if got is None:
+            got = self._lane_tables[key] = self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
+        return got
 
     def dispatch(self, vids: list[int]) -> None:
         """The coordinator hands over vertices whose remote predecessors are done."""
@@ -282,6 +294,38 @@ class Executor:
                 self._pump()
         except RunError as e:
             self._fail(None, e)
+
+    def run_alone(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        wanted: list[tuple[str, int]],
+        *,
+        check: bool = False,
+        delay: tuple[float, float] | None = None,
+        seed: int = 0,
+    ) -> tuple[str | None, dict[str, np.ndarray], list[tuple[int, int, int, int]]]:
+        """A whole run of a one-GPU plan, with no coordinator: every vertex is dispatched at once
+        (none has a remote predecessor, so the coordinator's `start` would hand over all of them),
+        and the end is this GPU's own. Returns (the error message or None, the raw bytes of each
+        `wanted` (value, vid) output, the trace records): one call per run instead of a begin, a
+        start, reports and an end call (docs/RUNTIME.md, "One worker")."""
+        if self.mg.gpus != 1:
+            raise RunError(f"gpu:{self.gpu}: run_alone needs a one-GPU plan, this one has {self.mg.gpus}")
+        self.begin(inputs, check=check, delay=delay, seed=seed, coordinated=False)
+        self.dispatch(self.core.mine)
+        self.wait()
+        if self._error is not None:
+            return self._error, {}, self.trace
+        try:
+            outs = {value: self.output_bytes(vid) for value, vid in wanted}
+        except RunError as e:  # the sanitizer, reading an output
+            return str(e), {}, self.trace
+        return None, outs, self.trace
+
+    def completed_since(self, n: int) -> list[int]:
+        """The vertices this run completed after its first `n` (the driver of a `run_alone` run
+        keeps count, to name what a dead worker held)."""
+        return [r[0] for r in self.trace[n:]]
 
     def _acc_alias(self) -> dict[int, int]:
         """Sum-into member -> its group's last member (the writer its readers name)."""
@@ -374,7 +418,8 @@ class Executor:
             finished = self.core.finished
         if finished:
             self._end_run()
-        self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
+        if self._coordinated:
+            self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
 
     def _end_run(self) -> None:
         """Every vertex of this GPU is done: saves the carried values as their states and records
@@ -408,7 +453,7 @@ class Executor:
             self.read_ahead.end()
         self._reporter.flush()  # what completed before the failure reaches the coordinator first
         self._finished.set()
-        if self._fail_cb is not None:
+        if self._fail_cb is not None and self._coordinated:
             self._fail_cb(self.gpu, vid, msg)
 
     def fail(self, message: str) -> None:

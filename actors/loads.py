@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 from disco_ray.graph.errors import RunError
@@ -92,7 +93,7 @@ class Loads:
                 if name not in self.given:
                     raise RunError(f"gpu:{self.gpu}: input {name!r} was not handed to this worker")
                 continue
-            flat = torch.as_tensor(inputs[name]).detach().contiguous().reshape(-1).view(torch.uint8)
+            flat = input_bytes(inputs[name])
             nb = self.tg[name].nbytes  # checked once here, not at every load of it
             if flat.numel() != nb:
                 raise RunError(f"gpu:{self.gpu}: input {name!r} has {flat.numel()} bytes, not {nb}")
@@ -141,6 +142,15 @@ class Loads:
         for x in self._acquired:
             self.store.release(self.tg[x])
         self._acquired = []
+
+
+def input_bytes(x: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """The bytes of a caller's input, flat uint8: a tensor, or the numpy bytes the ray engine
+    ships small inputs as (`disco_ray.driver.engine_ray.shippable`); one Ray handed over
+    read-only is copied (a few bytes: only small inputs travel as numpy)."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x if x.flags.writeable else x.copy()).reshape(-1).view(torch.uint8)
+    return torch.as_tensor(x).detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def stable_loads(mg: MemGraph, gpu: int, plans: Mapping[int, VertexPlan], values: set[str]) -> list[int]:

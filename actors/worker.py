@@ -216,11 +216,31 @@ class GpuWorker:
     def dispatch(self, vids: list[int]) -> None:
         self._ex().dispatch(vids)
 
-    def serve(self) -> str | None:
-        """Blocks until this GPU's vertices are all done (None) or the run failed (the message)."""
+    def serve(
+        self, wanted: list[tuple[str, int]]
+    ) -> tuple[str | None, dict[str, Any], list[tuple[int, int, int, int]]]:
+        """Blocks until this GPU's vertices are all done or the run failed: (the error message or
+        None, the raw bytes of each wanted output, the trace records), so the end of a run needs
+        no call of its own (`finish`)."""
         ex = self._ex()
         ex.wait()
-        return ex.error
+        if ex.error is not None:
+            return ex.error, {}, ex.trace
+        try:
+            return None, {value: ex.output_bytes(vid) for value, vid in wanted}, ex.trace
+        except RunError as e:  # the sanitizer, reading an output
+            return str(e), {}, ex.trace
+
+    def run_alone(
+        self, key: str, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int, wanted: list
+    ) -> tuple[str | None, dict[str, Any], list[tuple[int, int, int, int]]]:
+        """A whole run of one-GPU graph `key` in this call, no coordinator (`Executor.run_alone`)."""
+        ex, transport = self._graph(key)
+        self.ex, self.transport = ex, transport
+        return ex.run_alone(inputs, wanted, check=check, delay=delay, seed=seed)
+
+    def completed_since(self, n: int) -> list[int]:
+        return self._ex().completed_since(n)
 
     def read_range(self, loc: Loc, reader: int, expect: int):
         return self._ex().read_range(loc, reader, expect)
@@ -231,11 +251,6 @@ class GpuWorker:
 
     def trace(self) -> list[tuple[int, int, int, int]]:
         return self._ex().trace
-
-    def finish(self, wanted: list[tuple[str, int]]) -> tuple[dict[str, Any], list[tuple[int, int, int, int]]]:
-        """A run's end in one call: the wanted outputs' bytes (`outputs`) and the trace records."""
-        ex = self._ex()
-        return {value: ex.output_bytes(vid) for value, vid in wanted}, ex.trace
 
     def statistics(self, key: str | None = None) -> dict:
         ex, transport = (self.ex, self.transport) if key is None else self._graph(key)

@@ -11,6 +11,8 @@ none (cpu backend only).
 End detection: the driver `ray.wait`s on the coordinator's `wait` and every worker's long-lived
 `serve` together, so a kernel that raises (reported by its worker) and a worker that dies
 (its `serve` ref raises ActorDiedError) both end the run within a poll interval, never a hang.
+Each `serve` brings back its worker's outputs and trace records. A one-worker plan runs in one
+call, `run_alone`, without the coordinator (docs/RUNTIME.md, "One worker").
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from actors.options import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
@@ -40,6 +43,8 @@ READY_S = 120.0  # the actors' first answer (their process start, imports)
 # an actor that has not answered a ping for this long is stopped or hung (SIGSTOP, a deadlock): the
 # run ends naming it, --timeout or not; a computing actor answers (its pings run on another thread)
 STALL_S = float(os.environ.get("DISCO_RAY_STALL_S", "30"))
+SHIP_NUMPY_BYTES = 1 << 16  # caller inputs up to this size travel as numpy bytes (`shippable`)
+INLINE_BYTES = 1 << 20  # a private Ray's task arguments and results up to this size travel inline
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
 log = logging.getLogger("disco_ray")
 _SHARED: RayPool | None = None
@@ -236,6 +241,17 @@ class RayEngine:
         self.broken = False
         self.workers: list = []
         self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
+        # per plan, once: the caller inputs each worker reads, the (value, vid) outputs it holds
+        self.wants: list[list[str]] = [[] for _ in range(mg.gpus)]
+        for v in tg.caller_inputs():  # sourced inputs and states are the workers' own
+            self.wants[v.gpu].append(v.id)
+        self.wanted: list[list[tuple[str, int]]] = [[] for _ in range(mg.gpus)]
+        for value in tg.outputs:  # carried values stay on their workers
+            vid = mg.outputs[value]
+            self.wanted[mg.vertex(vid).gpu].append((value, vid))
+        self._gcs_address: tuple[str | None] | None = None
+        self._alone: dict | None = None  # the last run_alone's counts (no coordinator counted it)
+        self._alone_done: list[int] = []  # the vertices it completed, as last polled
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, config.backend, op_modules)
             self.generation = self.pool.generation
@@ -295,16 +311,15 @@ class RayEngine:
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
         from ray.exceptions import RayActorError, RayTaskError
 
-        wants: list[list[str]] = [[] for _ in self.workers]
-        for v in self.tg.caller_inputs():  # sourced inputs and states are the workers' own
-            wants[v.gpu].append(v.id)
+        if len(self.workers) == 1:
+            return self._run_alone(inputs, opts)
         dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
         try:
             self._get_watched(
                 [
                     w.begin.remote(
                         self.key,
-                        {k: inputs[k] for k in wants[g] if k in inputs},  # left out: the worker's copy
+                        {k: shippable(inputs[k]) for k in self.wants[g] if k in inputs},  # left out: kept
                         opts.check,
                         opts.delay,
                         opts.seed,
@@ -318,22 +333,109 @@ class RayEngine:
             pings = {w.ping.remote(): g for g, w in enumerate(self.workers)}
             raise RunError(self._dead_worker(pings) or f"starting the run failed: {_cause(e)}") from None
         done_ref = self.coord.wait.remote()
-        serving = {w.serve.remote(): g for g, w in enumerate(self.workers)}
+        # each worker's serve ends with its part: its outputs and trace records come with it
+        serving = {w.serve.remote(self.wanted[g]): g for g, w in enumerate(self.workers)}
         pending = [done_ref, *serving]
-        with GcsMonitor(gcs_address(), private=self.pool.private):
-            return self._wait(opts, done_ref, serving, pending, dog)
+        with GcsMonitor(self._gcs(), private=self.pool.private) as gcs:
+            return self._wait(opts, done_ref, serving, pending, dog, gcs)
 
-    def _wait(self, opts: RunOptions, done_ref, serving: dict, pending: list, dog: Watchdog):
+    def _run_alone(
+        self, inputs: Mapping[str, torch.Tensor], opts: RunOptions
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
+        """A run of a one-worker plan: one call (`GpuWorker.run_alone`) carries the inputs, runs
+        every vertex and brings back the outputs and trace records; the coordinator is not
+        involved (it would dispatch every vertex at start and only count completions). Its part
+        in failures is kept here: the driver polls the worker's completions, so that a dead
+        worker is named with what it held, and the progress and timeout work as in `_wait`."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        w = self.workers[0]
+        # the keys of the coordinator's statistics (`Scheduler.statistics`), counted here
+        self._alone = {
+            "vertices": len(self.mg),
+            "completed": 0,
+            "state": "running",
+            "events": 0,
+            "dispatch_messages": 0,
+            "cross_worker_edges": 0,
+            "coordinator": False,
+        }
+        self._alone_done = []
+        dog = Watchdog({0: w}, HEARTBEAT_S, STALL_S)
+        ref = w.run_alone.remote(
+            self.key,
+            {k: shippable(inputs[k]) for k in self.wants[0] if k in inputs},  # left out: the worker's copy
+            opts.check,
+            opts.delay,
+            opts.seed,
+            self.wanted[0],
+        )
+        progress, timeout = opts.progress, opts.timeout
+        t_end = None if timeout is None else time.monotonic() + timeout
+        asked = None  # the completions asked for at the last poll, not answered yet
+        with GcsMonitor(self._gcs(), private=self.pool.private) as gcs:
+            while not ray.wait([ref], num_returns=1, timeout=POLL_S)[0]:
+                gcs.due()
+                if asked is not None and ray.wait([asked], timeout=0)[0]:
+                    with contextlib.suppress(Exception):  # dead or failed: `ref` tells
+                        self._alone_done += ray.get(asked)
+                    asked = None
+                if asked is None:
+                    asked = w.completed_since.remote(len(self._alone_done))
+                silent = dog.check()
+                if silent is not None:
+                    raise RunError(
+                        f"{self._name(silent[0])} has not answered for {silent[1]:.0f} s (stopped or "
+                        f"hung); the run is abandoned after {self._progress()} of {len(self.mg)} vertices"
+                    )
+                if progress is not None:
+                    progress(len(self._alone_done))
+                if t_end is not None and time.monotonic() > t_end:
+                    raise RunError(
+                        f"run did not finish within {timeout} s ({self._progress()} of {len(self.mg)} "
+                        "vertices done)"
+                    )
+            try:
+                err, part, trace = ray.get(ref)
+            except RayTaskError as e:
+                raise RunError(_cause(e)) from None
+            except RayActorError:
+                raise RunError(self._died(0)) from None
+        self._alone.update(completed=len(trace), state="failed" if err else "finished")
+        if err is not None:
+            raise RunError(err)
+        if progress is not None:
+            progress(len(trace))
+        return self._outputs([part]), [trace]
+
+    def _outputs(self, parts: Sequence[Mapping]) -> dict[str, torch.Tensor]:
+        """The outputs as typed CPU tensors, from each worker's raw bytes."""
+        from actors.plans import as_tensor
+
+        outs: dict[str, torch.Tensor] = {}
+        for part in parts:
+            outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
+        return outs
+
+    def _gcs(self) -> str | None:
+        """The GCS address the runs watch (asked once per engine)."""
+        if self._gcs_address is None:
+            self._gcs_address = (gcs_address(),)
+        return self._gcs_address[0]
+
+    def _wait(self, opts: RunOptions, done_ref, serving: dict, pending: list, dog: Watchdog, gcs: GcsMonitor):
         """The driver's loop of a run: the end, a failure, a silent actor, the timeout."""
         import ray
-        from ray.exceptions import RayActorError
-
-        from actors.plans import as_tensor
+        from ray.exceptions import RayActorError, RayTaskError
 
         progress, timeout = opts.progress, opts.timeout
         t_end = None if timeout is None else time.monotonic() + timeout
+        ends: dict[int, tuple] = {}  # gpu -> what its serve returned (error, outputs, trace)
         while True:
             ready, _ = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            if not ready:
+                gcs.due()
             silent = dog.check()
             if silent is not None and done_ref not in ready:
                 who, quiet = silent
@@ -357,26 +459,26 @@ class RayEngine:
             for r in ready:
                 g = serving[r]
                 try:
-                    err = ray.get(r)
+                    ends[g] = ray.get(r)
+                except RayTaskError as e:
+                    raise RunError(_cause(e)) from None
                 except RayActorError:
                     raise RunError(self._died(g)) from None
-                if err is not None:
-                    raise RunError(err)
+                if ends[g][0] is not None:
+                    raise RunError(ends[g][0])
                 pending.remove(r)
             if t_end is not None and time.monotonic() > t_end:
                 raise RunError(
                     f"run did not finish within {timeout} s ({self._progress()} of {len(self.mg)} vertices done)"
                 )
-        by_gpu: dict[int, list[tuple[str, int]]] = {}
-        for value in self.tg.outputs:  # carried values stay on their workers
-            vid = self.mg.outputs[value]
-            by_gpu.setdefault(self.mg.vertex(vid).gpu, []).append((value, vid))
-        # outputs and trace records in one call per worker: one round trip at the end, not two
-        ends = self._gather({w.finish.remote(by_gpu.get(g, [])): g for g, w in enumerate(self.workers)})
-        outs: dict[str, torch.Tensor] = {}
-        for part, _ in ends:
-            outs.update({value: as_tensor(data, self.tg[value]) for value, data in part.items()})
-        return outs, [trace for _, trace in ends]
+        # the workers' ends not in yet (usually on their way: each part ended before the run did)
+        rest = {r: g for r, g in serving.items() if g not in ends}
+        for g, end in zip(rest.values(), self._gather(rest), strict=True):
+            ends[g] = end
+            if end[0] is not None:
+                raise RunError(end[0])
+        order = [ends[g] for g in range(len(self.workers))]
+        return self._outputs([part for _, part, _ in order]), [trace for _, _, trace in order]
 
     def _get_watched(self, refs: list, dog: Watchdog) -> list:
         """ray.get(refs) while the watchdog listens: an actor stopped before the run starts (handing
@@ -395,9 +497,12 @@ class RayEngine:
                 )
 
     def _progress(self) -> int | str:
-        """Vertices done so far, as the coordinator counts them ("?" when it does not answer)."""
+        """Vertices done so far, as the coordinator counts them ("?" when it does not answer); in a
+        one-worker run, as the driver last polled them."""
         import ray
 
+        if len(self.workers) == 1:
+            return len(self._alone_done)
         try:
             return ray.get(self.coord.progress.remote(), timeout=min(STALL_S, 5.0))
         except Exception:  # stopped, dead or slow: the watchdog names it
@@ -445,10 +550,14 @@ class RayEngine:
         self.broken = True
         import ray
 
-        try:
-            held = ray.get(self.coord.held_by.remote(g), timeout=5)
-        except Exception:
-            held = None
+        if len(self.workers) == 1:  # no coordinator counted: what the last poll had not seen done
+            done = set(self._alone_done)
+            held: list[int] | None = [v.id for v in self.mg.vertices if v.id not in done]
+        else:
+            try:
+                held = ray.get(self.coord.held_by.remote(g), timeout=5)
+            except Exception:
+                held = None
         what = (
             "unknown vertices"
             if held is None
@@ -469,7 +578,9 @@ class RayEngine:
 
         return {
             "engine": self.name,
-            "scheduler": ray.get(self.coord.statistics.remote()),
+            "scheduler": ray.get(self.coord.statistics.remote())
+            if self._alone is None
+            else dict(self._alone),
             "workers": ray.get([w.statistics.remote(self.key) for w in self.workers]),
         }
 
@@ -533,6 +644,9 @@ def start_private_ray(num_cpus: int | None, gpus: int) -> None:
         num_gpus=gpus,
         include_dashboard=False,
         logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
+        # a run's outputs (a decode step's logits: 128 KB for a 32000-word vocabulary) come back
+        # in the call's reply instead of through the object store (1.3 ms less per step)
+        _system_config={"max_direct_call_object_size": INLINE_BYTES},
     )
 
 
@@ -563,6 +677,15 @@ def share_devices(workers: Sequence) -> list[bool]:
         return [False] * len(workers)
     plan = shared_visible(assigned)
     return ray.get([w.share_devices.remote(vis, idx) for w, (vis, idx) in zip(workers, plan, strict=True)])
+
+
+def shippable(t: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """What a caller's input travels to its worker as: a small one as its raw bytes in a numpy
+    array (Ray pickles that in ~5 us, a torch tensor in ~70 us: a decode step's token, position
+    and rotary rows), a large one as the tensor (`actors.loads.input_bytes` takes both)."""
+    if t.nbytes > SHIP_NUMPY_BYTES or t.device.type != "cpu":
+        return t
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _cause(e: Exception) -> str:

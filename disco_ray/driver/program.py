@@ -137,6 +137,7 @@ class Program:
         if pool is not None and type(pool).__name__ != {"ray": "RayPool", "local": "LocalPool"}[engine]:
             raise UsageError(f"a {type(pool).__name__} cannot serve the {engine} engine")
         self.tg, self.mg = tg, mg
+        self._callers = tg.caller_inputs()  # what each run's inputs are checked against
         self.engine_name, self.backend, self.streams = engine, backend, streams
         self._kw = {
             "config": WorkerConfig(backend, streams, ahead, flush_s, sources=sources, disk_dir=disk_dir),
@@ -153,7 +154,8 @@ class Program:
         self._alignment = 256
         self._host_capacity: object = None  # what compile planned with (resize keeps it)
         self._runs = 0  # runs on the current engine (the first is cold)
-        self.last_summary: dict | None = None
+        self._summary: dict | None = None
+        self._last: tuple | None = None  # (plan, wall s, extra keys) of the last run, summarized when asked
         self.last_records: list[list] | None = None
 
     @property
@@ -215,7 +217,7 @@ class Program:
                 the sanitizer, or the timeout.
         """
         alive = self._engine is not None and not self._engine.stale
-        check_inputs(self.tg, inputs, self._held if alive else ())
+        check_inputs(self.tg, inputs, self._held if alive else (), self._callers)
         tensors = {k: torch.as_tensor(v) for k, v in inputs.items()}
         bar = None
         progress = opts.pop("progress", None)
@@ -237,19 +239,32 @@ class Program:
         wall = time.perf_counter() - t
         self._held |= set(tensors)
         self.last_records = records
-        self.last_summary = summarize(self.mg, records, wall)
-        self.last_summary["cold"] = self._runs == 0  # the engine's first run: arenas, sourced inputs
-        self._runs += 1
-        self.last_summary["transports"] = dict(getattr(eng, "transports", {}))  # "i-j" -> path
+        extra: dict = {
+            "cold": self._runs == 0,  # the engine's first run: arenas, sourced inputs
+            "transports": dict(getattr(eng, "transports", {})),  # "i-j" -> path
+        }
         if any(self.mg.disk_capacity):  # the spill files' I/O: bytes, seconds, bandwidth per worker
-            self.last_summary["disk"] = disk_summary(eng.statistics()["workers"])
+            extra["disk"] = disk_summary(eng.statistics()["workers"])
         if getattr(eng, "placement_summary", None) is not None:  # ray engine: node of each worker, paths
-            self.last_summary["placement"] = eng.placement_summary
+            extra["placement"] = eng.placement_summary
+        # the records are summarized when asked (`last_summary`): a decode step does not pay for it
+        self._last, self._summary = (self.mg, wall, extra), None
+        self._runs += 1
         if trace:
             write_trace(trace, self.mg, records, self.last_summary)
         if details:
-            return RunResult(outs, self.mg, self.last_summary, records)
+            return RunResult(outs, self.mg, self.last_summary or {}, records)
         return outs
+
+    @property
+    def last_summary(self) -> dict | None:
+        """The last run's statistics (`disco_ray.graph.trace.summarize` of its records, and `cold`:
+        the engine's first run, the transports, the disk tier's I/O, the placement); None before
+        the first run."""
+        if self._summary is None and self._last is not None and self.last_records is not None:
+            mg, wall, extra = self._last
+            self._summary = {**summarize(mg, self.last_records, wall), **extra}
+        return self._summary
 
     @property
     def held(self) -> frozenset[str]:

@@ -68,9 +68,14 @@ class GcsMonitor:
         self.thread = threading.Thread(target=self._watch, daemon=True, name="gcs-monitor")
 
     def __enter__(self) -> GcsMonitor:
-        if self.address:
-            self.thread.start()
         return self
+
+    def due(self) -> None:
+        """The run is still going after a poll interval: the thread starts now (once). Its first
+        try comes a HEARTBEAT_S later anyway, so a short run (a decode step) never pays for a
+        thread's start."""
+        if self.address and not self.thread.is_alive() and not self.stop.is_set():
+            self.thread.start()
 
     def __exit__(self, *exc) -> None:
         self.stop.set()

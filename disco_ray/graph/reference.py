@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -10,16 +10,23 @@ from . import sources
 from .dtypes import torch_dtype
 from .errors import RunError
 from .kernels import run_kernel
-from .taskgraph import Kind, TaskGraph
+from .taskgraph import Kind, TaskGraph, Vertex
 
 
-def check_inputs(tg: TaskGraph, inputs: Mapping[str, object], held: Collection[str] = ()) -> None:
+def check_inputs(
+    tg: TaskGraph,
+    inputs: Mapping[str, object],
+    held: Collection[str] = (),
+    callers: Sequence[Vertex] | None = None,
+) -> None:
     """Refuses missing inputs and inputs of the wrong shape or dtype, naming the first one.
 
     Only the caller's inputs are asked for: an input with a source or a state is the worker's,
-    and one in `held` the workers keep from an earlier run (it may be left out).
+    and one in `held` the workers keep from an earlier run (it may be left out). `callers`:
+    `tg.caller_inputs()`, when the caller keeps it (a Program runs its graph many times).
     """
-    for v in tg.caller_inputs():
+    callers = tg.caller_inputs() if callers is None else callers
+    for v in callers:
         if v.id not in inputs and v.id in held:
             continue
         if v.id not in inputs:
@@ -31,7 +38,7 @@ def check_inputs(tg: TaskGraph, inputs: Mapping[str, object], held: Collection[s
             raise RunError(f"input {v.id!r} has shape {list(shape)}, the graph says {list(v.shape)}")
         if dtype != v.dtype:
             raise RunError(f"input {v.id!r} has dtype {dtype}, the graph says {v.dtype}")
-    extra = set(inputs) - {v.id for v in tg.caller_inputs()}
+    extra = set(inputs) - {v.id for v in callers}
     if extra:
         theirs = sorted(x for x in extra if x in tg and tg[x].kind is Kind.INPUT)
         if theirs:
