@@ -233,7 +233,7 @@ def test_micro_batches_give_the_same_tokens_and_load_each_weight_once_per_step(c
         lo + (hi - lo) // 4, min_capacity(batch_prefill_graph(ck, 1, 4, 18, BLOCK, tile=16).taskgraph)[0]
     )
     with LlamaModel(path, capacity=cap, block=BLOCK, engine="local") as m:
-        one = m.run_generate_batch(prompts, [*MAX_NEW, 3], stop_at_eos=False)
+        one = m.run_generate_batch(prompts, [*MAX_NEW, 3], stop_at_eos=False, micro=1)
         two = m.run_generate_batch(prompts, [*MAX_NEW, 3], stop_at_eos=False, micro=2)
         assert [s.new_ids for s in two.sequences] == [s.new_ids for s in one.sequences]
         assert [s.new_ids for s in one.sequences][:3] == free
@@ -247,6 +247,32 @@ def test_micro_batches_give_the_same_tokens_and_load_each_weight_once_per_step(c
                 loads[v.value] = loads.get(v.value, 0) + 1
         assert cap < hi  # no room for every tensor of the step at once
         assert set(loads) == weights and set(loads.values()) == {1}, loads
+
+
+def test_the_plans_choose_the_micro_batches_again_when_the_capacity_shrinks_mid_generation(ckpt, free):
+    """micro="auto": at room for the whole step one micro-batch moves the fewest bytes; the
+    capacity cut between steps (from on_token) makes the next step choose again, a split."""
+    path, _ = ckpt
+    step = batch_decode_graph(Checkpoint(path), 1, 4, 19, BLOCK).taskgraph
+    lo, hi = min_capacity(step)[0], roomy_capacity(step)[0]
+    tight = lo + (hi - lo) // 10  # one micro-batch reloads here, two or four share the loads
+    seen: list[int] = []
+    with LlamaModel(path, capacity=capacity(path, 1, "roomy"), block=BLOCK, engine="local") as m:
+
+        def cut(_s: int, t: int) -> None:
+            seen.append(t)
+            if len(seen) == 2 * len(PROMPTS):  # the prefill's tokens and the first step's
+                m.resize(tight)
+
+        g = m.run_generate_batch(PROMPTS, MAX_NEW, stop_at_eos=False, on_token=cut)
+        assert [s.new_ids for s in g.sequences] == free
+        assert g.micro == 1 and g.micros[0] == 1 and g.rows[1] == 4
+        assert g.micros[1] > 1, g.micros  # chosen again at the new capacity
+        chosen = {(c["capacity"][0], c["rows"], c["micro"]) for c in m.micro_choices}
+        assert (tight, 4, g.micros[1]) in chosen
+        assert g.statistics()["micro_per_step"] == g.micros
+        m.resize(capacity(path, 1, "roomy"))  # back to room for everything: one micro-batch
+        assert m.choose_micro("batch_decode", 4, 19) == 1
 
 
 def test_one_prompt_keeps_its_api_and_a_batch_of_one_agrees(ckpt, free):

@@ -101,9 +101,10 @@ def add_generate(p) -> None:
         "--batch",
         type=batch_arg,
         metavar="N|auto",
-        help="--prompts: prompts per batch (default 1); auto: the batch and micro-batches of the most "
-        "predicted new tokens/s at the capacity (disco_ray.bench.policy), chosen again when "
-        "--budget-file changes the capacity",
+        help="--prompts: prompts per batch (default 1); auto: the batch of the most predicted new "
+        "tokens/s at the capacity (disco_ray.bench.policy), chosen again when --budget-file changes "
+        "the capacity. Either way each step's micro-batches are the plans' choice (the fewest bytes "
+        "moved at the current capacity, chosen again after a capacity change)",
     )
     p.add_argument(
         "--policy-profile",
@@ -421,7 +422,7 @@ def generate_file(args) -> int:
     requests = read_prompts(args.prompts, vocab=vocab, max_new_tokens=args.max_new_tokens, encode=encode)
     decode = tokenizer[0].decode if tokenizer else None
     auto = _Auto(args) if args.batch == "auto" else None
-    batch, micro = (1, 1) if auto else (args.batch or 1, 1)
+    batch = 1 if auto else args.batch or 1
     batches: list[dict] = []
     with (
         _open_model(args, capacity) as model,
@@ -432,9 +433,10 @@ def generate_file(args) -> int:
         start = 0
         while start < len(requests):
             if auto is not None:  # the first batch, and the first after the capacity changed
-                batch, micro = auto.choose(model, requests[start:], start)
+                batch = auto.choose(model, requests[start:], start)
             part = requests[start : start + batch]
-            stats = _run_batch(model, args, part, params, Results(part, decode), sink, bar, micro)
+            # micro-batches: the plans' choice per step, chosen again when the capacity changes
+            stats = _run_batch(model, args, part, params, Results(part, decode), sink, bar)
             batches.append({"first": start, **stats, **(auto.predicted() if auto else {})})
             start += len(part)
         sink.commit()
@@ -464,7 +466,8 @@ class _Auto:
         self.resizes = -1  # len(model.resizes) when it last chose
         self.chosen: list[dict] = []  # one per choice
 
-    def choose(self, model, requests, start: int) -> tuple[int, int]:
+    def choose(self, model, requests, start: int) -> int:
+        """The batch size (the micro-batches are the plans' choice per step, `micro="auto"`)."""
         from disco_ray.bench import policy
 
         if len(model.resizes) != self.resizes or not self.chosen:
@@ -488,15 +491,14 @@ class _Auto:
                     "capacity": model.capacity,
                     "profile": self.name,
                     "batch": got.batch,
-                    "micro": got.micro,
+                    "micro": got.micro,  # the micro-batches the policy predicted with
                     "predicted_step_ms": round(1e3 * got.step_s, 3),
                     "predicted_tokens_per_s": round(got.tokens_per_s, 3),
                     "candidates": len(got.candidates),
                     "excluded": sum(not c.fits for c in got.candidates),
                 }
             )
-        last = self.chosen[-1]
-        return last["batch"], last["micro"]
+        return self.chosen[-1]["batch"]
 
     def predicted(self) -> dict:
         """The prediction of the choice the batch ran with, beside its measured figures."""
@@ -504,7 +506,7 @@ class _Auto:
         return {k: last[k] for k in ("predicted_step_ms", "predicted_tokens_per_s")}
 
 
-def _run_batch(model, args, part, params, results, sink, bar, micro: int = 1) -> dict:
+def _run_batch(model, args, part, params, results, sink, bar) -> dict:
     """One batch, its result lines written as its sequences finish; returns its statistics. A
     failure names the `.partial` file that keeps the sequences finished so far."""
     from disco_ray.graph.errors import DiscoError
@@ -527,7 +529,6 @@ def _run_batch(model, args, part, params, results, sink, bar, micro: int = 1) ->
             on_finish=lambda seq: emit(results.finish(seq.index, seq.new_ids, reason_of(seq))),
             on_token=lambda _pos, _token: bar.token(),
             timeout=args.timeout,
-            micro=micro,
         )
     except DiscoError as e:
         if sink.lines and sink.partial is not None:
@@ -590,7 +591,8 @@ def run_statistics(batches: list[dict], new_tokens: int, spent: float, sequences
         "sequences": sequences,
         "new_tokens": new_tokens,
         "batch": batch,
-        "micro": sorted({b["micro"] for b in batches if "micro" in b}),
+        # the distinct micro-batch counts the steps ran with (prefills and decode steps)
+        "micro": sorted({m for b in batches for m in [b.get("micro"), *b.get("micro_per_step", [])] if m}),
         "prefill_s": round(sum(b.get("prefill_s", 0.0) for b in batches), 6),
         "generate_s": round(spent, 6),  # in the batches' runs, prefill and planning included
         "new_tokens_per_s": round(new_tokens / spent, 3) if spent > 0 else None,

@@ -6,6 +6,10 @@ KV cache states, micro-batches). This module is the loop around them (`run_batch
 
 - the prompts are prefilled together, in one run; then each decode step advances every
   unfinished sequence in one run of one plan, so each weight block is loaded once per step;
+- micro-batches (`micro="auto"`, the default) are the plans' choice, `LlamaModel.choose_micro`:
+  per (step kind, rows, cache blocks) at the current capacity, the split whose plan moves the
+  fewest bytes between host and device, made once per capacity (a resize between steps makes
+  the next step choose again);
 - plans are keyed by (rows, cache blocks, micro-batches), with rows the live sequences rounded up
   to a power of two: a finished sequence's row stays as padding (token 0, output ignored) until
   the live count falls to the next lower power of two, when the batch is compacted: the live
@@ -52,10 +56,11 @@ class BatchGeneration:
 
     sequences: list[SequenceOutput]  # in request order
     batch: int  # rows of the first step (the live sequences rounded up to a power of two)
-    micro: int  # micro-batches per step
+    micro: int  # micro-batches of the prefill (micro="auto": the plans' choice, see `micros`)
     prefill_s: float = 0.0  # the prefill run (planning excluded)
     decode_s: list[float] = field(default_factory=list)  # each decode step's run
     rows: list[int] = field(default_factory=list)  # each decode step's rows (compaction shrinks them)
+    micros: list[int] = field(default_factory=list)  # each decode step's micro-batches
     planning_s: float = 0.0  # plans made during this call
     plans_made: int = 0
     bytes_loaded: list[int] = field(default_factory=list)  # per decode step: input and reload bytes
@@ -83,6 +88,7 @@ class BatchGeneration:
             "batch": self.batch,
             "rows_per_step": list(self.rows),
             "micro": self.micro,
+            "micro_per_step": list(self.micros),
             "planning_s": round(self.planning_s, 6),
             "plans_made": self.plans_made,
             "finish_reasons": {
@@ -241,7 +247,7 @@ def run_batch(
     stop_ids: Sequence[Sequence[int]] | None = None,
     indices: Sequence[int] | None = None,
     stop_at_eos: bool = True,
-    micro: int = 1,
+    micro: int | str = "auto",
     on_finish: Callable[[SequenceOutput], None] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     timeout: float | None = None,
@@ -254,8 +260,13 @@ def run_batch(
     maxes = check_max_new(max_new_tokens, len(ids))
     own_stops = check_stop_ids(stop_ids, len(ids), cfg.vocab)
     seeds = check_indices(indices, len(ids))
-    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1):
-        raise UsageError(f"micro must be a power of two >= 1, got {micro!r}")
+    auto = micro == "auto"
+    if not auto and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1)):
+        raise UsageError(f"micro must be a power of two >= 1 or 'auto', got {micro!r}")
+
+    def split(kind: str, rows: int, blocks: int) -> int:  # the plans' choice, or the caller's
+        return model.choose_micro(kind, rows, blocks) if auto else min(micro, rows)  # type: ignore[call-overload]
+
     params = sampling if sampling is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
         raise UsageError(f"sampling must be a SamplingParams, got {type(params).__name__}")
@@ -276,12 +287,12 @@ def run_batch(
     for i in sorted(book.done):  # max_new_tokens 0: done before anything runs
         finish(i)
     R = len(book.rows)
-    gen = BatchGeneration([], R, min(micro, R) if R else micro)
+    gen = BatchGeneration([], R, 1 if auto else min(micro, R) if R else micro)  # type: ignore[call-overload]
     layout = BatchLayout.of([len(ids[s]) for s in book.rows if s is not None] or [1], model.block, R)
     reached, rows0, ok = layout.blocks, R, False
     try:
         if R:
-            m = min(micro, R)
+            m = gen.micro = split("batch_prefill", R, layout.blocks)
             mgraph, prog = model._program(("batch_prefill", R, layout.blocks, m))
             feed = feed_prefill(mgraph, cfg, layout, [ids[s] for s in book.rows if s is not None], m)
             outs, gen.prefill_s = _run(prog, feed, model.check, timeout)
@@ -307,15 +318,16 @@ def run_batch(
                 _compact(model, keep, R, reached)
                 layout, R = layout.take(keep), len(keep)
             model._poll_budget()  # between steps: a new capacity takes effect here
-            m = min(micro, R)
             blocks = p // model.block + 1
             reached = max(reached, blocks)
+            m = split("batch_decode", R, blocks)  # chosen once per (rows, blocks, capacity)
             mgraph, prog = model._program(("batch_decode", R, blocks, m))
             feed = feed_decode(mgraph, cfg, layout, book.tokens(), p, m)
             outs, dt = _run(prog, feed, model.check, timeout)
             logits = mgraph.gather(outs)
             gen.decode_s.append(dt)
             gen.rows.append(R)
+            gen.micros.append(m)
             gen.bytes_loaded.append(_loaded(prog))
             p += 1
         ok = True

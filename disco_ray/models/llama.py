@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from disco_ray.driver.program import Program
-from disco_ray.graph.errors import UsageError
-from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.errors import CapacityError, UsageError
+from disco_ray.graph.memgraph import MemGraph, MKind
 from disco_ray.graph.sizes import parse_capacity
 from planner import build_memgraph, min_capacity
 from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
@@ -128,6 +128,8 @@ class LlamaModel(Programs):
             engine, pool, cluster, capacity, host_capacity, backend, streams, ahead, weights, disk_dir, check
         )
         self._plans: dict[tuple, tuple[ModelGraph, MemGraph]] = {}  # (key, capacity) -> plan
+        self._micros: dict[tuple, int] = {}  # (kind, rows, blocks, capacity) -> chosen micro-batches
+        self.micro_choices: list[dict] = []  # each choice made, with every candidate's bytes moved
         self.clamped = 0  # plans made at a vertex's minimum because the capacity was below it
         self.resizes: list[dict] = []
         self._budget = None
@@ -146,6 +148,16 @@ class LlamaModel(Programs):
         got = self._programs.get(key)
         if got is not None:
             return got
+        mgraph, mg = self._plan(key)
+        prog = Program(mgraph.taskgraph, mg, **self._prog_kw)
+        t = time.perf_counter()
+        prog.engine  # noqa: B018  (loads the graph into the workers now, not in the first run)
+        self.load_s += time.perf_counter() - t
+        got = self._programs[key] = (mgraph, prog)
+        return got
+
+    def _plan(self, key: tuple) -> tuple[ModelGraph, MemGraph]:
+        """The graph of `key` and its plan at the current capacity, planned on first use."""
         caps = self._caps()
         planned = self._plans.get((key, tuple(caps)))
         if planned is None:
@@ -195,13 +207,35 @@ class LlamaModel(Programs):
             self.planning_s += dt
             self.plans.append(plan_entry("/".join(str(k) for k in key), tg, mg, dt, capacity=caps))
             planned = self._plans[(key, tuple(self._caps()))] = (mgraph, mg)
-        mgraph, mg = planned
-        prog = Program(mgraph.taskgraph, mg, **self._prog_kw)
-        t = time.perf_counter()
-        prog.engine  # noqa: B018  (loads the graph into the workers now, not in the first run)
-        self.load_s += time.perf_counter() - t
-        got = self._programs[key] = (mgraph, prog)
-        return got
+        return planned
+
+    def choose_micro(self, kind: str, rows: int, blocks: int) -> int:
+        """The micro-batches of a batch step (`kind` "batch_prefill" or "batch_decode", `rows`
+        rows, `blocks` cache blocks) at the current capacity, chosen by the plans: each power of
+        two up to `rows` is planned and the one whose plan moves the fewest bytes between host
+        and device wins (ties: fewer micro-batches). Made once per (step, capacity), so a resize
+        chooses again at the next step, and going back to a capacity chooses nothing."""
+        caps = tuple(self._caps())
+        got = self._micros.get((kind, rows, blocks, caps))
+        if got is not None:
+            return got
+        moved: dict[int, int | str] = {}
+        m = 1
+        while m <= rows:
+            try:
+                moved[m] = bytes_moved(self._plan((kind, rows, blocks, m))[1])
+            except (CapacityError, UsageError) as e:  # this split does not plan: the others may
+                moved[m] = str(e)
+            m *= 2
+        fits = [m for m, b in moved.items() if isinstance(b, int)]
+        if not fits:
+            raise CapacityError(f"{kind} of {rows} rows plans with no micro-batch count: {moved[1]}")
+        best = min(fits, key=lambda m: (moved[m], m))
+        self._micros[(kind, rows, blocks, caps)] = best
+        self.micro_choices.append(
+            {"kind": kind, "rows": rows, "blocks": blocks, "capacity": list(caps), "micro": best, "moved": moved}
+        )
+        return best
 
     def resize(self, capacity: int | str | Sequence[int]) -> dict:
         """Runs within `capacity` bytes of arena per GPU from now on (elastic capacity): unloads
@@ -286,7 +320,7 @@ class LlamaModel(Programs):
         stop_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         indices: Sequence[int] | None = None,
         stop_at_eos: bool = True,
-        micro: int = 1,
+        micro: int | str = "auto",
         timeout: float | None = None,
     ) -> list[int] | list[list[int]]:
         """The new token ids after each prompt (at most `max_new_tokens`, an int or one per
@@ -298,7 +332,7 @@ class LlamaModel(Programs):
         for every sequence, or (a batch) one list per prompt, each sequence's own; `indices`:
         each sequence's sampling index (`run_generate_batch`)."""
         batch = bool(len(prompts)) and isinstance(prompts[0], Sequence) and not isinstance(prompts[0], str)
-        simple = sampling is None and stop_ids is None and indices is None and micro == 1
+        simple = sampling is None and stop_ids is None and indices is None and micro in (1, "auto")
         if not batch and simple:
             if not isinstance(max_new_tokens, int):
                 raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -335,7 +369,7 @@ class LlamaModel(Programs):
         stop_ids: Sequence[Sequence[int]] | None = None,
         indices: Sequence[int] | None = None,
         stop_at_eos: bool = True,
-        micro: int = 1,
+        micro: int | str = "auto",
         on_finish: Callable[[SequenceOutput], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
         timeout: float | None = None,
@@ -355,7 +389,9 @@ class LlamaModel(Programs):
                 list to get the tokens of one call, whatever the split (greedy ignores them).
             stop_at_eos: the config's end-of-sequence ids also end a sequence.
             micro: micro-batches per step (a power of two; the rows split into that many groups
-                that pass each layer in turn, sharing its weight loads).
+                that pass each layer in turn, sharing its weight loads), or "auto" (default): per
+                step, the count whose plan moves the fewest bytes at the current capacity
+                (`choose_micro`), chosen again after a resize.
             on_finish: called with each sequence's `SequenceOutput` as it finishes.
             on_token: called with (sequence index, token) for every new token.
             timeout: bounds each run (RunError past it).
@@ -485,6 +521,13 @@ def capacity_bounds(
     low = [max(col) for col in zip(*(min_capacity(m.taskgraph) for m in graphs))]
     high = [max(col) for col in zip(*(roomy_capacity(m.taskgraph) for m in graphs))]
     return {"min": low, "roomy": high}
+
+
+def bytes_moved(mg: MemGraph) -> int:
+    """Bytes a plan moves between host and device per run: inputs loaded, reloads and offloads
+    (the plan's own count: a resident weight's skipped load still counts, alike for every split)."""
+    kinds = (MKind.INPUT, MKind.RELOAD, MKind.OFFLOAD)
+    return sum(v.out.nbytes for v in mg.vertices if v.kind in kinds)
 
 
 def load(path: str, **kw) -> LlamaModel:
