@@ -261,7 +261,9 @@ def run_batch(
     own_stops = check_stop_ids(stop_ids, len(ids), cfg.vocab)
     seeds = check_indices(indices, len(ids))
     auto = micro == "auto"
-    if not auto and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1)):
+    if not auto and (
+        isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1)
+    ):
         raise UsageError(f"micro must be a power of two >= 1 or 'auto', got {micro!r}")
 
     def split(kind: str, rows: int, blocks: int) -> int:  # the plans' choice, or the caller's

@@ -233,7 +233,14 @@ class LlamaModel(Programs):
         best = min(fits, key=lambda m: (moved[m], m))
         self._micros[(kind, rows, blocks, caps)] = best
         self.micro_choices.append(
-            {"kind": kind, "rows": rows, "blocks": blocks, "capacity": list(caps), "micro": best, "moved": moved}
+            {
+                "kind": kind,
+                "rows": rows,
+                "blocks": blocks,
+                "capacity": list(caps),
+                "micro": best,
+                "moved": moved,
+            }
         )
         return best
 
