@@ -217,14 +217,15 @@ def test_auto_chooses_again_when_the_capacity_changed():
     args = SimpleNamespace(policy_profile="t4", backend="cpu", streams=5)
     reqs = [Request(i, i + 1, tuple(range(1, 9)), 4) for i in range(8)]
     auto = _Auto(args)
-    first = auto.choose(model, reqs, 0)
+    batch = auto.choose(model, reqs, 0)  # the batch size; the steps choose their micro-batches
+    first = (batch, auto.chosen[-1]["micro"])  # and the micro-batches the policy predicted with
     kw = dict(gpus=1, prompt=8, new_tokens=4, cost=COST, block=4, dtype="float32", tile=16)
     roomy = policy.for_checkpoint(ck, capacity=1 << 30, batches=(1, 2, 4, 8), **kw)
     assert first == (roomy.batch, roomy.micro) and first[0] > 1
-    assert auto.choose(model, reqs, 8) == first and len(auto.chosen) == 1  # no change, no search
+    assert auto.choose(model, reqs, 8) == batch and len(auto.chosen) == 1  # no change, no search
     model.capacity = pair_need(ck, *first) - 1  # the roomy choice no longer fits
     model.resizes.append({"capacity": [model.capacity]})
-    again = auto.choose(model, reqs, 8)
+    again = (auto.choose(model, reqs, 8), auto.chosen[-1]["micro"])
     small = policy.for_checkpoint(ck, capacity=model.capacity, batches=(1, 2, 4, 8), **kw)
     assert again == (small.batch, small.micro) and again != first
     assert not next(c for c in small.candidates if (c.batch, c.micro) == first).fits
@@ -260,7 +261,11 @@ def test_generate_batch_auto_runs_the_choice_and_reports_it_beside_the_measured(
     doc = json.loads((tmp_path / "s.json").read_text())
     (chosen,) = doc["policy"]
     assert chosen["profile"] == "t4" and chosen["batch"] in (1, 2, 4) and chosen["predicted_tokens_per_s"] > 0
-    assert doc["batch"] == chosen["batch"] and doc["micro"] == [chosen["micro"]]
+    assert doc["batch"] == chosen["batch"]
+    # each step's micro-batches, the plans' choice, beside the policy's prediction and the measured
+    assert all(len(b["micro_per_step"]) == b["decode_steps"] for b in doc["batches"])
+    ran = {m for b in doc["batches"] for m in [b["micro"], *b["micro_per_step"]]}
+    assert doc["micro"] == sorted(ran) == [1]  # 1MiB has room for every step at once
     assert all(b["predicted_step_ms"] == chosen["predicted_step_ms"] and b["step_ms"] for b in doc["batches"])
     # the cpu backend's default cost model: this machine measured at start
     code = main([*args, "--batch", "auto", "--stats", str(tmp_path / "s.json")])
