@@ -260,14 +260,14 @@ def run_batch(
     maxes = check_max_new(max_new_tokens, len(ids))
     own_stops = check_stop_ids(stop_ids, len(ids), cfg.vocab)
     seeds = check_indices(indices, len(ids))
-    auto = micro == "auto"
-    if not auto and (
-        isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1)
-    ):
-        raise UsageError(f"micro must be a power of two >= 1 or 'auto', got {micro!r}")
+    fixed = None  # the caller's micro-batch count, or None: the plans choose per step
+    if micro != "auto":
+        if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1):
+            raise UsageError(f"micro must be a power of two >= 1 or 'auto', got {micro!r}")
+        fixed = micro
 
-    def split(kind: str, rows: int, blocks: int) -> int:  # the plans' choice, or the caller's
-        return model.choose_micro(kind, rows, blocks) if auto else min(micro, rows)  # type: ignore[call-overload]
+    def split(kind: str, rows: int, blocks: int) -> int:
+        return int(model.choose_micro(kind, rows, blocks)) if fixed is None else min(fixed, rows)
 
     params = sampling if sampling is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
@@ -289,7 +289,7 @@ def run_batch(
     for i in sorted(book.done):  # max_new_tokens 0: done before anything runs
         finish(i)
     R = len(book.rows)
-    gen = BatchGeneration([], R, 1 if auto else min(micro, R) if R else micro)  # type: ignore[call-overload]
+    gen = BatchGeneration([], R, 1 if fixed is None else min(fixed, R) if R else fixed)
     layout = BatchLayout.of([len(ids[s]) for s in book.rows if s is not None] or [1], model.block, R)
     reached, rows0, ok = layout.blocks, R, False
     try:
