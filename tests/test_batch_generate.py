@@ -249,20 +249,38 @@ def test_micro_batches_give_the_same_tokens_and_load_each_weight_once_per_step(c
         assert set(loads) == weights and set(loads.values()) == {1}, loads
 
 
-def test_the_plans_choose_the_micro_batches_again_when_the_capacity_shrinks_mid_generation(ckpt, free):
+@pytest.mark.parametrize("how", ["resize", "budget-file"])
+def test_the_plans_choose_the_micro_batches_again_when_the_capacity_shrinks_mid_generation(
+    ckpt, free, tmp_path, how
+):
     """micro="auto": at room for the whole step one micro-batch moves the fewest bytes; the
-    capacity cut between steps (from on_token) makes the next step choose again, a split."""
+    capacity cut between steps (a resize from on_token, or a budget file rewritten then, which
+    the model polls between steps as --budget-file does) makes the next step choose again."""
+    import os
+
+    from disco_ray.driver.elastic import BudgetFile
+
     path, _ = ckpt
     step = batch_decode_graph(Checkpoint(path), 1, 4, 19, BLOCK).taskgraph
     lo, hi = min_capacity(step)[0], roomy_capacity(step)[0]
     tight = lo + (hi - lo) // 10  # one micro-batch reloads here, two or four share the loads
+    roomy = capacity(path, 1, "roomy")[0]
+    budget = tmp_path / "budget"
+    budget.write_text(str(roomy))
     seen: list[int] = []
-    with LlamaModel(path, capacity=capacity(path, 1, "roomy"), block=BLOCK, engine="local") as m:
+    with LlamaModel(path, capacity=roomy, block=BLOCK, engine="local") as m:
+        if how == "budget-file":
+            m.watch(BudgetFile(str(budget)))
 
         def cut(_s: int, t: int) -> None:
             seen.append(t)
             if len(seen) == 2 * len(PROMPTS):  # the prefill's tokens and the first step's
-                m.resize(tight)
+                if how == "resize":
+                    m.resize(tight)
+                else:
+                    mtime = budget.stat().st_mtime_ns
+                    budget.write_text(str(tight))
+                    os.utime(budget, ns=(mtime + 10**9, mtime + 10**9))  # a change whatever the clock
 
         g = m.run_generate_batch(PROMPTS, MAX_NEW, stop_at_eos=False, on_token=cut)
         assert [s.new_ids for s in g.sequences] == free
@@ -271,7 +289,9 @@ def test_the_plans_choose_the_micro_batches_again_when_the_capacity_shrinks_mid_
         chosen = {(c["capacity"][0], c["rows"], c["micro"]) for c in m.micro_choices}
         assert (tight, 4, g.micros[1]) in chosen
         assert g.statistics()["micro_per_step"] == g.micros
-        m.resize(capacity(path, 1, "roomy"))  # back to room for everything: one micro-batch
+        assert [r["capacity"][0] for r in m.resizes][-1] == tight
+        m.watch(None)
+        m.resize(roomy)  # back to room for everything: one micro-batch
         assert m.choose_micro("batch_decode", 4, 19) == 1
 
 
