@@ -1,8 +1,8 @@
 """One GPU worker's execution engine: arena, host store, streams, local counters, batched reports.
 
 Shared by the Ray actor shell (`actors.worker.GpuWorker`) and the local engine. Everything is
-allocated in `__init__` (arena, host store, a torch view per vertex operand, stream threads); a
-run only issues copies and kernels on those views (TURNIP section 5: no allocation while a graph
+allocated in `__init__` (arena, host store, a torch view per vertex operand: `actors.resources`;
+stream threads); a run only issues copies and kernels on those views (TURNIP section 5: no allocation while a graph
 runs; the host-side copy a Ray transfer returns is the one exception, see `read_range`). What it
 calls on its backend, transport and spill tier is their contract (`actors.backends.base`,
 `actors.transports.base`, `actors.tiers.base`).
@@ -38,29 +38,23 @@ import numpy as np
 import torch
 
 from disco_ray.graph.errors import RunError
-from disco_ray.graph.kernels import temp_bytes
-from disco_ray.graph.memgraph import DISK, HOST, Loc, MemGraph, MemVertex
+from disco_ray.graph.memgraph import DISK, Loc, MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .backends import make_backend
 from .backends.base import Backend, Mode
-from .lanes import Lanes
-from .loads import Loads
 from .options import DEFAULT_WORKER, WorkerConfig
-from .plans import PlanKind, VertexPlan, Views, as_tensor, describe
+from .plans import PlanKind, as_tensor, describe
 from .reporter import ReportThread
-from .sanitizer import Sanitizer, granule_for
-from .tiers.base import ReloadAhead, SpillTier
-from .tiers.spill import ReadAhead, SpillFile
+from .resources import GpuResources
+from .sanitizer import Sanitizer
 from .tiers.store import WorkerStore
 from .transports.base import Transport
-from .worker_core import StreamSlots, WorkerCore
 
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
 
 
-class Executor:
+class Executor(GpuResources):
     """The vertices of GPU `gpu` of `mg`; `begin` starts a run, `dispatch` feeds it, `wait` ends it."""
 
     def __init__(
@@ -78,25 +72,14 @@ class Executor:
     ):
         """`backend`: an instance to use instead of making `config.backend`'s. `store`: the worker's
         arena, resident inputs and states, shared with its other graphs (default: a store of its own)."""
-        self.gpu, self.mg, self.tg = gpu, mg, tg
-        self.backend = make_backend(config.backend) if backend is None else backend
-        if store is None:
-            store = WorkerStore(gpu, self.backend.alloc, self.backend.stages_inputs)
-        self.store = store
-        self.streams = config.streams
-        # None: the backend's default (cuda 4; cpu 0, where a stream thread runs its work itself)
-        self.ahead = self.backend.default_ahead if config.ahead is None else config.ahead
+        super().__init__(gpu, mg, tg, config, backend=backend, store=store)
         self.transport = transport
         self._report = report
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
-        self.core = WorkerCore(mg, gpu)
-        mine = [mg.vertex(v) for v in self.core.mine]
-        self._make_views(mine)
-        self._make_loads(config)
         self._init_run_state()
-        self._make_disk_tier(mine, config)
-        self._open_streams()
+        # the backend's stream threads run `_work` and report to `_done`
+        self.backend.open(self.slots.total, self._work, self._done, self.workspace, self.streams)
         self._reporter = ReportThread(
             gpu,
             None if report is None else lambda batch: report(gpu, batch),
@@ -105,47 +88,6 @@ class Executor:
             config.flush_s,
             config.lazy_s,
         )
-
-    def _make_views(self, mine: list[MemVertex]) -> None:
-        """The arena (the store's, for this capacity), the host store, and each vertex's plan."""
-        mg, gpu = self.mg, self.gpu
-        host_need = max(
-            [v.out.end for v in mine if v.out.device == HOST]
-            + [r.loc.end for v in mine for r in v.ins if r.loc.device == HOST]
-            + [0]
-        )
-        declared = mg.host_capacity[gpu] if gpu < len(mg.host_capacity) else 0
-        self.arena_slot = self.store.arena(mg.capacity[gpu])
-        self.arena = self.arena_slot.buf
-        self.host = self.backend.alloc(max(declared, host_need), host=True)
-        self.granule = granule_for([v.out for v in mine] + [r.loc for v in mine for r in v.ins])
-        self.views = Views(gpu, mg, self.tg, self.arena, self.host)
-        self.plans: dict[int, VertexPlan] = {v.id: self.views.plan(v) for v in mine}
-
-    def _make_loads(self, config: WorkerConfig) -> None:
-        """What the input loads read, and the states the carried values of this GPU are saved to."""
-        mg, tg, store = self.mg, self.tg, self.store
-        self.loads = Loads(
-            mg,
-            tg,
-            self.plans,
-            store,
-            self.backend.alloc,
-            self.backend.stages_inputs,
-            config.sources == "disk",
-        )
-        self.input_values = self.loads.caller  # what the caller hands in
-        self.staging = self.loads.staging
-        try:  # carried values of this GPU: (value, the vertex holding it at the end, its state)
-            self.carries = [
-                (value, mg.outputs[value], store.state(key, tg[value].nbytes, tg[value].dtype))
-                for value, key in tg.carry.items()
-                if tg[value].gpu == self.gpu
-            ]
-            self._carry_keys = [tg.carry[value] for value, _, _ in self.carries]
-        except BaseException:
-            self.loads.release()
-            raise
 
     def _init_run_state(self) -> None:
         """What a run changes, before the first one."""
@@ -163,47 +105,6 @@ class Executor:
         self._error: str | None = None
         self._coordinated = True  # completions and failures go to the coordinator (not in `run_alone`)
         self.trace: list[tuple[int, int, int, int]] = []
-
-    def _make_disk_tier(self, mine: list[MemVertex], config: WorkerConfig) -> None:
-        """The spill file and its read-ahead, when the plan of this GPU uses the disk."""
-        disk_locs = [v.out for v in mine if v.out.device == DISK]
-        disk_locs += [r.loc for v in mine for r in v.ins if r.loc.device == DISK]
-        self.spill: SpillTier | None = None
-        self.read_ahead: ReloadAhead | None = None
-        if not disk_locs:
-            return
-        mg, gpu = self.mg, self.gpu
-        disk_need = max(loc.end for loc in disk_locs)
-        declared = mg.disk_capacity[gpu] if gpu < len(mg.disk_capacity) else 0
-        largest = max(loc.nbytes for loc in disk_locs)
-        spill = SpillFile(config.disk_dir, gpu, max(declared, disk_need), largest, self.backend.alloc)
-        self.spill = spill
-        # reloads from disk, read ahead in the plan's order once their offload has run
-        items = [
-            (vid, p.src_vid, p.src_loc.offset, p.src_loc.nbytes)
-            for vid, p in sorted(self.plans.items())
-            if p.kind is PlanKind.UNSPILL and p.src_loc is not None
-        ]
-        self.read_ahead = ReadAhead(spill, items, self.backend.alloc)
-
-    def _open_streams(self) -> None:
-        """The lanes after the compute streams (the lane rule: actors/lanes.py) and the backend's streams."""
-        self.lanes = lanes = Lanes.of(self.mg, self.gpu, self.streams)
-        self.peers = list(lanes.peers)
-        self.h2d, self.d2h, self.peer_lane = lanes.h2d, lanes.d2h, lanes.peer
-        self.deferred_lane, self.disk_w, self.disk_r = lanes.deferred, lanes.disk_w, lanes.disk_r
-        self.slots = StreamSlots(self.core, self.streams, lanes.limits)
-        self._lane_tables: dict[tuple[Mode, ...], tuple[dict[int, int], dict[int, Mode]]] = {}
-        # kernel temporaries: the most any kernel of this GPU needs, kept ready per compute stream
-        self.workspace = max(
-            [
-                temp_bytes(p.op, p.out, p.ins, p.attrs)
-                for p in self.plans.values()
-                if p.kind is PlanKind.KERNEL
-            ]
-            + [0]
-        )
-        self.backend.open(self.slots.total, self._work, self._done, self.workspace, self.streams)
 
     # ---- a run ---------------------------------------------------------------------------------
     def begin(
@@ -327,13 +228,6 @@ class Executor:
         keeps count, to name what a dead worker held)."""
         return [r[0] for r in self.trace[n:]]
 
-    def _acc_alias(self) -> dict[int, int]:
-        """Sum-into member -> its group's last member (the writer its readers name)."""
-        last: dict[str, int] = {}
-        for vid, key in self.core.groups.items():
-            last[key] = max(last.get(key, vid), vid)
-        return {vid: last[key] for vid, key in self.core.groups.items()}
-
     def _pump(self) -> None:
         # caller holds the lock
         if self._error is None:
@@ -381,14 +275,6 @@ class Executor:
             self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
         elif vid not in self._skip:
             self.loads.load(p.value, p.out, self.backend.copy)
-
-    def _spill(self) -> SpillTier:
-        assert self.spill is not None  # a plan with disk vertices made one
-        return self.spill
-
-    def _read_ahead(self) -> ReloadAhead:
-        assert self.read_ahead is not None  # made with the spill tier
-        return self.read_ahead
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
         if exc is None and self._check and self._sanitizer is not None:

@@ -24,8 +24,8 @@ import sys
 import torch
 
 from disco_ray.driver.cluster import measure_links
-from disco_ray.driver.engine_ray import RayPool
 from disco_ray.driver.placement import PlacementConfig
+from disco_ray.driver.pool import RayPool
 from disco_ray.driver.program import Program
 from disco_ray.graph.sizes import parse_size
 from disco_ray.graph.taskgraph import TaskGraph

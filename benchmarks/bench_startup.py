@@ -38,7 +38,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import ray
 import disco_ray
-from disco_ray.driver import engine_ray
+from disco_ray.driver import pool as driver_pool
 from disco_ray.driver.cluster import connect, running_cluster
 from disco_ray.graph.formats import load_taskgraph
 from disco_ray.graph.reference import random_inputs
@@ -50,7 +50,7 @@ if addr:
 else:
     ray.init(address="local", num_gpus=tg.gpus, include_dashboard=False, logging_level="WARNING")
 t2 = time.perf_counter()
-pool = engine_ray.shared_pool()
+pool = driver_pool.shared_pool()
 pool.acquire(tg.gpus)
 ray.get([w.ping.remote() for w in [*pool.workers, pool.coord]])
 t3 = time.perf_counter()

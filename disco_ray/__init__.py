@@ -29,7 +29,7 @@ _API = {
     "compile": "disco_ray.driver.program",
     "run_memgraph": "disco_ray.driver.program",
     "Program": "disco_ray.driver.program",
-    "shutdown": "disco_ray.driver.engine_ray",
+    "shutdown": "disco_ray.driver.pool",
     "models": "disco_ray.models",
     "from_torch": "disco_ray.frontend",
     "TorchModel": "disco_ray.frontend",

@@ -9,7 +9,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def pool():
-    from disco_ray.driver.engine_ray import RayPool
+    from disco_ray.driver.pool import RayPool
 
     started = not ray.is_initialized()
     if started:

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from actors import executor
+from actors import resources
 from actors.backends import cuda_loop
 from actors.backends.base import Mode
 from actors.backends.cuda import CudaBackend
@@ -222,7 +222,7 @@ def test_an_end_event_that_cannot_be_recorded_fails_the_vertex(monkeypatch, bloc
         return self.events[vid]
 
     monkeypatch.setattr(cuda_loop.CudaLoop, "_events_of", events_of)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend())
+    monkeypatch.setattr(resources, "make_backend", lambda name, device=None: CudaBackend())
     if blocking:
         monkeypatch.setattr(LocalTransport, "mode", lambda self, src: Mode.BLOCKING)  # a helper runs it
     eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2))
@@ -256,7 +256,7 @@ def test_loads_offloads_and_transfers_run_on_their_lanes(monkeypatch):
     """Kernels on the compute streams; inputs and reloads on the H2D lane, offloads on the D2H
     lane, transfers on the lane of their source GPU; outputs as the reference."""
     install(monkeypatch.setattr)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend())
+    monkeypatch.setattr(resources, "make_backend", lambda name, device=None: CudaBackend())
     tg = random_taskgraph(41, n=80, gpus=3, size=16)
     mg = plan(tg, "tight")
     eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2, ahead=2))
@@ -286,7 +286,7 @@ def test_blocking_transfers_run_beside_the_loop_on_a_fake_device(monkeypatch, se
     lane: the other streams go on, and nothing queued behind them (launch ahead; off under the
     sanitizer, which checks every read) starts early: the outputs match the reference."""
     install(monkeypatch.setattr)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend())
+    monkeypatch.setattr(resources, "make_backend", lambda name, device=None: CudaBackend())
     helpers = set()
     pull = LocalTransport.pull
 

@@ -346,14 +346,14 @@ def test_llama_spills_to_disk_and_back_on_the_ray_engine(llama):
 def test_disk_lanes_on_the_stand_in_cuda_device(monkeypatch, llama):
     """The CUDA path: offloads and reloads to disk run BLOCKING on the two disk lanes, through
     (pinned) bounce buffers; the outputs match the reference."""
-    from actors import executor
+    from actors import resources
     from actors.backends.cuda import CudaBackend
     from actors.options import RunOptions, WorkerConfig
     from disco_ray.driver.engine_local import LocalEngine
     from tests.fake_cuda import install
 
     install(monkeypatch.setattr)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend())
+    monkeypatch.setattr(resources, "make_backend", lambda name, device=None: CudaBackend())
     w, cap = llama
     tg = w.taskgraph
     mg = build_memgraph(tg, cap, host_capacity=16 << 10)

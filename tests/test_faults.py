@@ -28,14 +28,14 @@ def test_runs_share_one_warm_pool_until_shutdown():
     and the actors, the next run (another graph, another plan) reuses them, shutdown() ends both."""
     if ray.is_initialized():
         pytest.skip("a Ray session is already running")
-    from disco_ray.driver import engine_ray
+    from disco_ray.driver import pool as pool_module
 
     tg = random_taskgraph(21, n=10, gpus=2)
     inputs = random_inputs(tg, 0)
     out = run_memgraph(tg, plan(tg, "tight"), inputs, engine="ray", num_cpus=2, timeout=120)
     assert_same(out, evaluate(tg, inputs))
     assert ray.is_initialized()
-    shared = engine_ray._SHARED
+    shared = pool_module._SHARED
     assert shared is not None
     actors = [w._actor_id for w in shared.workers]
     tg2 = random_taskgraph(22, n=10, gpus=2)
@@ -43,7 +43,7 @@ def test_runs_share_one_warm_pool_until_shutdown():
     assert_same(out, evaluate(tg2, random_inputs(tg2, 1)))
     assert [w._actor_id for w in shared.workers] == actors  # no new actor started
     disco_ray.shutdown()
-    assert not ray.is_initialized() and engine_ray._SHARED is None
+    assert not ray.is_initialized() and pool_module._SHARED is None
 
 
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture)

@@ -177,7 +177,7 @@ def _ray_pool(num_gpus: int):
     if not CUDA or torch.cuda.device_count() < num_gpus:
         pytest.skip(f"needs {num_gpus} CUDA device(s)")
     ray = pytest.importorskip("ray")
-    from disco_ray.driver.engine_ray import RayPool
+    from disco_ray.driver.pool import RayPool
 
     started = not ray.is_initialized()
     if started:

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from actors import executor
+from actors import resources
 from actors.backends.cuda import CudaBackend
 from actors.options import RunOptions, WorkerConfig
 from actors.transports import cuda as transport_cuda
@@ -177,7 +177,7 @@ def nccl_engine(monkeypatch, tg, mg, streams=2):
     stand-in device runs a kernel's work when it is launched, so a kernel launched behind a
     receive (on a GPU: waiting on its event) would read bytes not yet there."""
     install(monkeypatch.setattr, gpus=mg.gpus)
-    monkeypatch.setattr(executor, "make_backend", lambda name, device=None: CudaBackend(device))
+    monkeypatch.setattr(resources, "make_backend", lambda name, device=None: CudaBackend(device))
     monkeypatch.setattr(transport_cuda, "nccl_module", lambda: fake_nccl)
     n = mg.gpus
     eng = LocalEngine(

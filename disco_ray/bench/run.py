@@ -286,7 +286,7 @@ def _measured(w, settings: BenchSettings, modes: list[str]) -> BenchResult:
     ref = _reference(w, tdev)
     pool = None
     if settings.engine == "ray":
-        from disco_ray.driver.engine_ray import RayPool
+        from disco_ray.driver.pool import RayPool
 
         pool = RayPool(placement=settings.placement, address=settings.address)
     rows, traces, per_mode = [], {}, {}

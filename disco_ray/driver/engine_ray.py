@@ -1,12 +1,8 @@
-"""The `ray` engine: one GpuWorker actor per GPU and a Coordinator actor (driver side).
+"""The `ray` engine: one MemGraph loaded into a pool's actors (`pool.RayPool`: one GpuWorker per
+GPU and a Coordinator), run from the driver.
 
-Start-up (docs/RUNTIME.md, "Start-up"): a Program without a pool of its own uses the process's shared pool
-(`shared_pool`): Ray and the actors start on the first run and stay for the next Programs, until
-`shutdown()` or the interpreter exits. Ray itself is the one this process is connected to, else a
-running cluster of this machine (`cluster.running_cluster`: `$RAY_ADDRESS`, `ray start`), else a
-private local Ray (with `num_gpus` logical GPUs) shut down with the pool. Each worker asks for one
-GPU, or an equal fraction when the cluster has fewer GPUs than the graph, or none when it has
-none (cpu backend only).
+A Program without a pool of its own runs on the process's shared pool (`pool.shared_pool`;
+docs/RUNTIME.md, "Start-up").
 
 End detection: the driver `ray.wait`s on the coordinator's `wait` and every worker's long-lived
 `serve` together, so a kernel that raises (reported by its worker) and a worker that dies
@@ -17,12 +13,8 @@ call, `run_alone`, without the coordinator (docs/RUNTIME.md, "One worker").
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import logging
 import os
-import signal
-import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -34,180 +26,15 @@ from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .cluster import connect, running_cluster
-from .placement import Placed, PlacementConfig, describe, place, remove
+from .placement import PlacementConfig, describe
+from .pool import RayPool, shared_pool, ship_own_ops
 from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address
 
 POLL_S = 0.2
-READY_S = 120.0  # the actors' first answer (their process start, imports)
 # an actor that has not answered a ping for this long is stopped or hung (SIGSTOP, a deadlock): the
 # run ends naming it, --timeout or not; a computing actor answers (its pings run on another thread)
 STALL_S = float(os.environ.get("DISCO_RAY_STALL_S", "30"))
 SHIP_NUMPY_BYTES = 1 << 16  # caller inputs up to this size travel as numpy bytes (`shippable`)
-INLINE_BYTES = 1 << 20  # a private Ray's task arguments and results up to this size travel inline
-MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
-log = logging.getLogger("disco_ray")
-_SHARED: RayPool | None = None
-
-
-def shared_pool(num_cpus: int | None = None) -> RayPool:
-    """The process's pool for Programs without one: made on first use, kept until `shutdown()`."""
-    global _SHARED
-    if _SHARED is None:
-        _SHARED = RayPool(num_cpus=num_cpus)
-        atexit.register(shutdown)
-    return _SHARED
-
-
-def shutdown() -> None:
-    """Closes the shared pool: its actors, and the Ray it started (`disco_ray.shutdown`)."""
-    global _SHARED
-    pool, _SHARED = _SHARED, None
-    if pool is not None:
-        pool.close()
-
-
-class RayPool:
-    """Long-lived actors (a coordinator and one GpuWorker per GPU) that hold any number of graphs.
-
-    Starting an actor process costs seconds (Ray worker start + torch import), so a pool can be
-    shared by many Programs (tests do; a model's prefill and decode Programs do, and share the
-    workers' resident weights and states, `actors.tiers.store`); an engine without one makes a private
-    pool and kills it on close. A pool whose actors failed is discarded: they are killed and
-    remade on next use, and every engine on them loads its graph again (`generation`).
-    """
-
-    def __init__(
-        self,
-        *,
-        op_modules: Sequence[str] = (),
-        num_cpus: int | None = None,
-        placement: PlacementConfig | None = None,
-        address: str | None = None,
-    ):
-        self.op_modules = tuple(op_modules)
-        self.num_cpus = num_cpus
-        self.placement = placement or PlacementConfig()
-        # a cluster to connect to (disco_ray.driver.cluster.connect); "local": a private Ray even
-        # where a running one could be reused; None: reuse one if running, else a private one
-        self.address = address
-        self.started_ray = False
-        self.coord = None
-        self.workers: list = []
-        self.placed: Placed | None = None
-        self.generation = 0  # counts discards: an engine loaded before the last one must reload
-        self.pids: list[int] = []  # of the coordinator, then of each worker
-        self.private = False  # this pool started a private Ray (its processes are the driver's)
-        self._keys = 0
-
-    def new_key(self) -> str:
-        """A key under which a graph is loaded into this pool's actors, unique in this pool."""
-        self._keys += 1
-        return f"g{self._keys}"
-
-    def acquire(self, gpus: int, backend: str = "cpu", op_modules: Sequence[str] = ()):
-        """(coordinator, workers[:gpus]), starting Ray and actors as needed."""
-        import ray
-
-        from actors.coordinator import Coordinator
-        from actors.worker import GpuWorker
-
-        address = self.address if self.address is not None else running_cluster()
-        if not ray.is_initialized() and address and address != "local":
-            self.coord, self.workers = None, []
-            if self.address is None:
-                log.info(
-                    "using the running Ray cluster at %s (DISCO_RAY_ADDRESS=local starts a private one)",
-                    address,
-                )
-            with keep_sigterm():
-                connect(address)
-            self.started_ray = True  # close() then only disconnects: the cluster is not ours to stop
-        elif not ray.is_initialized():
-            self.coord, self.workers = None, []
-            log.info("starting a private Ray (a running cluster, e.g. `ray start --head`, is reused)")
-            with keep_sigterm():
-                start_private_ray(self.num_cpus or os.cpu_count(), gpus)
-            self.started_ray = self.private = True
-        mods = tuple(dict.fromkeys((*self.op_modules, *op_modules)))
-        if len(self.workers) < gpus or mods != self.op_modules:
-            self.discard()
-            self.op_modules = mods
-        if self.coord is None or not self.workers:
-            self.discard()
-            # one placement-group bundle per GPU; the coordinator on the driver's node (placement.py)
-            self.placed = place(
-                gpus,
-                backend,
-                self.placement,
-                GpuWorker,
-                Coordinator,
-                (self.op_modules,),
-                max_concurrency=MAX_CONCURRENCY,
-            )
-            self.coord, self.workers = self.placed.coord, self.placed.workers
-            # process ids, to name an actor that stops answering (a stopped process cannot say)
-            self.pids = ray.get([a.pid.remote() for a in (self.coord, *self.workers)], timeout=READY_S)
-            if backend == "cuda":
-                share_devices(self.workers)
-        return self.coord, self.workers[:gpus]
-
-    def discard(self) -> None:
-        """Kills the actors (after a failure, or to remake them)."""
-        import ray
-
-        if ray.is_initialized():
-            for a in [*self.workers, *([self.coord] if self.coord is not None else [])]:
-                with contextlib.suppress(Exception):  # already dead: nothing to kill
-                    ray.kill(a)
-            remove(self.placed)
-        if self.coord is not None or self.workers:
-            self.generation += 1
-        self.coord, self.workers, self.placed = None, [], None
-
-    def read_state(self, gpu: int, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-        """A copy of state `id` of GPU `gpu`'s worker (what the runs so far saved there)."""
-        import ray
-
-        if len(self.workers) <= gpu:
-            raise RunError(f"the pool has no worker for gpu:{gpu}")
-        return ray.get(self.workers[gpu].read_state.remote(id, tuple(shape), dtype))
-
-    def write_state(self, gpu: int, id: str, value: torch.Tensor) -> None:
-        """Sets state `id` of GPU `gpu`'s worker (e.g. an adapter's initial weights)."""
-        import ray
-
-        if len(self.workers) <= gpu:
-            raise RunError(f"the pool has no worker for gpu:{gpu}")
-        ray.get(self.workers[gpu].write_state.remote(id, value))
-
-    def clear_states(self) -> None:
-        """Zeroes every worker's states (a new KV cache, say); resident inputs stay."""
-        import ray
-
-        ray.get([w.clear_states.remote() for w in self.workers])
-
-    def move_states(self, renames: Mapping[str, str], drop: Sequence[str] = ()) -> list[dict]:
-        """Renames and drops states on every worker, no data copied (`WorkerStore.move_states`)."""
-        import ray
-
-        renames, drop = dict(renames), list(drop)
-        return ray.get([w.move_states.remote(renames, drop) for w in self.workers])
-
-    def state_count(self) -> list[int]:
-        """How many states each worker holds."""
-        import ray
-
-        return ray.get([w.state_count.remote() for w in self.workers])
-
-    def close(self) -> None:
-        """Kills the actors, and shuts Ray down if this pool started it."""
-        import ray
-
-        self.discard()
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-        self.started_ray = self.private = False
 
 
 class RayEngine:
@@ -604,79 +431,6 @@ class RayEngine:
             )
         except Exception:
             self.pool.discard()
-
-
-@contextlib.contextmanager
-def keep_sigterm():
-    """ray.init installs its own SIGTERM handlers (an exit with a stack dump from the node's): one
-    the caller set (the CLI's, which ends the run like Ctrl-C with one line) is put back after."""
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.getsignal(signal.SIGTERM) if main else None
-    try:
-        yield
-    finally:
-        if main and callable(before):
-            signal.signal(signal.SIGTERM, before)
-
-
-class _QuietTokenNotice(logging.Filter):
-    """Drops Ray's "Token authentication is enabled for this Ray cluster" notice: token auth is
-    what a private Ray should have (Ray 2.60's default for a new local cluster), and the line
-    would come before every run's own output or error."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Token authentication is enabled")
-
-
-def start_private_ray(num_cpus: int | None, gpus: int) -> None:
-    """A Ray of this process only, with token authentication unless RAY_AUTH_MODE says otherwise
-    (Ray 2.60's default for a new local cluster): its ports cannot be bound to loopback (Ray turns
-    `_node_ip_address="127.0.0.1"` into the host's reachable address,
-    `ray._private.services.resolve_ip_for_localhost`), so the token is what keeps others out."""
-    import ray
-
-    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    if not any(isinstance(f, _QuietTokenNotice) for f in quiet.filters):
-        quiet.addFilter(_QuietTokenNotice())
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        num_gpus=gpus,
-        include_dashboard=False,
-        logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
-        # a run's outputs (a decode step's logits: 128 KB for a 32000-word vocabulary) come back
-        # in the call's reply instead of through the object store (1.3 ms less per step)
-        _system_config={"max_direct_call_object_size": INLINE_BYTES},
-    )
-
-
-def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:
-    """Registers, in every worker, the ops of one's own that `tg` uses (defined in the driver after
-    the built-in op set), so that no worker lacks one; see `disco_ray.graph.kernels.own_ops`."""
-    import ray
-    from ray import cloudpickle
-
-    from disco_ray.graph.kernels import own_ops
-
-    own = own_ops(v.op for v in tg if v.op is not None)
-    if own:
-        blobs = {name: cloudpickle.dumps(d) for name, d in own.items()}
-        ray.get([w.install_ops.remote(blobs) for w in workers])
-
-
-def share_devices(workers: Sequence) -> list[bool]:
-    """Gives the workers of each node the same CUDA_VISIBLE_DEVICES (their GPUs together), each
-    using its own entry, before CUDA starts in them: CUDA IPC between two GPUs of a node needs
-    both visible (actors/transports/cuda.py, "p2p"). Returns, per worker, whether it took effect."""
-    import ray
-
-    from actors.transports.cuda import shared_visible
-
-    assigned = ray.get([w.gpu_ids.remote() for w in workers])
-    if any(not ids for _, ids in assigned):
-        return [False] * len(workers)
-    plan = shared_visible(assigned)
-    return ray.get([w.share_devices.remote(vis, idx) for w, (vis, idx) in zip(workers, plan, strict=True)])
 
 
 def shippable(t: torch.Tensor) -> torch.Tensor | np.ndarray:

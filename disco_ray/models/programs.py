@@ -71,7 +71,7 @@ class Programs:
         if pool is not None:
             self.pool: object = pool
         elif engine == "ray":
-            from disco_ray.driver.engine_ray import RayPool
+            from disco_ray.driver.pool import RayPool
 
             self.pool = RayPool(**cluster)
         else:
