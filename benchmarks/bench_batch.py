@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args(argv)
     from disco_ray.models import LlamaModel
-    from disco_ray.models.llama import capacity_bounds
+    from disco_ray.models.graphs import capacity_bounds
 
     path = checkpoint(Path(args.dir))
     ck = Checkpoint(path)
