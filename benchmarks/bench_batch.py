@@ -178,19 +178,8 @@ def fit_profile(prof: Profile, tg, mg, records) -> tuple[Profile, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/tmp/bench_llama", help="where the checkpoint is (made if missing)")
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--batches", default="1,4,16,64")
-    ap.add_argument("--micros", default="1,2,4", help="micro-batches the policy may choose per batch")
-    ap.add_argument("--engine", default="local", help="(a)'s engine: local or ray")
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--skip", default="", help="parts to skip, e.g. 'b' or 'a,c'")
-    ap.add_argument("--json", help="write the figures here too")
-    args = ap.parse_args(argv)
-    from disco_ray.models import LlamaModel
-    from disco_ray.models.llama import capacity_bounds
+    args = _args(argv)
+    from disco_ray.models.graphs import capacity_bounds
 
     path = checkpoint(Path(args.dir))
     ck = Checkpoint(path)
@@ -205,8 +194,38 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, CPU only (shared machine)"
     )
     out: dict = {"weights_bytes": weights, "prompt": args.prompt, "new": args.new, "capacity_third": third}
+    prof, chosen = _policy_micros(path, ck, args, third, blocks, batches, micros)
+    rows_a: dict = {}
+    traces: dict = {}  # batch -> (TaskGraph, MemGraph, records) of its last decode step
+    if "a" not in skip:
+        rows_a, traces = _part_a(path, args, third, blocks, batches, chosen, out)
+    if "b" not in skip:
+        _part_b(path, args, out)
+    if "c" not in skip and rows_a:
+        _part_c(prof, rows_a, traces, chosen, out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
 
-    # the policy's micro-batches per batch at (a)'s capacity, under the CPU profile
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/bench_llama", help="where the checkpoint is (made if missing)")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--micros", default="1,2,4", help="micro-batches the policy may choose per batch")
+    ap.add_argument("--engine", default="local", help="(a)'s engine: local or ray")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--skip", default="", help="parts to skip, e.g. 'b' or 'a,c'")
+    ap.add_argument("--json", help="write the figures here too")
+    return ap.parse_args(argv)
+
+
+def _policy_micros(
+    path: Path, ck: Checkpoint, args, third: int, blocks: int, batches: list[int], micros: list[int]
+):
+    """The CPU profile, and the policy's micro-batches per batch at (a)'s capacity under it."""
     prof = cpu_profile(path, streams=5)
     print(
         f"cpu profile: matmul {prof.flops['float32'] / 1e9:.0f} GFLOP/s, memory {prof.hbm / 1e9:.1f} GB/s, "
@@ -225,80 +244,87 @@ def main(argv: list[str] | None = None) -> int:
         got = policy.search(make, third, cost=prof, batches=(b,), micros=micros, prefill=make_prefill)
         chosen[b] = got.micro
     print("policy's micro-batches per batch at a third of the weights:", chosen)
+    return prof, chosen
+
+
+def _part_a(path: Path, args, third: int, blocks: int, batches: list[int], chosen: dict, out: dict):
+    """(a) a third of the weights, weights='disk': new tokens/s per batch; the rows and each
+    batch's last decode step (TaskGraph, MemGraph, records)."""
+    from disco_ray.models import LlamaModel
 
     rows_a = {}
     traces = {}  # batch -> (TaskGraph, MemGraph, records) of its last decode step
-    if "a" not in skip:
-        print(
-            f"\n(a) weights='disk', arena {third / 1e6:.0f} MB (a third of the weights), {args.engine} engine"
-        )
-        with LlamaModel(str(path), capacity=third, engine=args.engine, weights="disk") as model:
-            for b in batches:
-                r = bench_disco(model, prompts(b, args.prompt), args.new, args.repeat, chosen[b])
-                rows_a[b] = r
-                mgraph, prog = model._programs[("batch_decode", b, blocks, chosen[b])]
-                traces[b] = (mgraph.taskgraph, prog.mg, prog.last_records)
-                print(
-                    f"  batch {b:>3} micro {chosen[b]}: {r['tokens_per_s']:8.1f} new tokens/s (prefill "
-                    f"{r['prefill_s']:.2f} s), decode step {1e3 * r['step_s']:.0f} ms = {b / r['step_s']:.1f} "
-                    "new tokens/s in decode",
-                    flush=True,
-                )
-        if 1 in rows_a and max(batches) in rows_a:
-            hi, lo = rows_a[max(batches)], rows_a[1]
-            ratio = hi["tokens_per_s"] / lo["tokens_per_s"]
-            decode = (max(batches) / hi["step_s"]) / (1 / lo["step_s"])
+    print(f"\n(a) weights='disk', arena {third / 1e6:.0f} MB (a third of the weights), {args.engine} engine")
+    with LlamaModel(str(path), capacity=third, engine=args.engine, weights="disk") as model:
+        for b in batches:
+            r = bench_disco(model, prompts(b, args.prompt), args.new, args.repeat, chosen[b])
+            rows_a[b] = r
+            mgraph, prog = model._programs[("batch_decode", b, blocks, chosen[b])]
+            traces[b] = (mgraph.taskgraph, prog.mg, prog.last_records)
             print(
-                f"  batch {max(batches)} / batch 1: {ratio:.1f}x over the whole call, {decode:.1f}x in decode "
-                "(goal >= 20x)"
+                f"  batch {b:>3} micro {chosen[b]}: {r['tokens_per_s']:8.1f} new tokens/s (prefill "
+                f"{r['prefill_s']:.2f} s), decode step {1e3 * r['step_s']:.0f} ms = {b / r['step_s']:.1f} "
+                "new tokens/s in decode",
+                flush=True,
             )
-            out["a_ratio"], out["a_decode_ratio"] = ratio, decode
-        out["a"] = {str(b): {k: v for k, v in r.items() if k != "tokens"} for b, r in rows_a.items()}
+    if 1 in rows_a and max(batches) in rows_a:
+        hi, lo = rows_a[max(batches)], rows_a[1]
+        ratio = hi["tokens_per_s"] / lo["tokens_per_s"]
+        decode = (max(batches) / hi["step_s"]) / (1 / lo["step_s"])
+        print(
+            f"  batch {max(batches)} / batch 1: {ratio:.1f}x over the whole call, {decode:.1f}x in decode "
+            "(goal >= 20x)"
+        )
+        out["a_ratio"], out["a_decode_ratio"] = ratio, decode
+    out["a"] = {str(b): {k: v for k, v in r.items() if k != "tokens"} for b, r in rows_a.items()}
+    return rows_a, traces
 
-    if "b" not in skip:
-        b = 16
-        batch = prompts(b, args.prompt)
-        roomy = capacity_bounds(str(path), prompt=args.prompt, new_tokens=args.new)["roomy"][0] * b
-        print(f"\n(b) roomy arena, local engine, batch {b}, against transformers' batched generate")
-        hf = bench_transformers(path, batch, args.new, args.repeat)
-        with LlamaModel(str(path), capacity=roomy, engine="local") as model:
-            r = bench_disco(model, batch, args.new, args.repeat, 1)
-        same = r["tokens"] == hf["tokens"]
-        ratio = r["tokens_per_s"] / hf["tokens_per_s"]
-        print(f"  transformers: {hf['tokens_per_s']:8.1f} new tokens/s, step {1e3 * hf['step_s']:.0f} ms")
-        print(f"  disco-ray:    {r['tokens_per_s']:8.1f} new tokens/s, step {1e3 * r['step_s']:.0f} ms")
-        print(f"  ratio {ratio:.2f}x (goal >= 0.8x); greedy tokens {'the same' if same else 'DIFFER'}")
-        out["b"] = {
-            "transformers": {k: v for k, v in hf.items() if k != "tokens"},
-            "disco": {k: v for k, v in r.items() if k != "tokens"},
-            "ratio": ratio,
-            "same_tokens": same,
-        }
 
-    if "c" not in skip and rows_a:
+def _part_b(path: Path, args, out: dict) -> None:
+    """(b) a roomy arena, batch 16, against transformers' batched generate."""
+    from disco_ray.models import LlamaModel
+    from disco_ray.models.graphs import capacity_bounds
+
+    b = 16
+    batch = prompts(b, args.prompt)
+    roomy = capacity_bounds(str(path), prompt=args.prompt, new_tokens=args.new)["roomy"][0] * b
+    print(f"\n(b) roomy arena, local engine, batch {b}, against transformers' batched generate")
+    hf = bench_transformers(path, batch, args.new, args.repeat)
+    with LlamaModel(str(path), capacity=roomy, engine="local") as model:
+        r = bench_disco(model, batch, args.new, args.repeat, 1)
+    same = r["tokens"] == hf["tokens"]
+    ratio = r["tokens_per_s"] / hf["tokens_per_s"]
+    print(f"  transformers: {hf['tokens_per_s']:8.1f} new tokens/s, step {1e3 * hf['step_s']:.0f} ms")
+    print(f"  disco-ray:    {r['tokens_per_s']:8.1f} new tokens/s, step {1e3 * r['step_s']:.0f} ms")
+    print(f"  ratio {ratio:.2f}x (goal >= 0.8x); greedy tokens {'the same' if same else 'DIFFER'}")
+    out["b"] = {
+        "transformers": {k: v for k, v in hf.items() if k != "tokens"},
+        "disco": {k: v for k, v in r.items() if k != "tokens"},
+        "ratio": ratio,
+        "same_tokens": same,
+    }
+
+
+def _part_c(prof, rows_a: dict, traces: dict, chosen: dict, out: dict) -> None:
+    """(c) the decode step predicted (rates fitted on batch 1's trace) against measured."""
+    print("\n(c) decode step: predicted (simulated, cpu profile) against measured, weights='disk', a third")
+    if 1 not in rows_a:
+        raise SystemExit("(c) fits the rates on batch 1's trace: keep 1 in --batches")
+    fitted, fit = fit_profile(prof, *traces[1])
+    print(
+        f"  fitted on batch 1's last decode step: loads {fitted.h2d / 1e9:.2f} GB/s, linear kernels "
+        f"{fitted.hbm / 1e9:.1f} GB/s, per vertex {1e6 * fitted.launch:.0f} us; matmul {prof.flops['float32'] / 1e9:.0f} GFLOP/s"
+    )
+    print(
+        f"  {'batch':>5} {'micro':>5} {'pred. ms':>9} {'meas. ms':>9} {'pred. tok/s':>11} {'meas. tok/s':>11}"
+    )
+    out["c"] = {"fitted": fit}
+    for b, r in rows_a.items():
+        step = policy.predict(*traces[b][:2], fitted)
         print(
-            "\n(c) decode step: predicted (simulated, cpu profile) against measured, weights='disk', a third"
+            f"  {b:>5} {chosen[b]:>5} {1e3 * step:>9.0f} {1e3 * r['step_s']:>9.0f} {b / step:>11.1f} {b / r['step_s']:>11.1f}"
         )
-        if 1 not in rows_a:
-            raise SystemExit("(c) fits the rates on batch 1's trace: keep 1 in --batches")
-        fitted, fit = fit_profile(prof, *traces[1])
-        print(
-            f"  fitted on batch 1's last decode step: loads {fitted.h2d / 1e9:.2f} GB/s, linear kernels "
-            f"{fitted.hbm / 1e9:.1f} GB/s, per vertex {1e6 * fitted.launch:.0f} us; matmul {prof.flops['float32'] / 1e9:.0f} GFLOP/s"
-        )
-        print(
-            f"  {'batch':>5} {'micro':>5} {'pred. ms':>9} {'meas. ms':>9} {'pred. tok/s':>11} {'meas. tok/s':>11}"
-        )
-        out["c"] = {"fitted": fit}
-        for b, r in rows_a.items():
-            step = policy.predict(*traces[b][:2], fitted)
-            print(
-                f"  {b:>5} {chosen[b]:>5} {1e3 * step:>9.0f} {1e3 * r['step_s']:>9.0f} {b / step:>11.1f} {b / r['step_s']:>11.1f}"
-            )
-            out["c"][str(b)] = {"predicted_step_s": step, "measured_step_s": r["step_s"]}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    return 0
+        out["c"][str(b)] = {"predicted_step_s": step, "measured_step_s": r["step_s"]}
 
 
 if __name__ == "__main__":

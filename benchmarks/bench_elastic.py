@@ -28,7 +28,7 @@ from bench_llama_cpu import arguments, checkpoint, prompt_ids  # noqa: E402
 
 def section_elastic(path: Path, ids: list[int], new: int, engine: str, out: dict) -> None:
     from disco_ray.models import LlamaModel
-    from disco_ray.models.llama import capacity_bounds
+    from disco_ray.models.graphs import capacity_bounds
 
     bounds = capacity_bounds(str(path), prompt=len(ids), new_tokens=new)
     roomy = bounds["roomy"][0]

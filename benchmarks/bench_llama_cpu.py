@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacities", default="roomy,third")
     args = ap.parse_args(argv)
     path = checkpoint(Path(args.dir))
-    from disco_ray.models.llama import capacity_bounds
+    from disco_ray.models.graphs import capacity_bounds
     from workloads.llm.checkpoint import Checkpoint
 
     ids = prompt_ids(args.prompt)

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args(argv)
-    from disco_ray.models.llama import capacity_bounds
+    from disco_ray.models.graphs import capacity_bounds
     from workloads.llm.checkpoint import Checkpoint
 
     path = checkpoint(Path(args.dir))

@@ -59,7 +59,7 @@ def union_ns(intervals: list[tuple[int, int]]) -> int:
 
 def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1) -> dict:
     from disco_ray.models import LlamaModel
-    from disco_ray.models.llama import capacity_bounds
+    from disco_ray.models.graphs import capacity_bounds
 
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()

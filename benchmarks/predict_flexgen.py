@@ -112,19 +112,7 @@ def prefill(batch: int, micros: list[int], layers: tuple[int, ...], depth: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,16,32,64,96,128,144,160,192,224,256")
-    ap.add_argument("--micros", default="1,2,4,8")
-    ap.add_argument(
-        "--reserve", type=float, default=0.1, help="fraction of the T4's memory kept for kernel workspace"
-    )
-    ap.add_argument(
-        "--host-memory", default=208e9, type=float, help="host RAM bytes (FlexGen's T4 machine: 208 GB)"
-    )
-    ap.add_argument("--short", default="2,4", help="the two depths to extrapolate from")
-    ap.add_argument("--full", action="store_true", help="build all 48 layers instead of extrapolating")
-    ap.add_argument("--json", metavar="PATH", help="write the table and the assumptions as JSON")
-    args = ap.parse_args(argv)
+    args = _args(argv)
     prof = profiles.t4
     depth = CONFIG["num_hidden_layers"]
     short = (depth,) if args.full else tuple(int(x) for x in args.short.split(","))
@@ -143,6 +131,68 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {PROMPT}, {NEW} new tokens; depths {short} -> {depth}"
     )
     t0 = time.perf_counter()
+    cands, held = _candidates(short, depth, cap, prof, batches, micros, args.host_memory)
+    best = policy.choose(cands)
+    search_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    prefills = {c.batch: prefill(c.batch, micros, short, depth, cap, prof) for c in cands if c.fits}
+    prefill_s = time.perf_counter() - t0
+
+    def generation(c: Candidate) -> tuple[float, float]:
+        pre = prefills[c.batch][0]
+        return pre, (c.batch * NEW / (pre + (NEW - 1) * c.step_s)) if pre else 0.0
+
+    print(
+        f"\npolicy search ({search_s:.0f} s, prefills {prefill_s:.0f} s): decode step per candidate, the chosen marked *"
+    )
+    print(
+        f"{'':1} {'batch':>6} {'micro':>5} {'step s':>8} {'decode tok/s':>12} {'H2D GB/step':>11} {'host GB':>8} {'prefill s':>9} {'gen tok/s':>9}  note"
+    )
+    rows = _table(cands, best, held, generation)
+    chosen = next(c for c in cands if (c.batch, c.micro) == (best.batch, best.micro))
+    pre, gen = generation(chosen)
+    print(
+        f"\npredicted: batch {best.batch} in {best.micro} micro-batch(es): decode step {best.step_s:.2f} s "
+        f"({best.tokens_per_s:.2f} new tokens/s), prefill {pre:.0f} s in {prefills[best.batch][1]} micro-batch(es), "
+        f"generation throughput {gen:.2f} new tokens/s"
+    )
+    for name, tps in PAPER.items():
+        print(f"  paper (FlexGen section 6): {name} {tps} new tokens/s")
+    if args.json:
+        doc = _doc(args, full, cap, short, prefills, search_s, prefill_s, rows, best, pre, gen)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,16,32,64,96,128,144,160,192,224,256")
+    ap.add_argument("--micros", default="1,2,4,8")
+    ap.add_argument(
+        "--reserve", type=float, default=0.1, help="fraction of the T4's memory kept for kernel workspace"
+    )
+    ap.add_argument(
+        "--host-memory", default=208e9, type=float, help="host RAM bytes (FlexGen's T4 machine: 208 GB)"
+    )
+    ap.add_argument("--short", default="2,4", help="the two depths to extrapolate from")
+    ap.add_argument("--full", action="store_true", help="build all 48 layers instead of extrapolating")
+    ap.add_argument("--json", metavar="PATH", help="write the table and the assumptions as JSON")
+    return ap.parse_args(argv)
+
+
+def _candidates(
+    short: tuple[int, ...],
+    depth: int,
+    cap: int,
+    prof,
+    batches: list[int],
+    micros: list[int],
+    host_memory: float,
+):
+    """Every (batch, micro) of the policy search at the `short` depths, extrapolated to `depth`
+    (a candidate whose weights and KV cache exceed the host RAM excluded); and per fitting
+    candidate, the host bytes of its step's inputs at full depth."""
     per_depth = [
         {
             (c.batch, c.micro): c
@@ -164,27 +214,16 @@ def main(argv: list[str] | None = None) -> int:
             loaded = round(extrapolate(a.loaded, b.loaded, *short, depth))
         ha, hb = (policy.host_bytes(step_graph(n)(*key))[0] for n in (short[0], short[-1]))
         held[key] = round(ha if len(short) == 1 else extrapolate(ha, hb, *short, depth))
-        if held[key] > args.host_memory:
-            why = f"weights and KV cache need {held[key] / 1e9:.0f} GB of host RAM, more than {args.host_memory / 1e9:.0f}"
+        if held[key] > host_memory:
+            why = f"weights and KV cache need {held[key] / 1e9:.0f} GB of host RAM, more than {host_memory / 1e9:.0f}"
             cands.append(Candidate(*key, excluded=why))
         else:
             cands.append(Candidate(*key, step, loaded))
-    best = policy.choose(cands)
-    search_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    prefills = {c.batch: prefill(c.batch, micros, short, depth, cap, prof) for c in cands if c.fits}
-    prefill_s = time.perf_counter() - t0
+    return cands, held
 
-    def generation(c: Candidate) -> tuple[float, float]:
-        pre = prefills[c.batch][0]
-        return pre, (c.batch * NEW / (pre + (NEW - 1) * c.step_s)) if pre else 0.0
 
-    print(
-        f"\npolicy search ({search_s:.0f} s, prefills {prefill_s:.0f} s): decode step per candidate, the chosen marked *"
-    )
-    print(
-        f"{'':1} {'batch':>6} {'micro':>5} {'step s':>8} {'decode tok/s':>12} {'H2D GB/step':>11} {'host GB':>8} {'prefill s':>9} {'gen tok/s':>9}  note"
-    )
+def _table(cands: list[Candidate], best: Candidate, held: dict, generation) -> list[dict]:
+    """The table's rows printed, one per candidate (the chosen marked *); returned for the JSON."""
     rows = []
     for c in cands:
         mark = "*" if (c.batch, c.micro) == (best.batch, best.micro) else ""
@@ -211,43 +250,47 @@ def main(argv: list[str] | None = None) -> int:
                 f"{mark:1} {c.batch:>6} {c.micro:>5} {'-':>8} {'-':>12} {'-':>11} {'-':>8} {'-':>9} {'-':>9}  {c.excluded}"
             )
             rows.append(dict(batch=c.batch, micro=c.micro, excluded=c.excluded))
-    chosen = next(c for c in cands if (c.batch, c.micro) == (best.batch, best.micro))
-    pre, gen = generation(chosen)
-    print(
-        f"\npredicted: batch {best.batch} in {best.micro} micro-batch(es): decode step {best.step_s:.2f} s "
-        f"({best.tokens_per_s:.2f} new tokens/s), prefill {pre:.0f} s in {prefills[best.batch][1]} micro-batch(es), "
-        f"generation throughput {gen:.2f} new tokens/s"
+    return rows
+
+
+def _doc(
+    args,
+    full: Checkpoint,
+    cap: int,
+    short,
+    prefills: dict,
+    search_s: float,
+    prefill_s: float,
+    rows,
+    best,
+    pre,
+    gen,
+) -> dict:
+    """The JSON document: the table, the chosen candidate and the assumptions."""
+    return dict(
+        prediction=True,
+        config=CONFIG,
+        parameters=full.parameters(),
+        profile="t4",
+        arena_bytes=cap,
+        host_memory=args.host_memory,
+        prompt=PROMPT,
+        new_tokens=NEW,
+        depths=list(short),
+        prefill_micro={str(b): m for b, (_, m) in prefills.items()},
+        search_s=search_s,
+        prefill_search_s=prefill_s,
+        candidates=rows,
+        chosen=dict(
+            batch=best.batch,
+            micro=best.micro,
+            step_s=best.step_s,
+            decode_tokens_per_s=best.tokens_per_s,
+            prefill_s=pre,
+            generation_tokens_per_s=gen,
+        ),
+        paper=PAPER,
     )
-    for name, tps in PAPER.items():
-        print(f"  paper (FlexGen section 6): {name} {tps} new tokens/s")
-    if args.json:
-        doc = dict(
-            prediction=True,
-            config=CONFIG,
-            parameters=full.parameters(),
-            profile="t4",
-            arena_bytes=cap,
-            host_memory=args.host_memory,
-            prompt=PROMPT,
-            new_tokens=NEW,
-            depths=list(short),
-            prefill_micro={str(b): m for b, (_, m) in prefills.items()},
-            search_s=search_s,
-            prefill_search_s=prefill_s,
-            candidates=rows,
-            chosen=dict(
-                batch=best.batch,
-                micro=best.micro,
-                step_s=best.step_s,
-                decode_tokens_per_s=best.tokens_per_s,
-                prefill_s=pre,
-                generation_tokens_per_s=gen,
-            ),
-            paper=PAPER,
-        )
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from disco_ray.graph.errors import UsageError  # noqa: E402
 from disco_ray.graph.memgraph import MKind  # noqa: E402
 from disco_ray.models import LlamaModel  # noqa: E402
-from disco_ray.models.llama import capacity_bounds  # noqa: E402
+from disco_ray.models.graphs import capacity_bounds  # noqa: E402
 from disco_ray.models.sampling import SamplingParams  # noqa: E402
 from planner import min_capacity, roomy_capacity  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from disco_ray.graph.errors import UsageError  # noqa: E402
 from disco_ray.models import LlamaModel  # noqa: E402
-from disco_ray.models.llama import capacity_bounds  # noqa: E402
+from disco_ray.models.graphs import capacity_bounds  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402

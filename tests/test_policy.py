@@ -207,7 +207,7 @@ def test_a_config_only_decode_step_plans_and_simulates():
 def test_auto_chooses_again_when_the_capacity_changed():
     from types import SimpleNamespace
 
-    from disco_ray.cli.generate import _Auto
+    from disco_ray.cli.batches import _Auto
     from disco_ray.cli.prompts import Request
 
     ck = Checkpoint.from_config(dict(TINY))

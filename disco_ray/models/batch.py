@@ -260,21 +260,12 @@ def run_batch(
     maxes = check_max_new(max_new_tokens, len(ids))
     own_stops = check_stop_ids(stop_ids, len(ids), cfg.vocab)
     seeds = check_indices(indices, len(ids))
-    fixed = None  # the caller's micro-batch count, or None: the plans choose per step
-    if micro != "auto":
-        if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1):
-            raise UsageError(f"micro must be a power of two >= 1 or 'auto', got {micro!r}")
-        fixed = micro
+    fixed = check_micro(micro)  # the caller's micro-batch count, or None: the plans choose per step
 
     def split(kind: str, rows: int, blocks: int) -> int:
         return int(model.choose_micro(kind, rows, blocks)) if fixed is None else min(fixed, rows)
 
-    params = sampling if sampling is not None else SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise UsageError(f"sampling must be a SamplingParams, got {type(params).__name__}")
-    params.validate(cfg.vocab)
-    if params.do_sample:
-        params = params.with_seed()
+    params = check_sampling(sampling, cfg.vocab)
     own = samplers(params, seeds) if params.do_sample else []
     ends = replace(params, stop_ids=tuple(params.stop_ids) + (tuple(cfg.eos) if stop_at_eos else ()))
     planned, nplans = model.planning_s, len(model.plans)
@@ -294,16 +285,10 @@ def run_batch(
     reached, rows0, ok = layout.blocks, R, False
     try:
         if R:
-            m = gen.micro = split("batch_prefill", R, layout.blocks)
-            mgraph, prog = model._program(("batch_prefill", R, layout.blocks, m))
-            feed = feed_prefill(mgraph, cfg, layout, [ids[s] for s in book.rows if s is not None], m)
-            outs, gen.prefill_s = _run(prog, feed, model.check, timeout)
-            gen.prefill_bytes_loaded = _loaded(prog)
-            logits = mgraph.gather(outs)
-            if prefill_logits:  # sequences with no new tokens were not prefilled: NaN rows
-                seqs = [s for s in book.rows if s is not None]
-                gen.prefill_logits = torch.full((len(ids), logits.shape[1]), float("nan"))
-                gen.prefill_logits[seqs] = logits[: len(seqs)]
+            gen.micro = split("batch_prefill", R, layout.blocks)
+            logits = _prefill(model, gen, layout, [ids[s] for s in book.rows if s is not None], R, timeout)
+            if prefill_logits:
+                gen.prefill_logits = _per_prompt(logits, [s for s in book.rows if s is not None], len(ids))
         p = layout.length  # the cache index of the next token fed
         while book.live():
             live = book.live()
@@ -323,28 +308,96 @@ def run_batch(
             blocks = p // model.block + 1
             reached = max(reached, blocks)
             m = split("batch_decode", R, blocks)  # chosen once per (rows, blocks, capacity)
-            mgraph, prog = model._program(("batch_decode", R, blocks, m))
-            feed = feed_decode(mgraph, cfg, layout, book.tokens(), p, m)
-            outs, dt = _run(prog, feed, model.check, timeout)
-            logits = mgraph.gather(outs)
-            gen.decode_s.append(dt)
-            gen.rows.append(R)
-            gen.micros.append(m)
-            gen.bytes_loaded.append(_loaded(prog))
+            logits = _decode_step(model, gen, layout, book.tokens(), p, (R, blocks, m), timeout)
             p += 1
         ok = True
     finally:  # the batch's KV cache goes, whatever happened
-        try:
-            model.pool.move_states(
-                {}, [x for r in range(rows0) for x in state_ids(cfg, model.gpus, r, reached)]
-            )
-        except Exception:
-            if ok:  # else the run's own error is the one to see (the workers may be gone)
-                raise
+        _drop_cache(model, rows0, reached, ok)
     gen.sequences = [done[i] for i in range(len(ids))]
     gen.planning_s = model.planning_s - planned
     gen.plans_made = len(model.plans) - nplans
     return gen
+
+
+def check_micro(micro: object) -> int | None:
+    """`micro=`: a power of two >= 1 (the caller's micro-batch count), or "auto": None."""
+    if micro == "auto":
+        return None
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or micro & (micro - 1):
+        raise UsageError(f"micro must be a power of two >= 1 or 'auto', got {micro!r}")
+    return micro
+
+
+def check_sampling(sampling: object, vocab: int) -> SamplingParams:
+    """`sampling=` checked against the vocabulary (None: greedy), with a seed when it samples."""
+    params = sampling if sampling is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise UsageError(f"sampling must be a SamplingParams, got {type(params).__name__}")
+    params.validate(vocab)
+    if params.do_sample:
+        params = params.with_seed()
+    return params
+
+
+def _prefill(
+    model: Any,
+    gen: BatchGeneration,
+    layout: BatchLayout,
+    prompts: list[list[int]],
+    rows: int,
+    timeout: float | None,
+) -> torch.Tensor:
+    """The live prompts prefilled together in one run of `gen.micro` micro-batches: the logits
+    of each row's last token; the run's time and bytes loaded go to `gen`."""
+    m = gen.micro
+    mgraph, prog = model._program(("batch_prefill", rows, layout.blocks, m))
+    feed = feed_prefill(mgraph, model.config, layout, prompts, m)
+    outs, gen.prefill_s = _run(prog, feed, model.check, timeout)
+    gen.prefill_bytes_loaded = _loaded(prog)
+    return mgraph.gather(outs)
+
+
+def _per_prompt(logits: torch.Tensor, seqs: list[int], n: int) -> torch.Tensor:
+    """The prefill's logits rows (of sequences `seqs`) as one row per prompt of `n`: the sequences
+    with no new tokens were not prefilled, their rows are NaN."""
+    out = torch.full((n, logits.shape[1]), float("nan"))
+    out[seqs] = logits[: len(seqs)]
+    return out
+
+
+def _decode_step(
+    model: Any,
+    gen: BatchGeneration,
+    layout: BatchLayout,
+    tokens: list[int],
+    p: int,
+    key: tuple[int, int, int],
+    timeout: float | None,
+) -> torch.Tensor:
+    """One decode step of every row in one run: `tokens` fed at cache index `p`, with `key` the
+    (rows, cache blocks, micro-batches) of its plan; the next logits per row. The step's time,
+    rows, micro-batches and bytes loaded go to `gen`."""
+    rows, blocks, m = key
+    mgraph, prog = model._program(("batch_decode", rows, blocks, m))
+    feed = feed_decode(mgraph, model.config, layout, tokens, p, m)
+    outs, dt = _run(prog, feed, model.check, timeout)
+    logits = mgraph.gather(outs)
+    gen.decode_s.append(dt)
+    gen.rows.append(rows)
+    gen.micros.append(m)
+    gen.bytes_loaded.append(_loaded(prog))
+    return logits
+
+
+def _drop_cache(model: Any, rows: int, blocks: int, ok: bool) -> None:
+    """The batch's KV cache states (`rows` rows, `blocks` cache blocks) dropped on the workers;
+    a failure to drop them is raised only when the run itself went well (`ok`)."""
+    cfg = model.config
+    try:
+        model.pool.move_states({}, [x for r in range(rows) for x in state_ids(cfg, model.gpus, r, blocks)])
+    except Exception:
+        if ok:  # else the run's own error is the one to see (the workers may be gone)
+            raise
 
 
 def _run(prog, feed: dict[str, torch.Tensor], check: bool, timeout: float | None) -> tuple[dict, float]:

@@ -24,17 +24,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from disco_ray.driver.program import Program
-from disco_ray.graph.errors import CapacityError, UsageError
-from disco_ray.graph.memgraph import MemGraph, MKind
+from disco_ray.graph.errors import UsageError
+from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
-from planner import build_memgraph, min_capacity
-from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
-from workloads.llm.checkpoint import Checkpoint
-from workloads.llm.model import ModelGraph, decode_graph, prefill_graph
+from workloads.llm.model import ModelGraph
 
 from .batch import BatchGeneration, SequenceOutput, run_batch
-from .programs import Programs, open_checkpoint, plan_entry
+from .planned import PlannedModel
+from .programs import open_checkpoint
 from .sampling import SamplingParams
 
 
@@ -68,7 +65,7 @@ class Generation:
         }
 
 
-class LlamaModel(Programs):
+class LlamaModel(PlannedModel):
     """A LLaMA checkpoint on `gpus` workers with `capacity` arena bytes each.
 
     Args:
@@ -136,113 +133,6 @@ class LlamaModel(Programs):
         self._budget_seq = 0
         self.planning_s = 0.0
         self.load_s = 0.0  # loading graphs into the workers (the first also reads the weights)
-
-    # ---- plans -------------------------------------------------------------------------------
-    def _caps(self) -> list[int]:
-        c = self.capacity
-        return [int(c)] * self.gpus if isinstance(c, int) else [int(x) for x in c]
-
-    def _program(self, key: tuple) -> tuple[ModelGraph, Program]:
-        """The graph and Program of `key` at the current capacity: planned on first use (plans
-        are kept per capacity, so going back to a capacity plans nothing)."""
-        got = self._programs.get(key)
-        if got is not None:
-            return got
-        mgraph, mg = self._plan(key)
-        prog = Program(mgraph.taskgraph, mg, **self._prog_kw)
-        t = time.perf_counter()
-        prog.engine  # noqa: B018  (loads the graph into the workers now, not in the first run)
-        self.load_s += time.perf_counter() - t
-        got = self._programs[key] = (mgraph, prog)
-        return got
-
-    def _plan(self, key: tuple) -> tuple[ModelGraph, MemGraph]:
-        """The graph of `key` and its plan at the current capacity, planned on first use."""
-        caps = self._caps()
-        planned = self._plans.get((key, tuple(caps)))
-        if planned is None:
-            t = time.perf_counter()
-            if key[0] == "prefill":
-                _, blocks, logits, cache = key
-                mgraph = prefill_graph(
-                    self.ck,
-                    self.gpus,
-                    blocks,
-                    self.block,
-                    dtype=self.dtype,
-                    logits=logits,
-                    cache=cache,
-                    tile=self.tile,
-                )
-            elif key[0] == "decode":
-                mgraph = decode_graph(self.ck, self.gpus, key[1], self.block, self.dtype)
-            else:  # a batch's: (kind, rows, cache blocks, micro-batches)
-                _, rows, blocks, micro = key
-                if key[0] == "batch_prefill":
-                    mgraph = batch_prefill_graph(
-                        self.ck,
-                        self.gpus,
-                        rows,
-                        blocks,
-                        self.block,
-                        dtype=self.dtype,
-                        micro=micro,
-                        tile=self.tile,
-                    )
-                else:
-                    mgraph = batch_decode_graph(
-                        self.ck, self.gpus, rows, blocks, self.block, dtype=self.dtype, micro=micro
-                    )
-            tg = mgraph.taskgraph
-            need = min_capacity(tg)
-            if self.resizes and any(c < n for c, n in zip(caps, need)):
-                # an elastic budget below what one vertex needs: run at that minimum, not fail
-                # (a capacity given at the start that small is an error, the planner's)
-                self.clamped += 1
-                caps = [max(c, n) for c, n in zip(caps, need)]
-            # the builder's order: layer by layer, each tile's vertices together
-            order = mgraph.order or list(tg.vertices)  # a batch's micro-batches: zig-zag
-            mg = build_memgraph(tg, caps, order=order, host_capacity=self.host_capacity)
-            dt = time.perf_counter() - t
-            self.planning_s += dt
-            self.plans.append(plan_entry("/".join(str(k) for k in key), tg, mg, dt, capacity=caps))
-            planned = self._plans[(key, tuple(self._caps()))] = (mgraph, mg)
-        return planned
-
-    def choose_micro(self, kind: str, rows: int, blocks: int) -> int:
-        """The micro-batches of a batch step (`kind` "batch_prefill" or "batch_decode", `rows`
-        rows, `blocks` cache blocks) at the current capacity, chosen by the plans: each power of
-        two up to `rows` is planned and the one whose plan moves the fewest bytes between host
-        and device wins (ties: fewer micro-batches). Made once per (step, capacity), so a resize
-        chooses again at the next step, and going back to a capacity chooses nothing."""
-        caps = tuple(self._caps())
-        got = self._micros.get((kind, rows, blocks, caps))
-        if got is not None:
-            return got
-        moved: dict[int, int | str] = {}
-        m = 1
-        while m <= rows:
-            try:
-                moved[m] = bytes_moved(self._plan((kind, rows, blocks, m))[1])
-            except (CapacityError, UsageError) as e:  # this split does not plan: the others may
-                moved[m] = str(e)
-            m *= 2
-        fits = [m for m, b in moved.items() if isinstance(b, int)]
-        if not fits:
-            raise CapacityError(f"{kind} of {rows} rows plans with no micro-batch count: {moved[1]}")
-        best = min(fits, key=lambda m: (moved[m], m))
-        self._micros[(kind, rows, blocks, caps)] = best
-        self.micro_choices.append(
-            {
-                "kind": kind,
-                "rows": rows,
-                "blocks": blocks,
-                "capacity": list(caps),
-                "micro": best,
-                "moved": moved,
-            }
-        )
-        return best
 
     def resize(self, capacity: int | str | Sequence[int]) -> dict:
         """Runs within `capacity` bytes of arena per GPU from now on (elastic capacity): unloads
@@ -482,59 +372,6 @@ class LlamaModel(Programs):
             "resizes": list(self.resizes),
             "clamped_plans": self.clamped,
         }
-
-
-def capacity_bounds(
-    path: str,
-    *,
-    gpus: int = 1,
-    prompt: int,
-    new_tokens: int = 0,
-    block: int = 64,
-    tile: int | None = None,
-    dtype: str | None = None,
-    batch: int | None = None,
-    micro: int = 1,
-) -> dict[str, list[int]]:
-    """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
-    prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
-    for every tensor of the largest graph at once ("roomy": nothing offloaded).
-
-    `batch`: the graphs of `run_generate_batch` for that many prompts of at most `prompt` tokens
-    (rows rounded up to a power of two, `micro` micro-batches; the fewer rows after compaction
-    need no more), instead of the single-sequence ones."""
-    from planner import roomy_capacity
-
-    ck = Checkpoint(path)
-    blocks = math.ceil(prompt / block)
-    tile = tile or 4 * block
-    last = prompt + new_tokens - 2  # the position the last decode step feeds
-    if batch is not None:
-        rows = 1 << (max(1, batch) - 1).bit_length()
-        m = min(micro, rows)
-        graphs = [batch_prefill_graph(ck, gpus, rows, blocks, block, dtype=dtype, micro=m, tile=tile)]
-        end = blocks * block + new_tokens - 2  # the cache index the last step feeds
-        graphs += [
-            batch_decode_graph(ck, gpus, rows, n, block, dtype=dtype, micro=m)
-            for n in range(blocks + 1, end // block + 2)
-            if new_tokens > 1
-        ]
-    else:
-        graphs = [prefill_graph(ck, gpus, blocks, block, dtype=dtype, cache=new_tokens > 1, tile=tile)]
-        if new_tokens > 1:
-            graphs += [
-                decode_graph(ck, gpus, n, block, dtype) for n in range(prompt // block + 1, last // block + 2)
-            ]
-    low = [max(col) for col in zip(*(min_capacity(m.taskgraph) for m in graphs))]
-    high = [max(col) for col in zip(*(roomy_capacity(m.taskgraph) for m in graphs))]
-    return {"min": low, "roomy": high}
-
-
-def bytes_moved(mg: MemGraph) -> int:
-    """Bytes a plan moves between host and device per run: inputs loaded, reloads and offloads
-    (the plan's own count: a resident weight's skipped load still counts, alike for every split)."""
-    kinds = (MKind.INPUT, MKind.RELOAD, MKind.OFFLOAD)
-    return sum(v.out.nbytes for v in mg.vertices if v.kind in kinds)
 
 
 def load(path: str, **kw) -> LlamaModel:
