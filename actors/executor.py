@@ -402,6 +402,7 @@ class Executor(GpuResources):
             "done": self.core.done,
             "reports": self.reports,
             "report_interval_ms": round(self._reporter.core.interval * 1e3, 3),
+            "report_call_ms": self._reporter.core.call_s * 1e3,  # host time of one report (mean)
             "streams": self.streams,
             "lanes": self.slots.total - self.streams,
             "workspace_bytes": self.workspace,

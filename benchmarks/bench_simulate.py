@@ -9,8 +9,9 @@ are split in two halves, alternately:
 
 - from the first half's traces (disco_ray.bench.replay): each vertex's duration (interquartile
   mean), the host's lag per completion on the same stream (`done_s`) and per stream thread woken
-  (`wake_s`), and, measured here, how long the reporter's sleep of flush_s lasts (its period
-  while busy);
+  (`wake_s`); measured beside those runs, how long a sleep of flush_s lasts under their load
+  (the reporter's period while busy; a thread sleeping as its loop does, the mean), and the
+  runtime's own measure of a report call's host time (the workers' `report_call_ms`);
 - the second half gives the measured makespan (median; first start to last end of the trace).
 
 The simulator (disco_ray.bench.simulate, which drives the runtime's own Scheduler, WorkerCore,
@@ -27,6 +28,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,14 +50,35 @@ CASES = [  # (workload, its parameters, capacity as a fraction of its tensors pe
 ]
 
 
-def sleep_period(seconds: float, n: int = 200) -> float:
-    """The median time a sleep of `seconds` lasts on this host (the reporter's period)."""
-    took = []
-    for _ in range(n):
-        t = time.perf_counter()
-        time.sleep(seconds)
-        took.append(time.perf_counter() - t)
-    return statistics.median(took)
+class Sleeper:
+    """A thread that sleeps `seconds` over and over, as the reporter's busy loop does, while
+    `on`: how long those sleeps last under the runs' load (GIL, cores) is the reporter's period
+    (a sleep on an idle host is shorter)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.took = seconds, []
+        self.on = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self.on.wait()
+            if self._closing:
+                return
+            t = time.perf_counter()
+            time.sleep(self.seconds)
+            if self.on.is_set():  # it slept beside a run throughout
+                self.took.append(time.perf_counter() - t)
+
+    def close(self) -> float:
+        """Stops the thread; the mean sleep (a path through several reporter passes adds their
+        means)."""
+        self._closing = True
+        self.on.set()
+        self._thread.join()
+        return statistics.fmean(self.took)
 
 
 def run_case(name: str, kw: dict, frac: float | None, repeat: int) -> dict:
@@ -65,10 +88,17 @@ def run_case(name: str, kw: dict, frac: float | None, repeat: int) -> dict:
     mg = build_memgraph(tg, roomy_capacity(tg) if frac is None else int(need * frac))
     with Program(tg, mg, engine="local", backend="cpu", flush_s=FLUSH_S) as prog:
         prog.run(w.inputs)  # warm-up: arenas, first loads
-        runs = [prog.run(w.inputs, details=True).records for _ in range(repeat)]
+        sleeper = Sleeper(FLUSH_S)
+        runs = []
+        for i in range(repeat):
+            if i % 2 == 0:  # beside the fit runs only: the held ones run as the runtime alone
+                sleeper.on.set()
+            runs.append(prog.run(w.inputs, details=True).records)
+            sleeper.on.clear()
+        period = sleeper.close()
+        calls = [wk["report_call_ms"] / 1e3 for wk in prog.statistics()["engine"]["workers"]]
     fit, held = runs[0::2], runs[1::2]
-    period = sleep_period(FLUSH_S)
-    cost, host = replay(mg, fit, flush_s=period)
+    cost, host = replay(mg, fit, flush_s=period, report_s=statistics.fmean(calls))
     pred = simulate(mg, tg, cost, host=host).makespan
     bare = simulate(mg, tg, cost, host=Host()).makespan
     spans = [makespan(r) for r in held]
@@ -87,6 +117,7 @@ def run_case(name: str, kw: dict, frac: float | None, repeat: int) -> dict:
         "done_us": host.done_s * 1e6,
         "wake_us": host.wake_s * 1e6,
         "report_period_ms": period * 1e3,
+        "report_call_us": host.report_s * 1e6,
     }
 
 
@@ -97,13 +128,13 @@ def main() -> None:
     args = ap.parse_args()
     rows = [run_case(name, kw, frac, max(args.repeat, 2)) for name, kw, frac in CASES]
     head = f"{'workload':14s} {'plan':16s} {'vertices':>8s} {'measured ms':>18s} {'predicted':>10s} {'error':>7s}"
-    print(head + f" {'no host':>8s}   host: done / wake us, report period ms")
+    print(head + f" {'no host':>8s}   host: done / wake / report call us, report period ms")
     for r in rows:
         lo, hi = r["measured_range_ms"]
         meas = f"{r['measured_ms']:.2f} ({lo:.1f}-{hi:.1f})"
         print(
             f"{r['workload']:14s} {r['plan']:16s} {r['vertices']:8d} {meas:>18s} {r['predicted_ms']:10.2f} "
-            f"{r['error_pct']:+6.1f}% {r['no_host_ms']:8.2f}   {r['done_us']:.1f} / {r['wake_us']:.1f}, "
+            f"{r['error_pct']:+6.1f}% {r['no_host_ms']:8.2f}   {r['done_us']:.1f} / {r['wake_us']:.1f} / {r['report_call_us']:.1f}, "
             f"{r['report_period_ms']:.3f}"
         )
     if args.json:

@@ -94,6 +94,10 @@ def test_the_reporter_holds_back_a_completion_while_its_worker_is_busy():
     lag = simulate(mg, g, cost, host=Host(flush_s=1.0))
     assert _spans(lag)[3] == (0.5, 0.75) and _spans(lag)[4] == (1.5, 1.75) and lag.makespan == 1.75
     assert _spans(simulate(mg, g, cost, host=Host(flush_s=0.5)))[4] == (1.0, 1.25)
+    # a report call of 0.125: x0's batch reaches the coordinator at 0.625, and the next pass
+    # (which sends x1's) comes flush_s after the call returned, at 1.625
+    sent = simulate(mg, g, cost, host=Host(flush_s=1.0, report_s=0.125))
+    assert _spans(sent)[3] == (0.625, 0.875) and _spans(sent)[4] == (1.75, 2.0) and sent.makespan == 2.0
 
 
 def test_host_costs_of_completions_and_wake_ups():

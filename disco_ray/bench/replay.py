@@ -100,7 +100,10 @@ def replay(
     ahead: int = 0,
     flush_s: float = 1e-3,
     lazy_s: float = 0.05,
+    report_s: float = 0.0,
 ) -> tuple[Replay, Host]:
-    """The cost model and the host of `runs` of `mg` (made with these WorkerConfig settings)."""
+    """The cost model and the host of `runs` of `mg` (made with these WorkerConfig settings;
+    `report_s`: the host time of a report call, which the runtime measures itself, the workers'
+    statistics' `report_call_ms`)."""
     done, wake = host_lags(mg, runs)
-    return Replay(durations(runs), streams, ahead), Host(done, wake, flush_s, lazy_s)
+    return Replay(durations(runs), streams, ahead), Host(done, wake, flush_s, lazy_s, report_s)

@@ -14,9 +14,10 @@ time, this one has an event heap and a device model:
   every stream runs on its own (measured durations already include the sharing);
 - `Host` gives the host's costs: a completion's own host time (the executor's `_done`, which
   holds its stream, as the cpu backend's stream thread does), the time an idle stream's thread
-  takes to start work another thread handed it, and the reporter's `flush_s`, whose loop
-  (`actors.reporter.ReportThread`) is replayed pass by pass; with all 0 every completion reaches
-  the coordinator at once and every launch starts at once (the papers' ideal event loop).
+  takes to start work another thread handed it, the reporter's `flush_s`, whose loop
+  (`actors.reporter.ReportThread`) is replayed pass by pass, and the host time of its report
+  call; with all 0 every completion reaches the coordinator at once and every launch starts at
+  once (the papers' ideal event loop).
 
 So a change to the runtime's policy (the lane rule, copy depth, launch ahead, the ready order,
 the reporter's lag) changes the simulated schedule. Alternatives rejected: a scheduler of the
@@ -39,7 +40,8 @@ from actors.worker_core import StreamSlots, WorkerCore
 from disco_ray.graph.errors import GraphError
 from disco_ray.graph.memgraph import MemGraph
 
-_END, _LANDED, _TICK, _WAKE = range(4)  # device done, completion handled, reporter, stream thread up
+# device done, completion handled, reporter's pass, stream thread up, report sent
+_END, _LANDED, _TICK, _WAKE, _SENT = range(5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,9 @@ class Host:
     # oversleep; 0: every completion reaches the coordinator at once
     flush_s: float = 0.0
     lazy_s: float = 0.05  # the reporter's lazy_s (WorkerConfig)
+    # host time of one report (the coordinator's handling, the dispatch): the batch reaches the
+    # coordinator this late, and the reporter's next pass is as much later
+    report_s: float = 0.0
 
 
 class _Worker:
@@ -75,6 +80,7 @@ class _Worker:
         self.reporter = Reporter(host.flush_s, host.lazy_s)
         self.looping = False  # the reporter thread is in its busy loop
         self.woken = False  # a completion arrived during that loop
+        self.sending: deque[list[int]] = deque()  # batches in a report call (`Host.report_s`)
 
 
 class SimEngine:
@@ -114,6 +120,8 @@ class SimEngine:
                 self._land(w, vid, s)
             elif kind == _TICK:
                 self._tick(w)
+            elif kind == _SENT:
+                self._apply(self.sched.handle(Completed(w.gpu, w.sending.popleft())))
             else:
                 self._start(w)
         if len(self.landed) != self.sched.n:
@@ -199,13 +207,18 @@ class SimEngine:
         """One pass of the reporter thread's loop (`actors.reporter.ReportThread._loop`)."""
         busy = w.slots.running > 0
         batch = w.reporter.take(self.now, busy)
-        if batch is not None:
+        after = self.now  # the pass's end: the report call returned
+        if batch is not None and self.host.report_s > 0:
+            after += self.host.report_s
+            w.sending.append(batch)
+            self._push(after, _SENT, w)
+        elif batch is not None:
             self._apply(self.sched.handle(Completed(w.gpu, batch)))
         if busy:
-            self._push(self.now + self.host.flush_s, _TICK, w)  # it sleeps flush_s
+            self._push(after + self.host.flush_s, _TICK, w)  # it sleeps flush_s
         elif w.woken:  # woken during the loop: it passes once more at once
             w.woken = False
-            self._push(self.now, _TICK, w)
+            self._push(after, _TICK, w)
         else:
             w.looping = False
 
