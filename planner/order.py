@@ -13,7 +13,7 @@ graph input starts only while the inputs loaded and not yet consumed on its GPU 
 activations when memory is tight.
 
 Measured against the rejected alternatives (benchmarks/bench_quality.py): depth-first from the
-outputs (the former default: finishes one output's subtree, so a sequence-tiled LLaMA runs every
+outputs (finishes one output's subtree, so a sequence-tiled LLaMA runs every
 layer per tile and reloads each layer's weights once per tile), the TaskGraph's own list order
 (good when the builder lays it out level by level, but at a tight capacity it loads a level's
 weights before the activations of the level before are done with), and memory pacing of every

@@ -12,8 +12,8 @@ readers, since w_i'' -> each reader of it is the read check). Both sets are buil
 at once with numpy, deduplicated, and handed to planner.reach in one batch. If every pair holds,
 no race exists; if one fails, that pair names a race (or a read that is already wrong).
 
-Rejected: testing every (read, overlapping writer) pair against an n x n bit matrix (the former
-verifier: quadratic memory), and per-pair graph searches.
+Rejected: testing every (read, overlapping writer) pair against an n x n bit matrix
+(quadratic memory), and per-pair graph searches.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ reach: a plan whose memory edges all span W ids or more (roomy arenas reuse rang
 few array operations.
 
 Rejected: exact transitive reduction (ancestor sets as large as the graph: quadratic memory on a
-400k-vertex plan), and checking only duplicate edges (the former statistic: 56-90% of memory
+400k-vertex plan), and checking only duplicate edges (which left them: 56-90% of memory
 edges were implied yet kept).
 """
 

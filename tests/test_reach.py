@@ -1,7 +1,7 @@
 """The scalable verifier against brute force: planner.reach on random DAGs, planner.verify on mutated plans.
 
 The reference here keeps every vertex's full ancestor set and tests every (read, overlapping
-writer) pair, as the former verifier did: quadratic, independent of planner.reach and
+writer) pair: quadratic, independent of planner.reach and
 planner.overlap. Small windows force the long-query paths (numpy two-step test, bidirectional
 search) on small graphs.
 """
