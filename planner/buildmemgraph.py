@@ -33,7 +33,7 @@ from .sum_into import SUM_INTO, GroupError, demote
 __all__ = ["FIT", "SUM_INTO", "GroupError", "Planner", "build_memgraph"]
 
 Planner = PartSimulation  # the whole simulation: the paper's, with sum-into groups and split parts
-log = logging.getLogger(__name__)
+log = logging.getLogger("disco_ray.planner")  # under "disco_ray": the CLI's -v and -q reach it
 ROUNDS = 4  # plans made again with the blocking groups demoted before a mode is given up for all
 
 
@@ -79,9 +79,15 @@ def build_memgraph(
     collecting = gc.isenabled()
     gc.disable()  # the simulation makes millions of small acyclic objects: cyclic GC passes only cost
     p = None
+    log.debug("plan: %d vertices on %d GPU(s), fit %s, sum-into %s", len(tg), tg.gpus, fit, sum_into)
     try:
         p, parts = _plan_with_groups(
             tg, capacity, order, alignment, lookahead, fit, sum_into, host_capacity, workers
+        )
+        log.debug(
+            "plan: simulated in %.3f s (%d planner process(es)); exporting the MemGraph",
+            time.perf_counter() - started,
+            len(parts),
         )
         mg = export(parts, p.d.ids, p.d.kept, p.caps, p.host_asked, started, window)
         log_rounding(p.asked, p.caps, alignment)
@@ -100,6 +106,7 @@ def build_memgraph(
             m: sum(1 for x in p.demoted.values() if x == m) for m in ("deferred", "off")
         }
     mg._planned_for = id(tg)  # this process's own plan of tg: Program runs it unverified
+    log.debug("plan: %d MemGraph vertices in %.3f s", len(mg), time.perf_counter() - started)
     return mg
 
 

@@ -363,3 +363,60 @@ def test_plan_and_verify_the_formats_example(cli, tmp_path, capacity):
     doc = json.loads(out.read_text())
     assert doc["format"] == "disco-memgraph" and [d["device"] for d in doc["devices"]] == ["gpu:0", "gpu:1"]
     assert {v["kind"] for v in doc["vertices"]} == {"input", "kernel", "transfer"}
+
+
+# ---- the command line as documented: -v/-q, --progress, a closed pipe, usage lines --------------
+def test_verbose_shows_the_plans_debug_messages_and_quiet_only_warnings(cli, tmp_path):
+    args = ["plan", EXAMPLE, "--capacity", "1MiB", "-o", tmp_path / "m.json"]
+    loud, default, quiet = cli("-v", *args), cli(*args), cli("-q", *args)
+    assert loud.returncode == default.returncode == quiet.returncode == 0, (loud.stderr, quiet.stderr)
+    debug = [ln for ln in loud.stderr.splitlines() if ln not in default.stderr.splitlines()]
+    assert any(ln.startswith("plan: ") and "vertices on" in ln for ln in debug), loud.stderr
+    assert "wrote" in default.stderr and "plan: " not in default.stderr  # INFO, no debug lines
+    assert quiet.stderr == ""  # nothing below a warning
+
+
+@pytest.mark.parametrize("total", [7, 19, 34, 100, 1000])
+def test_progress_logs_one_line_per_tenth(total, caplog):
+    from disco_ray.cli.run import progress_arg
+
+    report = progress_arg(True, total)
+    assert callable(report)
+    with caplog.at_level("INFO", logger="disco_ray"):
+        for n in range(total + 1):  # a poll per vertex, then the end reported again
+            report(n)
+        report(total)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run: ")]
+    assert 1 <= len(lines) <= 10 and lines[-1].endswith("(100%)"), lines
+    tenths = [int(ln.rsplit("(", 1)[1].rstrip("%)")) // 10 for ln in lines]
+    assert tenths == sorted(set(tenths)), lines  # never two lines in one tenth
+
+
+def test_a_reader_that_closes_early_ends_the_command_quietly():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disco_ray", "ops"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    proc.stdout.close()  # `disco-ray ops | head -0`: the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""  # no traceback, no error line
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        ("plan", ["--capacity SIZE[,SIZE...] [", "-o MEMGRAPH"]),
+        ("run", ["--out OUT.npz"]),
+        ("finetune", ["--data TOKENS.npy --steps K --lr LR --out DIR", "] --capacity SIZE[,SIZE...]"]),
+        ("generate", ["(--budget-file FILE | --capacity SIZE[,SIZE...])"]),
+    ],
+)
+def test_usage_marks_required_options(cli, command, shown):
+    r = cli(command, "--help")
+    usage = " ".join(r.stdout.split("\n\n", 1)[0].split())
+    assert r.returncode == 0 and all(s in usage for s in shown), usage

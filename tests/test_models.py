@@ -286,7 +286,7 @@ def test_cli_generate_prints_tokens_json_and_logits(checkpoints, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--max-new-tokens", "2"], "--capacity is required"),
+        (["--max-new-tokens", "2"], "one of the arguments --budget-file --capacity is required"),
         (["--max-new-tokens", "-1", "--capacity", "1MiB"], "--max-new-tokens must be >= 0"),
         (["--max-new-tokens", "2", "--capacity", "1KiB"], "whose capacity is 1024 bytes"),
         (["--max-new-tokens", "2", "--capacity", "1MiB", "--gpus", "3"], "does not split over 3 GPUs"),

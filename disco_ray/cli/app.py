@@ -7,7 +7,8 @@ for it; adding a command is one line in COMMANDS. A module listed there keeps he
 `disco-ray plan` stays quick.
 
 Exit status: 0 success, 1 `verify` found violations (or `run --check-reference`, `bench` a
-mismatch), 2 bad usage or bad input. Input errors (every DiscoError, unreadable or unwritable
+mismatch), 2 bad usage or bad input, 141 stdout's reader closed early (`disco-ray ops | head`: no
+message). Input errors (every DiscoError, unreadable or unwritable
 files) print exactly one line, `disco-ray: error: ...`, and never leave a partial output file.
 What a command reports on the way goes through `logging` (logger "disco_ray", to stderr):
 INFO by default, `-q` warnings only, `-v` debug too; results go to stdout or files.
@@ -16,6 +17,7 @@ INFO by default, `-q` warnings only, `-v` debug too; results go to stdout or fil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -112,7 +114,12 @@ def _main(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
         setup_logging(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
         cmd = getattr(importlib.import_module(COMMANDS[args.command]), f"cmd_{args.command}")
-        return int(cmd(args))
+        status = int(cmd(args))
+        sys.stdout.flush()  # a reader that closed early shows here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:  # `disco-ray ops | head`: the reader has all it wanted
+        _quiet_stdout()
+        return 141
     except DiscoError as e:
         _error(str(e))
     except OSError as e:  # an unwritable output directory, a full disk: the user's to fix
@@ -126,6 +133,15 @@ def _main(argv: list[str] | None) -> int:
     except RecursionError:  # a structure too deep for any reader: the input's, not ours
         _error("input nested too deeply to be read")
     return 2
+
+
+def _quiet_stdout() -> None:
+    """Points stdout at /dev/null, so that the interpreter's last flush of what is still buffered
+    raises no BrokenPipeError at exit (Python's "Note on SIGPIPE")."""
+    with contextlib.suppress(OSError, ValueError):  # stdout already closed or no real file
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _error(msg: str) -> None:
@@ -247,9 +263,12 @@ def capacity_arg(text: str) -> int | list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_capacity_args(p: argparse.ArgumentParser, required: bool = False, default: str = "") -> None:
-    """`--capacity SIZE[,SIZE...]` and `--capacity-gpu G=SIZE`: one syntax on every command."""
-    p.add_argument(
+def add_capacity_args(
+    p: argparse.ArgumentParser, required: bool = False, default: str = "", group=None
+) -> None:
+    """`--capacity SIZE[,SIZE...]` and `--capacity-gpu G=SIZE`: one syntax on every command.
+    `group`: a required mutually exclusive group that `--capacity` joins (one of it is needed)."""
+    (group or p).add_argument(
         "--capacity",
         type=capacity_arg,
         required=required,

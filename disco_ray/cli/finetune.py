@@ -49,7 +49,7 @@ def add_finetune(p) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0, metavar="W")
     p.add_argument("--batch", type=int, metavar="B", help="sequences per step (default: all)")
     p.add_argument("--gpus", type=int, default=1, metavar="G")
-    add_capacity_args(p)
+    add_capacity_args(p, required=True)
     add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="row tile, in tokens (64)")
@@ -86,8 +86,7 @@ def cmd_finetune(args) -> int:
     from workloads.llm.train import LoraSpec, OptimSpec
 
     capacity = capacity_of(args, args.gpus)
-    if capacity is None:
-        raise UsageError("--capacity is required: the arena bytes of each GPU, e.g. 64MiB")
+    assert capacity is not None  # argparse requires --capacity
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.out)

@@ -117,11 +117,19 @@ def _add_sampling_args(p) -> None:
 
 
 def _add_run_args(p) -> None:
-    """Where and how the model runs: GPUs, capacity, tiers, dtype, KV block, outputs, the engine."""
+    """Where and how the model runs: GPUs, capacity, tiers, dtype, KV block, outputs, the engine.
+    `--capacity` or `--budget-file` is needed: a required group, so the usage line says so."""
     p.add_argument(
         "--gpus", type=int, default=1, metavar="G", help="GPUs to split the model over (default 1)"
     )
-    add_capacity_args(p)
+    sized = p.add_mutually_exclusive_group(required=True)  # its options adjacent: argparse shows it
+    sized.add_argument(
+        "--budget-file",
+        metavar="FILE",
+        help="a file holding the arena bytes per GPU (e.g. 4GiB), re-read between decode steps: "
+        "the run frees or grows its arenas to follow it (elastic capacity)",
+    )
+    add_capacity_args(p, group=sized)
     add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block, in tokens (64)")
@@ -135,12 +143,6 @@ def _add_run_args(p) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a run after S seconds")
-    p.add_argument(
-        "--budget-file",
-        metavar="FILE",
-        help="a file holding the arena bytes per GPU (e.g. 4GiB), re-read between decode steps: "
-        "the run frees or grows its arenas to follow it (elastic capacity)",
-    )
     add_model_run_args(p)  # --weights, the engine's and the cluster's options
 
 

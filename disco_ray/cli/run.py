@@ -135,17 +135,18 @@ def model_run_kwargs(args: argparse.Namespace, gpus: int) -> dict:
 
 def progress_arg(enabled: bool, total: int) -> bool | Callable[[int], None] | None:
     """What Program.run's `progress` gets: a bar on a terminal; with `enabled` and no terminal, a
-    log line each tenth of the `total` vertices; else nothing."""
+    log line for each tenth of the `total` vertices reached (at most ten lines, the last at 100%);
+    else nothing."""
     if sys.stderr.isatty():
         return True
     if not enabled:
         return None
-    step = max(1, total // 10)
-    shown = [0]
+    shown = [0]  # tenths reported so far
 
     def report(n: int) -> None:
-        if n >= shown[0] + step or (n == total and shown[0] < total):
-            shown[0] = n
+        tenth = 10 * min(n, total) // max(total, 1)
+        if tenth > shown[0]:
+            shown[0] = tenth
             log.info("run: %d of %d vertices done (%d%%)", n, total, 100 * n // max(total, 1))
 
     return report

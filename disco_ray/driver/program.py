@@ -169,7 +169,9 @@ class Program:
             self._runs = 0
             for m in self._kw["op_modules"]:
                 __import__(m)
+            log.debug("run: starting the %s engine for %d GPU(s)", self.engine_name, len(self.mg.capacity))
             self._engine = _make_engine(self.engine_name, self.tg, self.mg, **self._kw)
+            log.debug("run: the %s engine is up", self.engine_name)
         return self._engine
 
     @overload
