@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -376,17 +377,35 @@ def test_verbose_shows_the_plans_debug_messages_and_quiet_only_warnings(cli, tmp
     assert quiet.stderr == ""  # nothing below a warning
 
 
+class _Lines(logging.Handler):
+    """The messages logged, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.mark.parametrize("total", [7, 19, 34, 100, 1000])
-def test_progress_logs_one_line_per_tenth(total, caplog):
+def test_progress_logs_one_line_per_tenth(total):
     from disco_ray.cli.run import progress_arg
 
     report = progress_arg(True, total)
     assert callable(report)
-    with caplog.at_level("INFO", logger="disco_ray"):
+    log, seen = logging.getLogger("disco_ray"), _Lines()
+    level = log.level
+    log.addHandler(seen)
+    log.setLevel(logging.INFO)
+    try:
         for n in range(total + 1):  # a poll per vertex, then the end reported again
             report(n)
         report(total)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run: ")]
+    finally:
+        log.removeHandler(seen)
+        log.setLevel(level)
+    lines = [ln for ln in seen.lines if ln.startswith("run: ")]
     assert 1 <= len(lines) <= 10 and lines[-1].endswith("(100%)"), lines
     tenths = [int(ln.rsplit("(", 1)[1].rstrip("%)")) // 10 for ln in lines]
     assert tenths == sorted(set(tenths)), lines  # never two lines in one tenth
