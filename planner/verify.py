@@ -89,6 +89,7 @@ def _verify(tg: TaskGraph, mg: MemGraph, sink: Sink) -> None:
     if order is None:
         return  # the remaining checks need a topological order
     _check_kinds_and_capacity(mg, sink)
+    _check_host_use(mg, sink)
     groups = _check_groups(tg, mg, sink)
     _check_provenance(tg, mg, groups, sink)
     reach = Reach([list(set(ps)) for ps in preds], order)
@@ -176,9 +177,28 @@ def _topo(preds: list[list[int]], verts: list[MemVertex], sink: Sink) -> list[in
     return None
 
 
+def _check_host_use(mg: MemGraph, sink: Sink) -> None:
+    """Each GPU's host-store use (its host ranges' end, written or read) within its declared host
+    capacity: a missing or 0 declaration allows no host range, as the arena's capacity allows none
+    beyond it."""
+    peak: dict[int, tuple[int, MemVertex, Loc]] = {}
+    for v in mg.vertices:
+        for loc in (v.out, *(r.loc for r in v.ins)):
+            if loc.device == HOST and loc.end > peak.get(v.gpu, (0,))[0]:
+                peak[v.gpu] = (loc.end, v, loc)
+    for g in sorted(peak):
+        use, v, loc = peak[g]
+        cap = mg.host_capacity[g] if 0 <= g < len(mg.host_capacity) else 0
+        if use > cap:
+            sink.add(
+                f"{describe(v)}: host store use of {use} bytes (up to {where(loc, g)}) exceeds the "
+                f"host store capacity {cap} of gpu:{g}"
+            )
+
+
 def _check_kinds_and_capacity(mg: MemGraph, sink: Sink) -> None:
     gpus = mg.gpus
-    tier_cap = {HOST: mg.host_capacity, DISK: mg.disk_capacity}
+    disk_cap = mg.disk_capacity  # the host store's capacity: _check_host_use
 
     def in_gpu(v: MemVertex, loc: Loc, what: str) -> None:
         if loc.device >= gpus:
@@ -199,12 +219,10 @@ def _check_kinds_and_capacity(mg: MemGraph, sink: Sink) -> None:
         in_gpu(v, o, "output")
         for r in v.ins:
             in_gpu(v, r.loc, f"read of {r.value!r} at")
-        cap = tier_cap.get(o.device)
-        if cap is not None and v.gpu < len(cap) and cap[v.gpu] > 0 and o.end > cap[v.gpu]:
-            what = "host store" if o.device == HOST else "spill file"
+        if o.device == DISK and v.gpu < len(disk_cap) and 0 < disk_cap[v.gpu] < o.end:
             sink.add(
-                f"{describe(v)}: output {where(o, v.gpu)} exceeds the {what} capacity "
-                f"{cap[v.gpu]} of gpu:{v.gpu}"
+                f"{describe(v)}: output {where(o, v.gpu)} exceeds the spill file capacity "
+                f"{disk_cap[v.gpu]} of gpu:{v.gpu}"
             )
         if o.device == INPUT:
             sink.add(f"{describe(v)}: writes {where(o, v.gpu)}, the caller's read-only input copies")

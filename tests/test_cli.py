@@ -246,6 +246,23 @@ def test_plan_then_verify_and_info(cli, tmp_path, suffix):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_verify_names_the_gpu_whose_host_store_is_over_its_capacity(cli, tmp_path):
+    """A plan whose host offload was given host_capacity 0: verify exits 1 naming the GPU and bytes."""
+    out = tmp_path / "m.json"
+    assert cli("plan", CHAIN, "--capacity", "48KiB", "-o", out).returncode == 0
+    doc = json.loads(out.read_text())
+    host = {v["device"] for v in doc["vertices"] if v["out"]["device"] == "host"}
+    assert host == {"gpu:0"}
+    use = max(
+        v["out"]["offset"] + v["out"]["nbytes"] for v in doc["vertices"] if v["out"]["device"] == "host"
+    )
+    doc["devices"][0]["host_capacity"] = 0
+    out.write_text(json.dumps(doc))
+    r = cli("verify", CHAIN, out)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"host store use of {use} bytes" in r.stdout and "host store capacity 0 of gpu:0" in r.stdout
+
+
 def test_plan_in_two_processes_is_the_same_plan(cli, tmp_path):
     plans = []
     for workers in ("1", "2"):

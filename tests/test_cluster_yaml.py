@@ -55,7 +55,7 @@ def test_gpu_workers_install_the_project_with_its_gpu_extra(config):
     gpu = [t for t in types.values() if t["node_config"]["InstanceType"].startswith(GPU_TYPES)]
     assert gpu and sum(t.get("min_workers", 0) for t in gpu) >= 2, "no multi-node GPU workers"
     setup = config["setup_commands"]
-    torch_at = next(i for i, c in enumerate(setup) if c.strip() == "pip install torch")
+    torch_at = next(i for i, c in enumerate(setup) if c.strip().startswith("pip install torch"))
     project_at = next(i for i, c in enumerate(setup) if "disco-ray[gpu]" in c)
     assert torch_at < project_at
     assert "." in config["file_mounts"].values()
@@ -75,3 +75,18 @@ def test_image_is_pinned_to_the_ray_version_and_nothing_listens_on_every_interfa
     starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
     assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c)
     assert "~/.ray/auth_token" in config["file_mounts"]
+
+
+def test_ami_and_torch_are_pinned(config):
+    """Issue 30: every node type boots one concrete AMI id (no `latest_dlami`), and torch is pinned
+    to the version scripts/setup.sh's GPU path installs, so `ray up` builds the same nodes each time."""
+    import re
+
+    amis = {t["node_config"]["ImageId"] for t in config["available_node_types"].values()}
+    assert len(amis) == 1 and re.fullmatch(r"ami-[0-9a-f]{8,17}", amis.pop()), amis
+    assert config["provider"]["region"] == "us-west-2"  # the region the AMI id belongs to
+    torch = [c.split() for c in config["setup_commands"] if c.strip().startswith("pip install torch")]
+    assert len(torch) == 1 and re.fullmatch(r"torch==\d+\.\d+\.\d+", torch[0][2]), torch
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    gpu_path = setup[setup.index("nvidia-smi >/dev/null") : setup.index("else")]
+    assert f'"{torch[0][2]}"' in gpu_path, "cluster.yaml and setup.sh's GPU path pin different torch"

@@ -159,11 +159,17 @@ def _plan_mutations() -> list[tuple[str, dict, tuple[str, ...]]]:
     d["vertices"][3]["accumulate"] = {"part": 0, "parts": 1}
     d["edges"] = [e for e in d["edges"] if e[:2] != [2, 3]]
     out.append(("vertex-forged-accumulate", d, ("vertex 3",)))
+    # a host offload with its GPU's host capacity declared 0
+    for g, dev in enumerate(PLAN["devices"]):
+        if any(v["device"] == dev["device"] and v["out"]["device"] == "host" for v in verts):
+            d = copy.deepcopy(PLAN)
+            d["devices"][g]["host_capacity"] = 0
+            out.append((f"host-capacity-zero-gpu{g}", d, (f"of {dev['device']}", "host store use of")))
     # a device more than the TaskGraph has GPUs
     d = copy.deepcopy(PLAN)
     d["devices"].append({"device": "gpu:2", "capacity": 49152, "host_capacity": 0})
     out.append(("extra-device", d, ("3 GPUs", "2")))
-    assert {"edge", "output", "inputs", "reload", "read", "vertex", "cycle", "extra"} <= {
+    assert {"edge", "output", "inputs", "reload", "read", "vertex", "cycle", "extra", "host"} <= {
         i.split("-")[0] for i, _, _ in out
     }
     del by_id

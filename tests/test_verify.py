@@ -117,7 +117,17 @@ def test_gpu_capacity():
 def test_host_capacity():
     tg, mg = offload_graph()
     one_of(verify(tg, replaced(mg, host_capacity=[S // 2])), "vertex 2", "host(gpu:0)[0:1024]", "512")
-    assert verify(tg, replaced(mg, host_capacity=[0])) == []  # 0: the host store is unbounded
+    assert verify(tg, replaced(mg, host_capacity=[S])) == []  # exactly the host ranges' end fits
+
+
+@pytest.mark.parametrize("host", [[0], []])
+def test_a_host_offload_without_host_capacity_is_refused(host):
+    """A declared 0 (or a missing entry, read as 0) allows no host range, as the arena's capacity."""
+    tg, mg = offload_graph()
+    msgs = verify(tg, replaced(mg, host_capacity=host))
+    one_of(msgs, "gpu:0", f"host store use of {S} bytes", "host store capacity 0")
+    with pytest.raises(VerifyError, match="host store capacity 0 of gpu:0"):
+        check(tg, replaced(mg, host_capacity=host))
 
 
 def test_operands_out_of_order():
@@ -217,7 +227,7 @@ def test_host_stores_are_per_gpu():
         MemVertex(5, MKind.KERNEL, "sb", 1, (Read("b", 1, g0(0, 1)),), g0(1, 1)),
     ]
     edges = [(0, 2, "data"), (1, 3, "data"), (0, 4, "data"), (1, 5, "data")]
-    mg = MemGraph([2 * S, 2 * S], vs, edges, {"sa": 4, "sb": 5})
+    mg = MemGraph([2 * S, 2 * S], vs, edges, {"sa": 4, "sb": 5}, host_capacity=[S, S])
     assert verify(tg, mg) == []
     # a reload on gpu 1 naming gpu 0's offload as src reads the wrong store
     tg.output(tg.transfer("sa", gpu=1, id="t"))

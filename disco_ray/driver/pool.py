@@ -216,26 +216,46 @@ class _QuietTokenNotice(logging.Filter):
         return not record.getMessage().startswith("Token authentication is enabled")
 
 
+@contextlib.contextmanager
+def loopback_node():
+    """Inside it, a `ray.init(address="local", _node_ip_address="127.0.0.1")` keeps 127.0.0.1 as
+    the node's address, so Ray binds its servers (GCS, raylet, workers, agents, metrics) to loopback.
+
+    Ray 2.60 turns 127.0.0.1 into the host's reachable address (`services.resolve_ip_for_localhost`)
+    unless `ray_constants.ENABLE_RAY_CLUSTER` is off; `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` sets it
+    only when Ray is first imported, so it is switched here for the start-up alone (a cluster this
+    process connects to later resolves as before)."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
 def start_private_ray(num_cpus: int | None, gpus: int) -> None:
-    """A Ray of this process only, with token authentication unless RAY_AUTH_MODE says otherwise
-    (Ray 2.60's default for a new local cluster): its ports cannot be bound to loopback (Ray turns
-    `_node_ip_address="127.0.0.1"` into the host's reachable address,
-    `ray._private.services.resolve_ip_for_localhost`), so the token is what keeps others out."""
+    """A Ray of this process only, bound to loopback (`loopback_node`: no port of it, metrics
+    included, listens on another interface), with token authentication unless RAY_AUTH_MODE says
+    otherwise (Ray 2.60's default for a new local cluster), which keeps out other local users."""
     import ray
 
     quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, _QuietTokenNotice) for f in quiet.filters):
         quiet.addFilter(_QuietTokenNotice())
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        num_gpus=gpus,
-        include_dashboard=False,
-        logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
-        # a run's outputs (a decode step's logits: 128 KB for a 32000-word vocabulary) come back
-        # in the call's reply instead of through the object store (1.3 ms less per step)
-        _system_config={"max_direct_call_object_size": INLINE_BYTES},
-    )
+    with loopback_node():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=gpus,
+            include_dashboard=False,
+            logging_level="WARNING",  # type: ignore[arg-type]  # a level name works; annotated int
+            _node_ip_address="127.0.0.1",
+            # a run's outputs (a decode step's logits: 128 KB for a 32000-word vocabulary) come back
+            # in the call's reply instead of through the object store (1.3 ms less per step)
+            _system_config={"max_direct_call_object_size": INLINE_BYTES},
+        )
 
 
 def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:
