@@ -28,7 +28,7 @@ import torch
 
 from actors.tiers.spill import SpillFile
 from disco_ray.bench.report import check_outputs
-from disco_ray.driver.program import compile
+from disco_ray.driver.api import compile
 from disco_ray.graph.memgraph import DISK
 from disco_ray.graph.sizes import format_size, parse_size
 from planner import tight_capacity

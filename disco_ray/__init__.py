@@ -4,7 +4,7 @@ The public API, imported lazily (so `import disco_ray` pulls in neither torch no
 
     disco_ray.TaskGraph, disco_ray.MemGraph          the data model (disco_ray.graph)
     disco_ray.load_taskgraph, load_memgraph, save      TaskGraph/MemGraph files (.json, .msgpack)
-    disco_ray.run, compile, run_memgraph, Program    plan and run (disco_ray.driver.program)
+    disco_ray.run, compile, run_memgraph, Program    plan and run (disco_ray.driver.api, .program)
     disco_ray.shutdown                               stop the shared Ray pool now (else at exit)
     disco_ray.from_torch, TorchModel                 a torch nn.Module as a TaskGraph (disco_ray.frontend)
     disco_ray.DiscoError, GraphError, RunError, ...  the error hierarchy (disco_ray.graph.errors)
@@ -25,9 +25,9 @@ _API = {
     "load_taskgraph": "disco_ray.graph.formats",
     "load_memgraph": "disco_ray.graph.formats",
     "save": "disco_ray.graph.formats",
-    "run": "disco_ray.driver.program",
-    "compile": "disco_ray.driver.program",
-    "run_memgraph": "disco_ray.driver.program",
+    "run": "disco_ray.driver.api",
+    "compile": "disco_ray.driver.api",
+    "run_memgraph": "disco_ray.driver.api",
     "Program": "disco_ray.driver.program",
     "shutdown": "disco_ray.driver.pool",
     "models": "disco_ray.models",

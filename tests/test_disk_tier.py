@@ -18,7 +18,7 @@ import torch
 
 from actors.tiers.diskio import ALIGN
 from actors.tiers.spill import SpillFile
-from disco_ray.driver.program import compile
+from disco_ray.driver.api import compile
 from disco_ray.graph.errors import GraphError, VerifyError
 from disco_ray.graph.memgraph import DISK, HOST, INPUT, Loc, MemGraph, MemVertex, MKind, Read
 from disco_ray.graph.reference import evaluate, random_inputs

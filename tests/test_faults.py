@@ -12,7 +12,8 @@ import time
 import pytest
 
 import disco_ray
-from disco_ray.driver.program import Program, run_memgraph
+from disco_ray.driver.api import run_memgraph
+from disco_ray.driver.program import Program
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.reference import evaluate, random_inputs
 from tests.runtime_helpers import noop_op, plan, random_taskgraph  # noqa: F401

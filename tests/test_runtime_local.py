@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from disco_ray.cli.npz import load_npz, save_npz
 from disco_ray.cli.run import add_run
-from disco_ray.driver.program import Program, run_memgraph
+from disco_ray.driver.api import run_memgraph
+from disco_ray.driver.program import Program
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.formats import save
 from disco_ray.graph.memgraph import Loc, MKind, Read

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.sanitizer import Sanitizer, granule_for
-from disco_ray.driver.program import run_memgraph
+from disco_ray.driver.api import run_memgraph
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
 from disco_ray.graph.reference import random_inputs

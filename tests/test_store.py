@@ -9,8 +9,9 @@ from safetensors.torch import save_file
 
 from actors.loads import stable_loads
 from actors.plans import PlanKind, VertexPlan
+from disco_ray.driver.api import compile
 from disco_ray.driver.engine_local import LocalPool
-from disco_ray.driver.program import Program, compile
+from disco_ray.driver.program import Program
 from disco_ray.graph import formats
 from disco_ray.graph.errors import FormatError, GraphError, RunError
 from disco_ray.graph.memgraph import Loc, MemGraph

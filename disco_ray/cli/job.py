@@ -47,9 +47,9 @@ def run_job(args: argparse.Namespace) -> int:
     """Plans, runs and reports; returns the exit status."""
     import torch
 
+    from disco_ray.driver.api import compile
     from disco_ray.driver.cluster import measure_links
     from disco_ray.driver.placement import cluster_kwargs
-    from disco_ray.driver.program import compile
     from disco_ray.graph.trace import format_summary
 
     from .app import capacity_of, host_capacity_of

@@ -182,7 +182,7 @@ def given_plan(args: argparse.Namespace, tg, kw: dict):
 
 def cmd_run(args) -> int:
     from disco_ray.bench.report import check_outputs
-    from disco_ray.driver.program import compile
+    from disco_ray.driver.api import compile
     from disco_ray.graph.trace import format_summary
 
     from .app import _error, capacity_of, check_writable, host_capacity_of

@@ -1,9 +1,7 @@
-"""Driver API: plan a TaskGraph once, run it many times on the `ray` or `local` engine.
+"""A Program: a planned TaskGraph run many times on the `ray` or `local` engine.
 
-    out = disco_ray.driver.program.run(tg, inputs, capacity=64 << 20)              # plan + run + clean up
-    prog = disco_ray.driver.program.compile(tg, capacity=64 << 20, engine="ray")  # plan once ...
-    out = prog.run(inputs); out2 = prog.run(other_inputs); prog.close()    # ... run many times
-    out = disco_ray.driver.program.run_memgraph(tg, mg, inputs)                   # a given plan
+    prog = Program(tg, mg, engine="ray")    # or disco_ray.driver.api.compile(tg, capacity=...)
+    out = prog.run(inputs); out2 = prog.run(other_inputs); prog.close()
 
 Outputs are CPU tensors keyed by TaskGraph ids. Inputs are refused before anything runs when one
 is missing or has the wrong shape or dtype (`disco_ray.graph.reference.check_inputs`). Any failure
@@ -22,7 +20,7 @@ from typing import Literal, TypeAlias, overload
 import torch
 
 from actors.options import RunOptions, WorkerConfig
-from disco_ray.graph.errors import GraphError, RunError, UsageError
+from disco_ray.graph.errors import GraphError, UsageError
 from disco_ray.graph.kernels import missing_kernels
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.reference import check_inputs
@@ -358,103 +356,3 @@ def _warn_low_precision(tg: TaskGraph) -> None:
             " and ".join(slow),
             "/".join(slow),
         )
-
-
-def compile(
-    tg: TaskGraph,
-    capacity: Capacity = None,
-    *,
-    order: Sequence[str] | None = None,
-    alignment: int = 256,
-    host_capacity: int | str | Sequence[int | None] | None = None,
-    **kw,
-) -> Program:
-    """Plans `tg` with planner.build_memgraph for `capacity` bytes per GPU; `kw` go to Program.
-
-    `host_capacity`: each GPU's host-store budget (the same forms as `capacity`; None: unbounded);
-    offloads beyond it go to the worker's spill file (`disk_dir=`, a Program option)."""
-    try:
-        from planner import build_memgraph, roomy_capacity  # type: ignore[attr-defined]
-    except ImportError:
-        raise RunError("planner.build_memgraph is not available in this build") from None
-    if capacity is None:
-        capacity = roomy_capacity(tg, alignment)
-    elif isinstance(capacity, str):  # "64MiB", or one size per GPU: "64MiB,32MiB"
-        from disco_ray.graph.sizes import parse_capacity
-
-        capacity = parse_capacity(capacity)
-    if isinstance(host_capacity, str):
-        from disco_ray.graph.sizes import parse_capacity
-
-        host_capacity = parse_capacity(host_capacity)
-    mg = build_memgraph(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity)
-    prog = Program(tg, mg, **kw)
-    prog._order, prog._alignment, prog._host_capacity = order, alignment, host_capacity
-    return prog
-
-
-@overload
-def run_memgraph(
-    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], *, details: Literal[False] = False, **kw
-) -> dict[str, torch.Tensor]: ...
-
-
-@overload
-def run_memgraph(
-    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], *, details: Literal[True], **kw
-) -> RunResult: ...
-
-
-@overload
-def run_memgraph(
-    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], *, details: bool, **kw
-) -> dict[str, torch.Tensor] | RunResult: ...
-
-
-def run_memgraph(
-    tg: TaskGraph, mg: MemGraph, inputs: Mapping[str, object], *, details: bool = False, **kw
-) -> dict[str, torch.Tensor] | RunResult:
-    """Runs a given plan once and cleans up; `kw`: Program's options and `Program.run`'s (trace,
-    check, ...); `details=True`: a `RunResult` (outputs, plan, statistics)."""
-    run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
-    with Program(tg, mg, **kw) as prog:
-        return prog.run(inputs, details=details, **run_kw)
-
-
-@overload
-def run(
-    tg: TaskGraph,
-    inputs: Mapping[str, object],
-    capacity: Capacity = None,
-    *,
-    details: Literal[False] = False,
-    **kw,
-) -> dict[str, torch.Tensor]: ...
-
-
-@overload
-def run(
-    tg: TaskGraph, inputs: Mapping[str, object], capacity: Capacity = None, *, details: Literal[True], **kw
-) -> RunResult: ...
-
-
-@overload
-def run(
-    tg: TaskGraph, inputs: Mapping[str, object], capacity: Capacity = None, *, details: bool, **kw
-) -> dict[str, torch.Tensor] | RunResult: ...
-
-
-def run(
-    tg: TaskGraph, inputs: Mapping[str, object], capacity: Capacity = None, *, details: bool = False, **kw
-) -> dict[str, torch.Tensor] | RunResult:
-    """Plans `tg` for `capacity` bytes per GPU (default: everything fits) and runs it once.
-
-    `kw`: `compile`'s options (order, alignment, host_capacity: the host stores' budget, beyond
-    which offloads go to disk), Program's (engine, backend, streams, ...) and `Program.run`'s
-    (trace, check, delay, seed, timeout, progress). Inputs are checked before planning, so a bad
-    input costs nothing. With `details=True` it returns a `RunResult` (outputs, plan, statistics).
-    """
-    check_inputs(tg, inputs)
-    run_kw = {k: kw.pop(k) for k in RUN_KEYS if k in kw}
-    with compile(tg, capacity, **kw) as prog:
-        return prog.run(inputs, details=details, **run_kw)

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from disco_ray.driver.program import Program, RunResult, compile
+from disco_ray.driver.api import compile
+from disco_ray.driver.program import Program, RunResult
 from disco_ray.graph.errors import FrontendError, RunError
 from disco_ray.graph.taskgraph import TaskGraph
 
