@@ -70,8 +70,8 @@ class Executor(GpuResources):
         fail: Fail | None = None,
         store: WorkerStore | None = None,
     ):
-        """`backend`: an instance to use instead of making `config.backend`'s. `store`: the worker's
-        arena, resident inputs and states, shared with its other graphs (default: a store of its own)."""
+        """`backend`, `store`: as `GpuResources`; `transport`: pulls from other GPUs; `report`,
+        `fail`: called with this GPU's completions and failures."""
         super().__init__(gpu, mg, tg, config, backend=backend, store=store)
         self.transport = transport
         self._report = report
