@@ -26,13 +26,14 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 from disco_ray.graph import formats
 from disco_ray.graph.errors import DiscoError, UsageError
 from disco_ray.graph.sizes import format_size, parse_capacity, parse_size
+
+from .paths import check_writable, writable_file  # noqa: F401  (commands import both from here)
 
 PROG = "disco-ray"
 # subcommand -> module defining add_<name> and cmd_<name>, in --help order
@@ -229,29 +230,14 @@ def seconds_arg(text: str) -> float:
     return s
 
 
-def check_writable(path: str | Path, flag: str) -> None:
-    """UsageError, before any work, when `path` cannot be written (no such directory, no
-    permission, a directory of that name): found out after a long run otherwise."""
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory")
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: no such directory {str(parent)!r}")
-    try:
-        with tempfile.TemporaryFile(dir=parent):  # what os.access cannot say (root, read-only mounts)
-            pass
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror})") from None
-
-
 def output_path(text: str) -> Path:
-    """argparse type for an output file: checks the suffix before any work is done."""
+    """argparse type for a graph file to write: checks its suffix and that it can be written."""
     path = Path(text)
     if path.suffix.lower() not in formats.SUFFIXES:
         raise argparse.ArgumentTypeError(
             f"{text}: unknown file suffix {path.suffix or '(none)'!r} (use .json or .msgpack)"
         )
+    writable_file(text)
     return path
 
 

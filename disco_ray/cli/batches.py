@@ -11,7 +11,7 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
-from .app import check_writable, positive_int
+from .app import positive_int, writable_file
 from .llm import capacity_and_budget, model_stats, open_model, reason_of, sampling_of, tokenizer_of, vocab_of
 
 
@@ -39,11 +39,13 @@ def add_file_args(p) -> None:
     )
     p.add_argument(
         "--out",
+        type=writable_file,
         metavar="FILE.jsonl",
         help="--prompts: write the results here (via FILE.jsonl.partial, renamed when all are done)",
     )
     p.add_argument(
         "--stats",
+        type=writable_file,
         metavar="FILE.json",
         help="--prompts: write the run's statistics here (as --json does on stderr)",
     )
@@ -57,6 +59,7 @@ def add_file_args(p) -> None:
 def generate_file(args) -> int:
     """`--prompts`: every request checked before the model loads, then the batches, a result
     line per sequence as it finishes."""
+    from .llm import check_positions
     from .prompts import LineSink, Results, read_prompts
 
     if args.logits:
@@ -66,12 +69,8 @@ def generate_file(args) -> int:
     if args.policy_profile is not None and args.batch != "auto":
         raise UsageError("--policy-profile takes --batch auto")
     capacity, budget = capacity_and_budget(args)
-    if args.out is not None:
-        check_writable(args.out, "--out")
-    if args.stats is not None:
-        if Path(args.stats).suffix != ".json":
-            raise UsageError(f"--stats {args.stats}: the statistics are written as .json")
-        check_writable(args.stats, "--stats")
+    if args.stats is not None and Path(args.stats).suffix != ".json":
+        raise UsageError(f"--stats {args.stats}: the statistics are written as .json")
     vocab = vocab_of(args.model)
     params = sampling_of(args, vocab).with_seed()
     tokenizer: list = []  # loaded by the first line given as text
@@ -82,6 +81,9 @@ def generate_file(args) -> int:
         return tokenizer[0].encode(text).ids
 
     requests = read_prompts(args.prompts, vocab=vocab, max_new_tokens=args.max_new_tokens, encode=encode)
+    check_positions(
+        args.model, [(f"{args.prompts}:{r.line}", len(r.ids), r.max_new_tokens) for r in requests]
+    )
     decode = tokenizer[0].decode if tokenizer else None
     auto = _Auto(args) if args.batch == "auto" else None
     batch = 1 if auto else args.batch or 1

@@ -36,6 +36,7 @@ from pathlib import Path
 from disco_ray.graph.errors import UsageError
 
 from .app import command, seconds_arg
+from .paths import writable_dir
 
 log = logging.getLogger("disco_ray")
 
@@ -73,7 +74,13 @@ def add_bench(p) -> None:
     p.add_argument(
         "--warmup", type=int, default=1, help="untimed runs per mode before the timed ones (default 1)"
     )
-    p.add_argument("--out", default="bench_out", metavar="DIR", help="output folder (default bench_out)")
+    p.add_argument(
+        "--out",
+        default="bench_out",
+        type=writable_dir,
+        metavar="DIR",
+        help="output folder (default bench_out)",
+    )
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a run after S seconds")
     add_cluster_args(p)  # --address, --placement, --gpus-per-worker, --cpus-per-worker
 

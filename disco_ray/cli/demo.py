@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .app import command
+from .paths import writable_dir
 
 # Per backend: workload parameters and the arena per GPU as a fraction of that GPU's weights.
 SETTINGS: dict[tuple[str, str], tuple[dict[str, Any], float]] = {
@@ -42,7 +43,9 @@ def add_demo(p) -> None:
     p.add_argument("--workload", default="llama_prefill", choices=sorted({w for w, _ in SETTINGS}))
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--engine", default="ray", choices=["ray", "local"])
-    p.add_argument("--out", default="out", help="folder for the trace and the MemGraph (default: out)")
+    p.add_argument(
+        "--out", default="out", type=writable_dir, help="folder for the trace and the MemGraph (default: out)"
+    )
 
 
 def cmd_demo(args) -> int:

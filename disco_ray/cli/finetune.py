@@ -14,13 +14,13 @@ object with "losses", seconds per step and the plan's statistics.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
 from .app import add_capacity_args, add_tier_args, capacity_of, command, seconds_arg, seed_arg
+from .paths import writable_dir
 from .run import add_model_run_args, model_run_kwargs
 
 
@@ -35,7 +35,9 @@ def add_finetune(p) -> None:
     p.add_argument("--data", required=True, metavar="TOKENS.npy", help="int64 token ids [batch, seq]")
     p.add_argument("--steps", type=int, required=True, metavar="K")
     p.add_argument("--lr", type=float, required=True, metavar="LR")
-    p.add_argument("--out", required=True, metavar="DIR", help="where to write the adapter")
+    p.add_argument(
+        "--out", required=True, type=writable_dir, metavar="DIR", help="where to write the adapter"
+    )
     p.add_argument("--init-adapter", metavar="DIR", help="a PEFT adapter to start from")
     p.add_argument("--lora-rank", type=int, default=16, metavar="R")
     p.add_argument("--lora-alpha", type=float, default=32.0, metavar="A")
@@ -90,9 +92,6 @@ def cmd_finetune(args) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.out)
-    parent = out if out.exists() else out.parent
-    if not os.access(parent if str(parent) else ".", os.W_OK):
-        raise UsageError(f"--out {args.out}: not writable")
     data = _tokens(args.data)
     spec = LoraSpec(args.lora_rank, args.lora_alpha, tuple(x for x in args.lora_targets.split(",") if x))
     optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)

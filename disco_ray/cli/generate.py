@@ -23,18 +23,27 @@ without `--greedy`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from disco_ray.graph.errors import UsageError
+from disco_ray.graph.errors import DiscoError, UsageError
 
-from .app import add_capacity_args, add_tier_args, command, seconds_arg, seed_arg
+from .app import add_capacity_args, add_tier_args, command, seconds_arg, seed_arg, writable_file
 from .batches import add_file_args, generate_file
-from .llm import capacity_and_budget, model_stats, open_model, reason_of, sampling_of, tokenizer_of, vocab_of
+from .llm import (
+    capacity_and_budget,
+    check_positions,
+    model_stats,
+    open_model,
+    reason_of,
+    sampling_of,
+    tokenizer_of,
+    vocab_of,
+)
 from .run import add_model_run_args
 
 
@@ -134,7 +143,9 @@ def _add_run_args(p) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block, in tokens (64)")
     p.add_argument("--tile", type=int, metavar="N", help="prefill row tile, a multiple of --block (4 blocks)")
-    p.add_argument("--logits", metavar="OUT.npz", help="write the prompt's logits as array 'logits'")
+    p.add_argument(
+        "--logits", type=writable_file, metavar="OUT.npz", help="write the prompt's logits as array 'logits'"
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -188,17 +199,69 @@ def cmd_generate(args) -> int:
     return generate_one(args)
 
 
+class _Stream:
+    """The one prompt's new tokens on stdout as they are made, so a run that fails late keeps
+    them: plain, the comma-separated line grows a token at a time (ended when the run ends);
+    `--json`, one object at the end, or, when the run fails after a token, one with the tokens
+    made, "finish_reason": "error" and the error."""
+
+    def __init__(self, args, prompt_tokens: int, tok):
+        self.json, self.prompt_tokens, self.tok = args.json, prompt_tokens, tok
+        self.tokens: list[int] = []
+
+    def token(self, t: int) -> None:
+        self.tokens.append(int(t))
+        if not self.json:
+            sys.stdout.write(("," if len(self.tokens) > 1 else "") + str(int(t)))
+            sys.stdout.flush()
+
+    def end(self, doc: dict | None = None) -> None:
+        """The run is done: the line ends (and the text follows), or `doc` is printed (--json)."""
+        if self.json:
+            if self.tok is not None:
+                doc = {**(doc or {}), "text": self.tok.decode(self.tokens)}
+            print(json.dumps(doc))
+            return
+        print()
+        if self.tok is not None:
+            print(self.tok.decode(self.tokens))
+
+    @contextlib.contextmanager
+    def keeping(self):
+        """Around the run: a failure after the first token writes what was made, then goes on,
+        its message saying where the tokens are."""
+        try:
+            yield self
+        except BaseException as e:
+            if not self.tokens:
+                raise
+            with contextlib.suppress(OSError, ValueError):  # stdout gone: nothing more to keep
+                self.end(
+                    {
+                        "tokens": self.tokens,
+                        "finish_reason": "error",
+                        "error": str(e) or type(e).__name__,  # Ctrl-C says nothing of itself
+                        "prompt_tokens": self.prompt_tokens,
+                    }
+                )
+            if isinstance(e, DiscoError):
+                raise type(e)(
+                    f"{e} (the {len(self.tokens)} new tokens made before it are on stdout)"
+                ) from None
+            raise
+
+
 def generate_one(args) -> int:
-    """One prompt, greedy: `LlamaModel.run_generate`."""
+    """One prompt, greedy: `LlamaModel.run_generate`, its tokens streamed."""
     capacity, budget = capacity_and_budget(args)
     if args.logits:
         out = Path(args.logits)
         if out.suffix != ".npz":
             raise UsageError(f"--logits {args.logits}: the logits are written as .npz")
-        if not os.access(out.parent if str(out.parent) else ".", os.W_OK):
-            raise UsageError(f"--logits {args.logits}: its directory is not writable")
     ids, tok = _prompt_ids(args, vocab_of(args.model))
-    with open_model(args, capacity) as model:
+    check_positions(args.model, [(f"--max-new-tokens {args.max_new_tokens}", len(ids), args.max_new_tokens)])
+    stream = _Stream(args, len(ids), tok)
+    with stream.keeping(), open_model(args, capacity) as model:
         model.watch(budget)
         gen = model.run_generate(
             ids,
@@ -206,6 +269,7 @@ def generate_one(args) -> int:
             stop_at_eos=not args.ignore_eos,
             prefill_logits=bool(args.logits),
             timeout=args.timeout,
+            on_token=stream.token,
         )
         stats = model.statistics()
     if args.logits:
@@ -213,20 +277,9 @@ def generate_one(args) -> int:
 
         assert gen.prefill_logits is not None  # asked for
         save_npz(args.logits, {"logits": gen.prefill_logits.float()})
-    if args.json:
-        doc = {
-            **gen.statistics(),
-            "prompt_tokens": len(ids),
-            **model_stats(args, stats),
-        }
-        if tok is not None:
-            doc["text"] = tok.decode(gen.tokens)
-        print(json.dumps(doc))
-    else:
-        print(",".join(str(t) for t in gen.tokens))
-        if tok is not None:
-            print(tok.decode(gen.tokens))
-        s = gen.statistics()
+    s = gen.statistics()
+    stream.end({**s, "prompt_tokens": len(ids), **model_stats(args, stats)})
+    if not args.json:
         rate = s["decode_tokens_per_s"]
         print(
             f"prefill {len(ids)} tokens in {s['prompt_prefill_s']:.3f} s; "
@@ -240,7 +293,7 @@ def generate_one(args) -> int:
 
 def generate_sampled(args) -> int:
     """One prompt with sampling or --stop-ids: a batch of one (`LlamaModel.run_generate_batch`),
-    printed as `generate_one` prints."""
+    streamed and printed as `generate_one` prints."""
     if args.logits:
         raise UsageError(
             "--logits comes with greedy generation: leave out the sampling options and --stop-ids"
@@ -249,30 +302,30 @@ def generate_sampled(args) -> int:
     vocab = vocab_of(args.model)
     params = sampling_of(args, vocab).with_seed()
     ids, tok = _prompt_ids(args, vocab)
-    with open_model(args, capacity) as model:
+    check_positions(args.model, [(f"--max-new-tokens {args.max_new_tokens}", len(ids), args.max_new_tokens)])
+    stream = _Stream(args, len(ids), tok)
+    with stream.keeping(), open_model(args, capacity) as model:
         model.watch(budget)
         gen = model.run_generate_batch(
-            [ids], args.max_new_tokens, sampling=params, stop_at_eos=not args.ignore_eos, timeout=args.timeout
+            [ids],
+            args.max_new_tokens,
+            sampling=params,
+            stop_at_eos=not args.ignore_eos,
+            timeout=args.timeout,
+            on_token=lambda _seq, t: stream.token(t),
         )
         stats = model.statistics()
     seq = gen.sequences[0]
-    tokens = [int(t) for t in seq.new_ids]
     run = gen.statistics()
-    if args.json:
-        doc = {"tokens": tokens, "finish_reason": reason_of(seq), "seed": params.seed}
-        doc.update(run, prompt_tokens=len(ids), **model_stats(args, stats))
-        if tok is not None:
-            doc["text"] = tok.decode(tokens)
-        print(json.dumps(doc))
-        return 0
-    print(",".join(map(str, tokens)))
-    if tok is not None:
-        print(tok.decode(tokens))
-    rate = run.get("new_tokens_per_s")
-    print(
-        f"prefill {len(ids)} tokens in {run.get('prefill_s', 0.0):.3f} s; {len(tokens)} new tokens"
-        + (f" at {rate:.1f} tokens/s" if rate else "")
-        + f"; seed {params.seed}; stopped: {reason_of(seq)}",
-        file=sys.stderr,
-    )
+    doc = {"tokens": [int(t) for t in seq.new_ids], "finish_reason": reason_of(seq), "seed": params.seed}
+    doc.update(run, prompt_tokens=len(ids), **model_stats(args, stats))
+    stream.end(doc)
+    if not args.json:
+        rate = run.get("new_tokens_per_s")
+        print(
+            f"prefill {len(ids)} tokens in {run.get('prefill_s', 0.0):.3f} s; {len(stream.tokens)} new tokens"
+            + (f" at {rate:.1f} tokens/s" if rate else "")
+            + f"; seed {params.seed}; stopped: {reason_of(seq)}",
+            file=sys.stderr,
+        )
     return 0

@@ -73,6 +73,19 @@ def vocab_of(model: str) -> int:
     return Checkpoint(model).config.vocab
 
 
+def check_positions(model: str, lengths: list[tuple[str, int, int]]) -> None:
+    """UsageError, before the model loads, naming the first (where, prompt tokens, new tokens) of
+    `lengths` beyond the checkpoint's max_position_embeddings."""
+    from disco_ray.models.planned import positions_beyond
+    from workloads.llm.checkpoint import Checkpoint
+
+    limit = Checkpoint(model).config.max_positions
+    for where, prompt, new in lengths:
+        why = positions_beyond(prompt, new, limit)
+        if why is not None:
+            raise UsageError(f"{where}: {why}")
+
+
 def model_stats(args, stats: dict) -> dict:
     """The model's statistics and the run's options that every mode's JSON reports."""
     return {

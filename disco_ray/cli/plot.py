@@ -16,7 +16,7 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
-from .app import command
+from .app import command, writable_file
 
 log = logging.getLogger("disco_ray")
 
@@ -29,7 +29,14 @@ log = logging.getLogger("disco_ray")
 )
 def add_plot(p) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE.json", help="trace-event JSON files")
-    p.add_argument("-o", "--output", default="timeline.png", metavar="OUT.png", help="default timeline.png")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="timeline.png",
+        type=writable_file,
+        metavar="OUT.png",
+        help="default timeline.png",
+    )
     p.add_argument("--title", help="the figure's title (default: the files' names)")
 
 

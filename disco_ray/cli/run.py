@@ -23,7 +23,7 @@ from collections.abc import Callable
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import DiscoError, UsageError
 
-from .app import command, seconds_arg
+from .app import command, seconds_arg, writable_file
 
 log = logging.getLogger("disco_ray")
 
@@ -60,7 +60,9 @@ def add_run(p) -> None:
         action="store_true",
         help="run --plan without verifying it against the TaskGraph first (a cycle is still refused)",
     )
-    p.add_argument("--out", required=True, metavar="OUT.npz", help="where to write the outputs")
+    p.add_argument(
+        "--out", required=True, type=writable_file, metavar="OUT.npz", help="where to write the outputs"
+    )
     add_engine_args(p)
     p.add_argument("--check", action="store_true", help="run the sanitizer (slower)")
     p.add_argument(
@@ -71,7 +73,9 @@ def add_run(p) -> None:
     p.add_argument(
         "--progress", action="store_true", help="report progress (a bar on a terminal, else a line per 10%%)"
     )
-    p.add_argument("--trace", metavar="TRACE.json", help="write a Chrome/Perfetto trace of the run")
+    p.add_argument(
+        "--trace", type=writable_file, metavar="TRACE.json", help="write a Chrome/Perfetto trace of the run"
+    )
     p.add_argument(
         "--delay", type=delay_arg, metavar="LO,HI", help="debug: sleep uniform(LO, HI) s before each vertex"
     )
@@ -185,14 +189,11 @@ def cmd_run(args) -> int:
     from disco_ray.driver.api import compile
     from disco_ray.graph.trace import format_summary
 
-    from .app import _error, capacity_of, check_writable, host_capacity_of
+    from .app import _error, capacity_of, host_capacity_of
     from .target import load_target
 
     if not str(args.out).endswith(".npz"):
         raise UsageError(f"--out {args.out}: the outputs are written as .npz")
-    check_writable(args.out, "--out")
-    if args.trace:
-        check_writable(args.trace, "--trace")
     kw = engine_kwargs(args)
     w = load_target(args)  # inputs checked here: refused before anything is planned or started
     tg = w.taskgraph

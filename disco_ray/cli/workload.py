@@ -26,7 +26,7 @@ from .app import command
     description="Build workload NAME with key=value parameters; write its TaskGraph and inputs.",
 )
 def add_workload(p) -> None:
-    from .app import output_path
+    from .app import output_path, writable_file
 
     p.add_argument("name", nargs="?", metavar="NAME", help="workload name (see --list)")
     p.add_argument("params", nargs="*", metavar="key=value", help="builder parameters, e.g. n=8 gpus=2")
@@ -34,7 +34,9 @@ def add_workload(p) -> None:
     p.add_argument(
         "-o", "--output", type=output_path, metavar="GRAPH", help="TaskGraph file to write (.json/.msgpack)"
     )
-    p.add_argument("--inputs", metavar="IN.npz", help="where to write the input tensors (.npz)")
+    p.add_argument(
+        "--inputs", type=writable_file, metavar="IN.npz", help="where to write the input tensors (.npz)"
+    )
 
 
 def parse_params(items: list[str]) -> dict[str, str]:

@@ -30,7 +30,7 @@ from disco_ray.graph.sizes import parse_capacity
 from workloads.llm.model import ModelGraph
 
 from .batch import BatchGeneration, SequenceOutput, run_batch
-from .planned import PlannedModel
+from .planned import PlannedModel, last_steps
 from .programs import open_checkpoint
 from .sampling import SamplingParams
 
@@ -320,15 +320,21 @@ class LlamaModel(PlannedModel):
         stop_at_eos: bool = True,
         prefill_logits: bool = False,
         timeout: float | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> Generation:
         """`generate` with its timings; `prefill_logits` also returns every prompt position's logits
-        (0 new tokens: prefill only); `timeout` bounds each run (RunError past it)."""
+        (0 new tokens: prefill only); `timeout` bounds each run (RunError past it); `on_token` is
+        called with each new token as it is made. A length beyond the model's positions, or a
+        last decode step that does not fit the capacity, is refused before the first run."""
         ids = self._ids(ids)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         planned = self.planning_s
         n = len(ids)
+        self.check_length([n], [max_new_tokens])
         blocks = math.ceil(n / self.block)
+        for _, last in last_steps(n, [max_new_tokens], self.block):
+            self.plan_ahead(("decode", last), f"max_new_tokens {max_new_tokens}: the last decode step")
         cache = max_new_tokens > 1
         mode = "all" if prefill_logits else "last"
         if max_new_tokens == 0 and not prefill_logits:
@@ -339,8 +345,9 @@ class LlamaModel(PlannedModel):
             gen.prefill_logits = logits[:n].clone()
         eos = set(self.config.eos) if stop_at_eos else set()
         if max_new_tokens:
-            tok = int(logits[n - 1 - first].argmax())
-            gen.tokens.append(tok)
+            gen.tokens.append(int(logits[n - 1 - first].argmax()))
+            if on_token is not None:
+                on_token(gen.tokens[-1])
         for step in range(1, max_new_tokens):
             if gen.tokens[-1] in eos:
                 gen.stopped = "eos"
@@ -350,6 +357,8 @@ class LlamaModel(PlannedModel):
             logits, _, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p, gen, timeout)
             gen.decode_s.append(dt)
             gen.tokens.append(int(logits[0].argmax()))
+            if on_token is not None:
+                on_token(gen.tokens[-1])
         else:
             if gen.tokens and gen.tokens[-1] in eos:
                 gen.stopped = "eos"

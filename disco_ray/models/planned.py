@@ -1,20 +1,48 @@
 """A model's plans: the graph of each plan key planned at the current capacity on first use and
-kept per capacity, its Program loaded into the pool's workers, and the micro-batches of a batch
-step chosen by the plans (`choose_micro`)."""
+kept per capacity, its Program loaded into the pool's workers, the micro-batches of a batch
+step chosen by the plans (`choose_micro`), and a generation's last steps planned before its
+first token (`plan_ahead`), so that one that cannot finish fails before the work."""
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections.abc import Sequence
 
 from disco_ray.driver.program import Program
 from disco_ray.graph.errors import CapacityError, UsageError
 from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.sizes import format_size
 from planner import build_memgraph, min_capacity
 from workloads.llm.checkpoint import Checkpoint
 from workloads.llm.model import ModelGraph
 
 from .graphs import bytes_moved, model_graph
 from .programs import Programs, plan_entry
+
+
+def positions_beyond(prompt: int, new: int, max_positions: int) -> str | None:
+    """Why `new` tokens after a prompt of `prompt` do not fit the model's positions (None: they do)."""
+    if prompt + new <= max_positions:
+        return None
+    return (
+        f"{prompt} prompt tokens + {new} new = {prompt + new} positions, beyond the model's "
+        f"max_position_embeddings {max_positions}"
+    )
+
+
+def last_steps(start: int, maxes: Sequence[int], block: int) -> list[tuple[int, int]]:
+    """(rows, cache blocks) of the last decode step at each row count of a batch whose cache index
+    starts at `start`, every sequence running to its maximum (`maxes`): decode step k feeds cache
+    index start + k - 1 for the pow2(#{max > k}) rows left, so each row count needs the most at
+    its last step, the last step of some sequence (k = max - 1)."""
+    ends = sorted(maxes)
+    last: dict[int, int] = {}
+    for k in {m - 1 for m in maxes if m > 1}:
+        live = len(ends) - bisect.bisect_right(ends, k)
+        rows = 1 << (live - 1).bit_length()
+        last[rows] = max(last.get(rows, 0), k)
+    return sorted((rows, (start + k - 1) // block + 1) for rows, k in last.items())
 
 
 class PlannedModel(Programs):
@@ -32,6 +60,13 @@ class PlannedModel(Programs):
     micro_choices: list[dict]
     _plans: dict[tuple, tuple[ModelGraph, MemGraph]]
     _micros: dict[tuple, int]
+
+    def check_length(self, prompts: Sequence[int], maxes: Sequence[int]) -> None:
+        """UsageError naming the sequence whose prompt and new tokens exceed the model's positions."""
+        for i, (n, m) in enumerate(zip(prompts, maxes)):
+            why = positions_beyond(n, m, self.ck.config.max_positions)
+            if why is not None:
+                raise UsageError(f"{f'sequence {i}: ' if len(maxes) > 1 else ''}max_new_tokens {m}: {why}")
 
     def _caps(self) -> list[int]:
         c = self.capacity
@@ -108,3 +143,23 @@ class PlannedModel(Programs):
             }
         )
         return best
+
+    def plan_ahead(self, key: tuple, what: str) -> None:
+        """Plans step `key` now, before the first token of a run that will reach it (kept, so the
+        step plans nothing then); a batch step's key (kind, rows, blocks, None) lets the plans
+        choose its micro-batches. CapacityError naming `what` and the capacity it needs."""
+        try:
+            if key[-1] is None:
+                self.choose_micro(*key[:3])
+            else:
+                self._plan(key)
+        except CapacityError as e:
+            one = key if key[-1] is not None else (*key[:3], 1)
+            mgraph = model_graph(self.ck, self.gpus, one, self.block, self.dtype, self.tile)
+            need, caps = min_capacity(mgraph.taskgraph), self._caps()
+            if all(c >= n for c, n in zip(caps, need)):  # not one vertex: the planner says why
+                raise CapacityError(f"{what} does not plan at the capacity: {e}") from None
+            raise CapacityError(
+                f"{what} needs a capacity of at least {format_size(max(need))} per GPU, above "
+                f"{format_size(min(caps))}: give a larger capacity or fewer new tokens"
+            ) from None
