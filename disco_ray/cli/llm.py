@@ -56,11 +56,15 @@ def capacity_and_budget(args):
     capacity = capacity_of(args, args.gpus)
     budget = None
     if args.budget_file:
-        from disco_ray.driver.elastic import BudgetFile
+        from disco_ray.driver.elastic import BudgetFile, device_memory, fit_budget
 
         budget = BudgetFile(args.budget_file)
-        if capacity is None:
-            capacity = budget.budget.capacity
+        if capacity is None:  # the budget's, clamped to the device's memory (a warning)
+            asked = budget.budget.capacity
+            if isinstance(asked, list) and len(asked) != args.gpus:
+                raise UsageError(f"{budget.name}: gives {len(asked)} sizes for {args.gpus} GPU(s)")
+            limit = None if getattr(args, "address", None) else device_memory(args.backend, args.gpus)
+            capacity = fit_budget(asked, args.gpus, limit, budget.name)
     if capacity is None:
         raise UsageError("--capacity is required: the arena bytes of each GPU, e.g. 64MiB")
     return capacity, budget

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from disco_ray.driver.elastic import device_memory, fit_budget
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
@@ -167,7 +168,10 @@ class LlamaModel(PlannedModel):
         if got is None:
             return
         capacity, asked_at, self._budget_seq = got
-        if capacity != self.capacity:
+        local = getattr(self.pool, "address", None) in (None, "local")  # else another machine's
+        limit = device_memory(self.backend, self.gpus) if local else None
+        capacity = fit_budget(capacity, self.gpus, limit, getattr(b, "name", "the budget actor"))
+        if capacity is not None and capacity != self.capacity:
             r = self.resize(capacity)
             r["since_request_s"] = round(time.time() - asked_at, 6)
 
