@@ -33,7 +33,7 @@ from disco_ray.graph import formats
 from disco_ray.graph.errors import DiscoError, UsageError
 from disco_ray.graph.sizes import format_size, parse_capacity, parse_size
 
-from .paths import check_writable, writable_file  # noqa: F401  (commands import both from here)
+from .paths import check_writable, file_problem, writable_file  # noqa: F401  (commands import them from here)
 
 PROG = "disco-ray"
 # subcommand -> module defining add_<name> and cmd_<name>, in --help order
@@ -237,7 +237,9 @@ def output_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(
             f"{text}: unknown file suffix {path.suffix or '(none)'!r} (use .json or .msgpack)"
         )
-    writable_file(text)
+    problem = file_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
     return path
 
 

@@ -39,13 +39,13 @@ def add_file_args(p) -> None:
     )
     p.add_argument(
         "--out",
-        type=writable_file,
+        type=writable_file("--out"),
         metavar="FILE.jsonl",
         help="--prompts: write the results here (via FILE.jsonl.partial, renamed when all are done)",
     )
     p.add_argument(
         "--stats",
-        type=writable_file,
+        type=writable_file("--stats"),
         metavar="FILE.json",
         help="--prompts: write the run's statistics here (as --json does on stderr)",
     )

@@ -77,7 +77,7 @@ def add_bench(p) -> None:
     p.add_argument(
         "--out",
         default="bench_out",
-        type=writable_dir,
+        type=writable_dir("--out"),
         metavar="DIR",
         help="output folder (default bench_out)",
     )

@@ -44,7 +44,10 @@ def add_demo(p) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--engine", default="ray", choices=["ray", "local"])
     p.add_argument(
-        "--out", default="out", type=writable_dir, help="folder for the trace and the MemGraph (default: out)"
+        "--out",
+        default="out",
+        type=writable_dir("--out"),
+        help="folder for the trace and the MemGraph (default: out)",
     )
 
 

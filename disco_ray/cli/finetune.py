@@ -36,7 +36,7 @@ def add_finetune(p) -> None:
     p.add_argument("--steps", type=int, required=True, metavar="K")
     p.add_argument("--lr", type=float, required=True, metavar="LR")
     p.add_argument(
-        "--out", required=True, type=writable_dir, metavar="DIR", help="where to write the adapter"
+        "--out", required=True, type=writable_dir("--out"), metavar="DIR", help="where to write the adapter"
     )
     p.add_argument("--init-adapter", metavar="DIR", help="a PEFT adapter to start from")
     p.add_argument("--lora-rank", type=int, default=16, metavar="R")

@@ -144,7 +144,10 @@ def _add_run_args(p) -> None:
     p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block, in tokens (64)")
     p.add_argument("--tile", type=int, metavar="N", help="prefill row tile, a multiple of --block (4 blocks)")
     p.add_argument(
-        "--logits", type=writable_file, metavar="OUT.npz", help="write the prompt's logits as array 'logits'"
+        "--logits",
+        type=writable_file("--logits"),
+        metavar="OUT.npz",
+        help="write the prompt's logits as array 'logits'",
     )
     p.add_argument(
         "--json",

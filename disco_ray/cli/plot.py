@@ -33,7 +33,7 @@ def add_plot(p) -> None:
         "-o",
         "--output",
         default="timeline.png",
-        type=writable_file,
+        type=writable_file("-o"),
         metavar="OUT.png",
         help="default timeline.png",
     )

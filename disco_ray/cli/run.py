@@ -61,7 +61,11 @@ def add_run(p) -> None:
         help="run --plan without verifying it against the TaskGraph first (a cycle is still refused)",
     )
     p.add_argument(
-        "--out", required=True, type=writable_file, metavar="OUT.npz", help="where to write the outputs"
+        "--out",
+        required=True,
+        type=writable_file("--out"),
+        metavar="OUT.npz",
+        help="where to write the outputs",
     )
     add_engine_args(p)
     p.add_argument("--check", action="store_true", help="run the sanitizer (slower)")
@@ -74,7 +78,10 @@ def add_run(p) -> None:
         "--progress", action="store_true", help="report progress (a bar on a terminal, else a line per 10%%)"
     )
     p.add_argument(
-        "--trace", type=writable_file, metavar="TRACE.json", help="write a Chrome/Perfetto trace of the run"
+        "--trace",
+        type=writable_file("--trace"),
+        metavar="TRACE.json",
+        help="write a Chrome/Perfetto trace of the run",
     )
     p.add_argument(
         "--delay", type=delay_arg, metavar="LO,HI", help="debug: sleep uniform(LO, HI) s before each vertex"

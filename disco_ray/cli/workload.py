@@ -35,7 +35,10 @@ def add_workload(p) -> None:
         "-o", "--output", type=output_path, metavar="GRAPH", help="TaskGraph file to write (.json/.msgpack)"
     )
     p.add_argument(
-        "--inputs", type=writable_file, metavar="IN.npz", help="where to write the input tensors (.npz)"
+        "--inputs",
+        type=writable_file("--inputs"),
+        metavar="IN.npz",
+        help="where to write the input tensors (.npz)",
     )
 
 

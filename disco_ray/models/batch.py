@@ -285,6 +285,8 @@ def run_batch(
     gen = BatchGeneration([], R, 1 if fixed is None else min(fixed, R) if R else fixed)
     layout = BatchLayout.of([len(ids[s]) for s in book.rows if s is not None] or [1], model.block, R)
     reached, rows0, ok = layout.blocks, R, False
+    if R:  # the prefill's plan first: a capacity too small for it is named by it
+        split("batch_prefill", R, layout.blocks)
     for r, b in last_steps(layout.length, [maxes[s] for s in book.rows if s is not None], model.block):
         key = ("batch_decode", r, b, None if fixed is None else min(fixed, r))  # before the first token
         model.plan_ahead(key, f"max_new_tokens {max(maxes)}: the decode step of {r} rows at {b} cache blocks")

@@ -337,14 +337,16 @@ class LlamaModel(PlannedModel):
         n = len(ids)
         self.check_length([n], [max_new_tokens])
         blocks = math.ceil(n / self.block)
-        for _, last in last_steps(n, [max_new_tokens], self.block):
-            self.plan_ahead(("decode", last), f"max_new_tokens {max_new_tokens}: the last decode step")
         cache = max_new_tokens > 1
         mode = "all" if prefill_logits else "last"
         if max_new_tokens == 0 and not prefill_logits:
             return Generation([], None, 0.0)
+        first_key = ("prefill", blocks, mode, cache)
+        self._plan(first_key)  # a capacity too small for the prefill is named by the prefill
+        for _, last in last_steps(n, [max_new_tokens], self.block):
+            self.plan_ahead(("decode", last), f"max_new_tokens {max_new_tokens}: the last decode step")
         gen = Generation([], None, 0.0)
-        logits, first, gen.prefill_s = self._run(("prefill", blocks, mode, cache), ids, 0, gen, timeout)
+        logits, first, gen.prefill_s = self._run(first_key, ids, 0, gen, timeout)
         if prefill_logits:
             gen.prefill_logits = logits[:n].clone()
         eos = set(self.config.eos) if stop_at_eos else set()
