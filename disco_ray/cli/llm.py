@@ -64,7 +64,7 @@ def capacity_and_budget(args):
             if isinstance(asked, list) and len(asked) != args.gpus:
                 raise UsageError(f"{budget.name}: gives {len(asked)} sizes for {args.gpus} GPU(s)")
             limit = None if getattr(args, "address", None) else device_memory(args.backend, args.gpus)
-            capacity = fit_budget(asked, args.gpus, limit, budget.name)
+            capacity = fit_budget(asked, args.gpus, limit, budget.name, budget.warned)
     if capacity is None:
         raise UsageError("--capacity is required: the arena bytes of each GPU, e.g. 64MiB")
     return capacity, budget

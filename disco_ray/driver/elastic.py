@@ -70,6 +70,7 @@ class BudgetFile:
     def __init__(self, path: str):
         self.path = path
         self.name = f"--budget-file {path}"  # how warnings name it
+        self.warned: set[str] = set()  # the clamps and refusals warned about (`fit_budget`), once each
         self._mtime: int | None = None
         self._bad: str | None = None  # the last bad content warned about
         self.budget = Budget()
@@ -135,30 +136,35 @@ def device_memory(backend: str, gpus: int) -> int | None:
     return min(torch.cuda.get_device_properties(d).total_memory for d in range(torch.cuda.device_count()))
 
 
-def fit_budget(capacity: int | list[int], gpus: int, limit: int | None, name: str) -> int | list[int] | None:
+def fit_budget(
+    capacity: int | list[int], gpus: int, limit: int | None, name: str, warned: set[str] | None = None
+) -> int | list[int] | None:
     """What a model on `gpus` GPUs of `limit` bytes each (None: unknown) runs at when `name`, a
     budget, asks for `capacity`: sizes above the limit clamped to it (a warning), or None (keep
-    the current capacity, a warning) when it gives neither one size nor one per GPU."""
+    the current capacity, a warning) when it gives neither one size nor one per GPU. `warned`:
+    the warnings given already, each given once (a `BudgetFile`'s, read at start and at polls)."""
     sizes = capacity if isinstance(capacity, list) else [capacity]
     if len(sizes) not in (1, gpus):
-        log.warning(
-            "%s: %s gives %d sizes for %d GPU(s); keeping the current capacity",
-            name,
-            _sizes(capacity),
-            len(sizes),
-            gpus,
+        _warn(
+            f"{name}: {_sizes(capacity)} gives {len(sizes)} sizes for {gpus} GPU(s); keeping the current capacity",
+            warned,
         )
         return None
     if limit is None or max(sizes) <= limit:
         return capacity
-    log.warning(
-        "%s: %s is above the device's memory (%s per GPU); clamped to it",
-        name,
-        _sizes(capacity),
-        format_size(limit),
+    _warn(
+        f"{name}: {_sizes(capacity)} is above the device's memory ({format_size(limit)} per GPU); clamped to it",
+        warned,
     )
     clamped = [min(c, limit) for c in sizes]
     return clamped if isinstance(capacity, list) else clamped[0]
+
+
+def _warn(message: str, warned: set[str] | None) -> None:
+    if warned is None or message not in warned:
+        log.warning("%s", message)
+    if warned is not None:
+        warned.add(message)
 
 
 class BudgetActor:

@@ -159,18 +159,18 @@ class LlamaModel(PlannedModel):
         b = self._budget
         if b is None:
             return
-        if hasattr(b, "poll"):
-            got = b.poll().since(self._budget_seq)
+        if hasattr(b, "poll"):  # a BudgetFile: each of its warnings once
+            got, name, warned = b.poll().since(self._budget_seq), b.name, b.warned
         else:
             import ray
 
-            got = ray.get(b.since.remote(self._budget_seq))
+            got, name, warned = ray.get(b.since.remote(self._budget_seq)), "the budget actor", None
         if got is None:
             return
         capacity, asked_at, self._budget_seq = got
         local = getattr(self.pool, "address", None) in (None, "local")  # else another machine's
         limit = device_memory(self.backend, self.gpus) if local else None
-        capacity = fit_budget(capacity, self.gpus, limit, getattr(b, "name", "the budget actor"))
+        capacity = fit_budget(capacity, self.gpus, limit, name, warned)
         if capacity is not None and capacity != self.capacity:
             r = self.resize(capacity)
             r["since_request_s"] = round(time.time() - asked_at, 6)
