@@ -7,8 +7,9 @@
         [--out OUT.jsonl] [--json] [--stats STATS.json] [--progress]
         [--temperature T] [--top-k K] [--top-p P] [--seed S] [--do-sample | --greedy] [--stop-ids 2,13]
 
-One prompt: prints the new token ids, comma-separated, on one line (and, with --prompt, the
-decoded text on the next). `--logits` writes the prompt's logits as the array `logits` [prompt
+One prompt: prints the new token ids, comma-separated, on one line as they are made (and, with
+--prompt, the decoded text on the next); a run that fails late keeps them (--json: an object
+with "finish_reason": "error"). `--logits` writes the prompt's logits as the array `logits` [prompt
 length, vocab] (float32); `--json` prints one JSON object instead: the tokens, prefill seconds,
 decode tokens/s, planning seconds and bytes each plan offloads and reloads. `--max-new-tokens 0`
 only prefills. `--prompt TEXT` needs the `tokenizers` package and the checkpoint's tokenizer.json.
