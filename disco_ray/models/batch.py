@@ -37,7 +37,6 @@ import torch
 from disco_ray.graph.errors import UsageError
 from workloads.llm.batch import BatchLayout, feed_decode, feed_prefill, state_ids
 
-from .planned import last_steps
 from .sampling import FinishReason, SamplingParams, finish_reason, sample, samplers
 
 
@@ -262,7 +261,6 @@ def run_batch(
     own_stops = check_stop_ids(stop_ids, len(ids), cfg.vocab)
     seeds = check_indices(indices, len(ids))
     fixed = check_micro(micro)  # the caller's micro-batch count, or None: the plans choose per step
-    model.check_length([len(p) for p in ids], maxes)
 
     def split(kind: str, rows: int, blocks: int) -> int:
         return int(model.choose_micro(kind, rows, blocks)) if fixed is None else min(fixed, rows)
@@ -271,6 +269,7 @@ def run_batch(
     own = samplers(params, seeds) if params.do_sample else []
     ends = replace(params, stop_ids=tuple(params.stop_ids) + (tuple(cfg.eos) if stop_at_eos else ()))
     planned, nplans = model.planning_s, len(model.plans)
+    model.plan_batch_ahead(ids, maxes, fixed)  # a run that cannot finish fails before its first token
     book = BatchRows(maxes, ends, own_stops)
     done: dict[int, SequenceOutput] = {}
 
@@ -285,11 +284,6 @@ def run_batch(
     gen = BatchGeneration([], R, 1 if fixed is None else min(fixed, R) if R else fixed)
     layout = BatchLayout.of([len(ids[s]) for s in book.rows if s is not None] or [1], model.block, R)
     reached, rows0, ok = layout.blocks, R, False
-    if R:  # the prefill's plan first: a capacity too small for it is named by it
-        split("batch_prefill", R, layout.blocks)
-    for r, b in last_steps(layout.length, [maxes[s] for s in book.rows if s is not None], model.block):
-        key = ("batch_decode", r, b, None if fixed is None else min(fixed, r))  # before the first token
-        model.plan_ahead(key, f"max_new_tokens {max(maxes)}: the decode step of {r} rows at {b} cache blocks")
     try:
         if R:
             gen.micro = split("batch_prefill", R, layout.blocks)

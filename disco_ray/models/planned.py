@@ -14,6 +14,7 @@ from disco_ray.graph.errors import CapacityError, UsageError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import format_size
 from planner import build_memgraph, min_capacity
+from workloads.llm.batch import BatchLayout
 from workloads.llm.checkpoint import Checkpoint
 from workloads.llm.model import ModelGraph
 
@@ -163,3 +164,26 @@ class PlannedModel(Programs):
                 f"{what} needs a capacity of at least {format_size(max(need))} per GPU, above "
                 f"{format_size(min(caps))}: give a larger capacity or fewer new tokens"
             ) from None
+
+    def plan_batch_ahead(
+        self, prompts: Sequence[Sequence[int]], maxes: Sequence[int], micro: int | None
+    ) -> None:
+        """Before a batch's first token: its lengths checked (`check_length`), its prefill planned
+        (a capacity too small for it is named by it), then the last decode step of each row count
+        (`last_steps`, `plan_ahead`). `micro`: the caller's micro-batch count, or None (the plans
+        choose)."""
+        self.check_length([len(p) for p in prompts], maxes)
+        live = [i for i, m in enumerate(maxes) if m > 0]
+        if not live:
+            return
+        rows = 1 << (len(live) - 1).bit_length()
+        layout = BatchLayout.of([len(prompts[i]) for i in live], self.block, rows)
+        if micro is None:
+            self.choose_micro("batch_prefill", rows, layout.blocks)
+        else:
+            self._plan(("batch_prefill", rows, layout.blocks, min(micro, rows)))
+        for r, b in last_steps(layout.length, [maxes[i] for i in live], self.block):
+            key = ("batch_decode", r, b, None if micro is None else min(micro, r))
+            self.plan_ahead(
+                key, f"max_new_tokens {max(maxes)}: the decode step of {r} rows at {b} cache blocks"
+            )
