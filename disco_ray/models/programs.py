@@ -15,7 +15,6 @@ from disco_ray.graph.sizes import parse_capacity
 from disco_ray.graph.taskgraph import TaskGraph
 from workloads.llm.checkpoint import Checkpoint
 
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 
