@@ -195,6 +195,13 @@ class RayPool:
 
         return ray.get([w.state_count.remote() for w in self.workers])
 
+    def usage(self) -> list[dict[str, int | None]]:
+        """Each worker process's resident memory, open file descriptors and threads
+        (`actors.worker.process_usage`)."""
+        import ray
+
+        return ray.get([w.usage.remote() for w in self.workers])
+
     def close(self) -> None:
         """Kills the actors, and shuts Ray down if this pool started it."""
         import ray
