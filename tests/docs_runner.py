@@ -10,9 +10,12 @@ runs past its time ends the run with exit 1 and a last line "FAILED doc:line: wh
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 
 
@@ -41,13 +44,29 @@ def run_python(block: dict, namespace: dict) -> str | None:
     return None
 
 
+# on the first failing command: its line in the document and its text, for the FAILED line
+TRAP = """trap 'echo "$(( {line} + LINENO - 1 )) $BASH_COMMAND" > {where}' ERR\n"""
+
+
 def run_shell(block: dict) -> str | None:
-    """Runs a shell block; the failure, or None."""
-    try:
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block["code"]], timeout=block["timeout"])
-    except subprocess.TimeoutExpired:
-        return f"ran past {block['timeout']} s"
-    return None if done.returncode == 0 else f"exit status {done.returncode}"
+    """Runs a shell block; the failure (with the document line of the failing command), or None."""
+    with tempfile.NamedTemporaryFile("r", suffix=".line") as where:
+        trap = TRAP.format(line=block["line"], where=shlex.quote(where.name))
+        try:
+            done = subprocess.run(
+                ["bash", "-e", "-o", "pipefail", "-c", trap + block["code"]], timeout=block["timeout"]
+            )
+        except subprocess.TimeoutExpired:
+            return f"ran past {block['timeout']} s"
+        failed = where.read().strip()
+    if done.returncode == 0:
+        return None
+    line, _, command = failed.partition(" ")
+    return (
+        f"exit status {done.returncode} at line {line}: {command}"
+        if failed
+        else f"exit status {done.returncode}"
+    )
 
 
 def main(path: str) -> int:
@@ -57,9 +76,11 @@ def main(path: str) -> int:
     for block in blocks:
         where = f"{block['doc']}:{block['line']}"
         print(f"--- {where} ({block['lang']})", flush=True)
+        t = time.perf_counter()
         why = run_python(block, namespace) if block["lang"] == "python" else run_shell(block)
         sys.stdout.flush()
         sys.stderr.flush()
+        print(f"--- {where}: {time.perf_counter() - t:.1f} s", flush=True)
         if why is not None:
             print(f"FAILED {where}: {why}", flush=True)
             return 1

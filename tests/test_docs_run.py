@@ -5,7 +5,7 @@ A block is tagged by the word `run` after its language (GitHub highlights by the
 
     ```bash run            a shell block: each line must exit 0 (bash -e -o pipefail)
     ```python run          a Python block: it must not raise
-    ```bash run timeout=120  its time limit in seconds (default 60)
+    ```bash run timeout=120  its time limit in seconds (default 180)
 
 Tag only blocks that need no GPU, no cluster and no network, and take seconds. The blocks of one
 document run in its order (tests/docs_runner.py), in a temporary directory of its own with the
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)(.*)$")
 LANGS = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python"}
-TIMEOUT_S = 60
+TIMEOUT_S = 180  # a hang's bound, not a speed check: a loaded CI box starts Ray slowly
 CKPT_NAMES = ("ckpt", "CKPT_DIR", "CKPT")  # what the docs call a checkpoint directory
 
 
@@ -156,8 +156,8 @@ def test_a_failing_block_is_named_by_its_file_and_line(tmp_path):
     )
     blocks = tagged(doc)
     assert [(b.line, b.lang, b.timeout) for b in blocks] == [
-        (3, "bash", 60),
-        (8, "python", 60),
+        (3, "bash", 180),
+        (8, "python", 180),
         (16, "python", 5),
     ]
     done = run_blocks(blocks, workdir(tmp_path / "run"))
@@ -171,7 +171,9 @@ def test_a_shell_block_fails_on_its_first_failing_line_and_a_slow_one_on_its_tim
     doc = tmp_path / "SHELL.md"
     doc.write_text("```bash run\ndisco-ray plan nowhere.json --capacity 1KiB -o x.json\necho after\n```\n")
     done = run_blocks(tagged(doc), workdir(tmp_path / "a"))
-    assert failure(done).startswith("FAILED SHELL.md:1: exit status 2"), failure(done)
+    assert failure(done).startswith("FAILED SHELL.md:1: exit status 2 at line 2: disco-ray plan"), failure(
+        done
+    )
     assert "after" not in done.stdout
     doc.write_text("```sh run timeout=1\nsleep 5\n```\n")
     done = run_blocks(tagged(doc), workdir(tmp_path / "b"))
