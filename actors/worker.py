@@ -56,6 +56,10 @@ class GpuWorker:
     def ping(self) -> bool:
         return True
 
+    def usage(self) -> dict[str, int | None]:
+        """This process's resident memory, open file descriptors and threads (`process_usage`)."""
+        return process_usage()
+
     def pid(self) -> int:
         """This actor's process id (the driver names a stalled actor by it)."""
         return os.getpid()
@@ -269,3 +273,18 @@ class GpuWorker:
         if self.ex is None:
             raise RunError("this worker has no graph loaded")
         return self.ex
+
+
+def process_usage() -> dict[str, int | None]:
+    """{"rss_bytes", "open_fds", "threads"} of this process, read from /proc/self (Linux; None
+    elsewhere): what a leak grows (the soak test compares them across requests)."""
+    out: dict[str, int | None] = {"rss_bytes": None, "open_fds": None, "threads": None}
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        out["rss_bytes"] = int(fields["VmRSS"].split()[0]) * 1024  # "123456 kB"
+        out["threads"] = int(fields["Threads"])
+        out["open_fds"] = len(os.listdir("/proc/self/fd"))
+    except (OSError, KeyError, ValueError):  # not Linux
+        pass
+    return out

@@ -33,6 +33,7 @@ class LocalPool:
 
     def __init__(self) -> None:
         self.stores: dict[int, WorkerStore] = {}
+        self.lock = threading.RLock()  # one request at a time, as `RayPool.lock`
 
     def store(self, gpu: int, backend: str) -> WorkerStore:
         s = self.stores.get(gpu)
@@ -96,6 +97,7 @@ class LocalEngine:
         n = mg.gpus
         self.transports = {f"{i}-{j}": "local" for i in range(n) for j in range(i + 1, n)}
         made = transports(self.execs) if transports is not None else [LocalTransport(self.execs)] * n
+        self.pool.lock.acquire()  # the executors allocate in the stores: not during another's run
         try:
             for g in range(mg.gpus):
                 self.execs.append(
@@ -114,6 +116,8 @@ class LocalEngine:
         except BaseException:
             self.close()
             raise
+        finally:
+            self.pool.lock.release()
 
     def _report(self, gpu: int, vids: list[int]) -> None:
         with self._lock:
@@ -139,6 +143,12 @@ class LocalEngine:
         self, inputs: Mapping[str, torch.Tensor], opts: RunOptions = DEFAULT_RUN
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
         """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
+        with self.pool.lock:  # the stores' arena and states serve one run at a time
+            return self._run(inputs, opts)
+
+    def _run(
+        self, inputs: Mapping[str, torch.Tensor], opts: RunOptions
+    ) -> tuple[dict[str, torch.Tensor], list[list]]:
         for ex in self.execs:  # an input left out is the one the worker holds from an earlier run
             ex.begin(
                 {k: inputs[k] for k in ex.input_values if k in inputs},
@@ -181,5 +191,6 @@ class LocalEngine:
         }
 
     def close(self) -> None:
-        for ex in self.execs:
-            ex.close()
+        with self.pool.lock:  # closing frees store space another thread's run may be using
+            for ex in self.execs:
+                ex.close()

@@ -79,6 +79,7 @@ class RayEngine:
         self._gcs_address: tuple[str | None] | None = None
         self._alone: dict | None = None  # the last run_alone's counts (no coordinator counted it)
         self._alone_done: list[int] = []  # the vertices it completed, as last polled
+        self.pool.lock.acquire()  # loading allocates in the workers' store: not during another's run
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, config.backend, op_modules)
             self.generation = self.pool.generation
@@ -117,6 +118,8 @@ class RayEngine:
             self.broken = True
             self.close()
             raise
+        finally:
+            self.pool.lock.release()
 
     @property
     def stale(self) -> bool:
@@ -128,7 +131,8 @@ class RayEngine:
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
         """One run; returns (outputs by TaskGraph id, trace records per GPU)."""
         try:
-            return self._run(inputs, opts)
+            with self.pool.lock:  # a worker serves one run at a time ("a run is still in progress")
+                return self._run(inputs, opts)
         except BaseException:
             self.broken = True  # actors may hold a half-done run: the pool remakes them
             raise
@@ -414,6 +418,10 @@ class RayEngine:
     def close(self) -> None:
         """Unloads the graph from a shared pool's actors; kills them if that fails (a dead or stuck
         worker), and always kills a private pool's."""
+        with self.pool.lock:  # unloading frees arena space another thread's run may be using
+            self._close()
+
+    def _close(self) -> None:
         import ray
 
         if self.own_pool:

@@ -32,15 +32,17 @@ INLINE_BYTES = 1 << 20  # a private Ray's task arguments and results up to this 
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
 log = logging.getLogger("disco_ray")
 _SHARED: RayPool | None = None
+_SHARED_LOCK = threading.Lock()  # two threads' first Programs make one shared pool, not two
 
 
 def shared_pool(num_cpus: int | None = None) -> RayPool:
     """The process's pool for Programs without one: made on first use, kept until `shutdown()`."""
     global _SHARED
-    if _SHARED is None:
-        _SHARED = RayPool(num_cpus=num_cpus)
-        atexit.register(shutdown)
-    return _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = RayPool(num_cpus=num_cpus)
+            atexit.register(shutdown)
+        return _SHARED
 
 
 def shutdown() -> None:
@@ -59,6 +61,10 @@ class RayPool:
     workers' resident weights and states, `actors.tiers.store`); an engine without one makes a private
     pool and kills it on close. A pool whose actors failed is discarded: they are killed and
     remade on next use, and every engine on them loads its graph again (`generation`).
+
+    One request at a time: `lock` (re-entrant) is held by each run, each load, and by a model's
+    whole request (a generation's prefill and decode steps share the workers' KV cache states), so
+    a call from another thread waits its turn (docs/RUNTIME.md, "One request at a time").
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class RayPool:
         self.generation = 0  # counts discards: an engine loaded before the last one must reload
         self.pids: list[int] = []  # of the coordinator, then of each worker
         self.private = False  # this pool started a private Ray (its processes are the driver's)
+        self.lock = threading.RLock()
         self._keys = 0
 
     def new_key(self) -> str:
@@ -91,6 +98,10 @@ class RayPool:
 
     def acquire(self, gpus: int, backend: str = "cpu", op_modules: Sequence[str] = ()):
         """(coordinator, workers[:gpus]), starting Ray and actors as needed."""
+        with self.lock:  # two threads' first runs start one set of actors
+            return self._acquire(gpus, backend, op_modules)
+
+    def _acquire(self, gpus: int, backend: str, op_modules: Sequence[str]):
         import ray
 
         from actors.coordinator import Coordinator
@@ -183,6 +194,13 @@ class RayPool:
         import ray
 
         return ray.get([w.state_count.remote() for w in self.workers])
+
+    def usage(self) -> list[dict[str, int | None]]:
+        """Each worker process's resident memory, open file descriptors and threads
+        (`actors.worker.process_usage`)."""
+        import ray
+
+        return ray.get([w.usage.remote() for w in self.workers])
 
     def close(self) -> None:
         """Kills the actors, and shuts Ray down if this pool started it."""

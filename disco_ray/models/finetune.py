@@ -26,7 +26,7 @@ from planner import build_memgraph
 from workloads.llm.train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
 from . import adapter
-from .programs import Programs, open_checkpoint, plan_entry
+from .programs import Programs, one_request, open_checkpoint, plan_entry
 
 
 class LoraTrainer(Programs):
@@ -116,6 +116,7 @@ class LoraTrainer(Programs):
             return block.contiguous()
         return torch.cat([block, torch.zeros_like(block), torch.zeros_like(block)]).contiguous()
 
+    @one_request
     def step(self, tokens: torch.Tensor, timeout: float | None = None) -> float:
         """One optimizer step on `tokens` [batch, seq]; returns the step's mean loss."""
         tokens = _check_tokens(tokens, self.config.vocab)
@@ -129,6 +130,7 @@ class LoraTrainer(Programs):
         self.losses.append(loss)
         return loss
 
+    @one_request
     def train(
         self, tokens: torch.Tensor, steps: int, batch: int | None = None, timeout: float | None = None
     ) -> list[float]:
@@ -145,6 +147,7 @@ class LoraTrainer(Programs):
             out.append(self.step(tokens[rows], timeout))
         return out
 
+    @one_request
     def adapter(self) -> dict[str, torch.Tensor]:
         """The adapter now, whole matrices keyed as PEFT saves them (float32)."""
         if not self._programs:

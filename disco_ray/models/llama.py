@@ -32,7 +32,7 @@ from workloads.llm.model import ModelGraph
 
 from .batch import BatchGeneration, SequenceOutput, run_batch
 from .planned import PlannedModel, last_steps
-from .programs import open_checkpoint
+from .programs import one_request, open_checkpoint
 from .sampling import SamplingParams
 
 
@@ -135,6 +135,7 @@ class LlamaModel(PlannedModel):
         self.planning_s = 0.0
         self.load_s = 0.0  # loading graphs into the workers (the first also reads the weights)
 
+    @one_request
     def resize(self, capacity: int | str | Sequence[int]) -> dict:
         """Runs within `capacity` bytes of arena per GPU from now on (elastic capacity): unloads
         every graph, which frees the arenas (on CUDA the memory goes back to the device), and
@@ -205,6 +206,7 @@ class LlamaModel(PlannedModel):
         return out
 
     # ---- the API -------------------------------------------------------------------------------
+    @one_request
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """The logits [len(ids), vocab] (float32) of every position of the prompt `ids`."""
         ids = self._ids(ids)
@@ -256,11 +258,13 @@ class LlamaModel(PlannedModel):
         new = [s.new_ids for s in got.sequences]
         return new if batch else new[0]
 
+    @one_request
     def prefill_batch(self, prompts: Sequence[Sequence[int]], *, micro: int = 1) -> torch.Tensor:
         """The logits [len(prompts), vocab] (float32) of each prompt's last token, the prompts
         prefilled together in one run (a ragged batch)."""
         return run_batch(self, prompts, 1, micro=micro, prefill_logits=True).prefill_logits  # type: ignore[return-value]
 
+    @one_request
     def run_generate_batch(
         self,
         prompts: Sequence[Sequence[int]],
@@ -316,6 +320,7 @@ class LlamaModel(PlannedModel):
             timeout=timeout,
         )
 
+    @one_request
     def run_generate(
         self,
         ids: Sequence[int],

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import ENGINES, Program
@@ -12,6 +14,21 @@ from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
 from disco_ray.graph.taskgraph import TaskGraph
 from workloads.llm.checkpoint import Checkpoint
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_request(method: F) -> F:
+    """Holds the pool's lock (`RayPool.lock`) for the whole call: a request's runs share the
+    workers' states (a KV cache, an adapter), so another thread's request waits its turn instead
+    of mixing its runs in between."""
+
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        with self.pool.lock:
+            return method(self, *args, **kwargs)
+
+    return held  # type: ignore[return-value]
 
 
 def open_checkpoint(path: str, gpus: int, dtype: str | None, engine: str) -> tuple[Checkpoint, str]:
