@@ -45,6 +45,7 @@ _API = {
             "PlanError",
             "VerifyError",
             "RunError",
+            "NonFiniteError",
             "UsageError",
         )
     },

@@ -48,6 +48,8 @@ class FileReader:
         self.seconds = 0.0
         self.direct_reads = 0
         self.buffered_reads = 0
+        # blocks of `finite` sources found finite (with their file's version): not checked again
+        self.checked: set[tuple] = set()
 
     def _fd(self, path: str, direct: bool) -> int:
         got = self._fds.get(path)
@@ -122,6 +124,9 @@ class FileBlock:
     rows: tuple[int, ...]  # the rows' shape (leading dims sliced)
     file_dtype: str
     cols: tuple[int, int] | None
+    finite: bool = False  # the source's: its values are checked (`sources.check_finite`)
+    what: str = ""  # the input and its source, for messages
+    version: tuple[int, int] = (0, 0)  # the file's (mtime_ns, size) when the header was read
 
     @classmethod
     def of(cls, v: Vertex) -> FileBlock:
@@ -149,14 +154,23 @@ class FileBlock:
         shape = (r1 - r0, *full[1:])
         if cols is not None and (cols[1] > full[1]):
             raise RunError(f"{where}: source {src.describe()}: columns {cols[0]}:{cols[1]} exceed {full[1]}")
-        return cls(src.path, begin + r0 * row, (r1 - r0) * row, shape, dtype, cols)
+        what = f"{where}: source {src.describe()}"
+        st = os.stat(src.path)
+        version = (st.st_mtime_ns, st.st_size)
+        return cls(src.path, begin + r0 * row, (r1 - r0) * row, shape, dtype, cols, src.finite, what, version)
 
-    def copy_into(self, raw: torch.Tensor, out: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> None:
-        """The block from its file bytes `raw` into `out` (uint8 view of `shape` x `dtype`)."""
+    def copy_into(
+        self, raw: torch.Tensor, out: torch.Tensor, dtype: str, shape: tuple[int, ...], check: bool = False
+    ) -> None:
+        """The block from its file bytes `raw` into `out` (uint8 view of `shape` x `dtype`);
+        `check`: NonFiniteError naming the tensor unless every value is finite."""
         t = raw.view(torch_dtype(self.file_dtype)).view(self.rows)
         if self.cols is not None:
             t = t[:, self.cols[0] : self.cols[1]]
-        out.view(torch_dtype(dtype)).view(shape).copy_(t)
+        typed = out.view(torch_dtype(dtype)).view(shape)
+        typed.copy_(t)
+        if check:  # on the arena's copy: a dtype conversion's overflow counts too
+            sources.check_finite(typed, self.what, t)
 
 
 class Streams:
@@ -187,7 +201,12 @@ class Streams:
         buf = self._free.get()
         try:
             raw = self.reader.read(b.path, b.offset, b.nbytes, buf)
-            b.copy_into(raw, out, v.dtype, v.shape)
+            # checked at its first read only: checking every read cost a fifth of a decode step
+            key = (b.path, b.version, b.offset, b.nbytes, b.cols, v.dtype)
+            check = b.finite and key not in self.reader.checked
+            b.copy_into(raw, out, v.dtype, v.shape, check)
+            if check:
+                self.reader.checked.add(key)
             if out.is_cuda:  # the bounce buffer is free again only once the copy has read it
                 torch.cuda.current_stream(out.device).synchronize()
         finally:

@@ -29,6 +29,10 @@ class RunError(DiscoError):
     """Running a MemGraph failed: a kernel raised, a worker died, an input was refused."""
 
 
+class NonFiniteError(RunError):
+    """A weight, logit or loss holds NaN or infinity: names the tensor, or the step and row."""
+
+
 class FrontendError(DiscoError):
     """A torch module cannot be captured or mapped onto the op set (names the aten op and node)."""
 

@@ -14,7 +14,11 @@ In a TaskGraph document (an addition to docs/FORMATS.md):
                 "tensor": "model.layers.0.self_attn.q_proj.weight", "slices": [[64, 128]]}}
 
 `slices` gives, per leading dimension, `[start, stop)` or `null` for the whole dimension; the
-dimensions it does not name are whole. The block read must have the input's shape.
+dimensions it does not name are whole. The block read must have the input's shape. `"finite":
+true` (a checkpoint's weights) makes the worker refuse a block holding NaN or infinity when it
+reads it (`check_finite`: one float32 sum, half a copy's time), with an error naming the tensor;
+read from disk at each load (`actors.tiers.diskio`), a block is checked at its first read of each
+version of its file. A source without it may hold them (a mask of -inf).
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ import operator
 import os
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .errors import FormatError, RunError
+from .errors import FormatError, NonFiniteError, RunError
+
+if TYPE_CHECKING:
+    import torch
 
 # the directory of a checkpoint with no files (`Checkpoint.from_config`): its sources refuse to be read
 CONFIG_ONLY = "(config only: no weights on disk)"
@@ -39,11 +47,14 @@ class Source:
     path: str  # a .safetensors file
     tensor: str  # the tensor's name in the file
     slices: tuple[tuple[int, int] | None, ...] = ()  # per leading dim: [start, stop) or whole
+    finite: bool = False  # every value must be finite (checked where a worker reads it)
 
     def to_dict(self) -> dict:
         d: dict = {"path": self.path, "tensor": self.tensor}
         if self.slices:
             d["slices"] = [None if s is None else list(s) for s in self.slices]
+        if self.finite:
+            d["finite"] = True
         return d
 
     @classmethod
@@ -51,7 +62,7 @@ class Source:
         """Parses a "source" object; FormatError names `where` (the vertex) and the field."""
         if not isinstance(doc, dict):
             raise FormatError(f'{where}: "source" must be an object with "path" and "tensor"')
-        unknown = set(doc) - {"path", "tensor", "slices"}
+        unknown = set(doc) - {"path", "tensor", "slices", "finite"}
         if unknown:
             raise FormatError(f'{where}: "source" has unknown field(s) {sorted(unknown)}')
         path, tensor, raw = doc.get("path"), doc.get("tensor"), doc.get("slices", [])
@@ -61,6 +72,9 @@ class Source:
             raise FormatError(f'{where}: "source.tensor" must be a non-empty string, got {tensor!r}')
         if not isinstance(raw, (list, tuple)):
             raise FormatError(f'{where}: "source.slices" must be a list, got {raw!r}')
+        finite = doc.get("finite", False)
+        if not isinstance(finite, bool):
+            raise FormatError(f'{where}: "source.finite" must be true or false, got {finite!r}')
         slices: list[tuple[int, int] | None] = []
         for n, s in enumerate(raw):
             if s is None:
@@ -77,7 +91,7 @@ class Source:
             if not 0 <= a <= b:
                 raise FormatError(f'{where}: "source.slices[{n}]" [{a}, {b}] is not a range')
             slices.append((a, b))
-        return cls(path, tensor, tuple(slices))
+        return cls(path, tensor, tuple(slices), finite)
 
     def describe(self) -> str:
         if not self.slices:
@@ -122,7 +136,38 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
         raise RunError(f"{what}: not a readable safetensors file ({e})") from None
     if tuple(t.shape) != tuple(shape):
         raise RunError(f"{what}: has shape {list(t.shape)}, the input {list(shape)}")
-    return t.to(torch_dtype(dtype)).contiguous()
+    out = t.to(torch_dtype(dtype)).contiguous()
+    if src.finite:
+        check_finite(out, what, t)
+    return out
+
+
+def check_finite(t: torch.Tensor, what: str, stored: torch.Tensor | None = None) -> None:
+    """NonFiniteError naming `what` unless every value of tensor `t` is finite.
+
+    One float32-accumulated sum, where a NaN or an infinity anywhere shows (about 8 GB/s on one
+    core, against 0.6 GB/s for `isfinite().all()`, which makes a mask); only a sum that is not
+    finite makes the values counted, so finite values whose sum overflows pass. `stored`: the
+    values as the file holds them, to tell a dtype conversion's overflow from the file's own.
+    """
+    import math
+
+    import torch
+
+    if not t.is_floating_point() or not t.numel() or math.isfinite(float(t.sum(dtype=torch.float32))):
+        return
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    if not nan and not inf:
+        return
+    where = int((~torch.isfinite(t.reshape(-1))).nonzero()[0])
+    index = list(torch.unravel_index(torch.tensor(where), t.shape)) if t.dim() > 1 else [where]
+    first = ", ".join(str(int(i)) for i in index)
+    why = ""
+    if stored is not None and stored.is_floating_point() and bool(torch.isfinite(stored).all()):
+        why = f" (finite in the file: they overflow {str(t.dtype).removeprefix('torch.')})"
+    raise NonFiniteError(
+        f"{what}: {nan} NaN and {inf} infinite values of {t.numel()}, the first at [{first}]{why}"
+    )
 
 
 def header(path: str, where: str = "") -> dict:

@@ -4,7 +4,8 @@ Keys are those `peft.PeftModel.save_pretrained` writes for a LLaMA, e.g.
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
 ([out, r]), so `peft.PeftModel.from_pretrained(base, DIR)` loads what `save` writes, and `load`
 reads what PEFT saved. Only what disco-ray trains is accepted: plain LoRA (no DoRA, no bias, no
-dropout, no per-layer rank or alpha patterns) on the linear layers of the decoder.
+dropout, no per-layer rank or alpha patterns) on the linear layers of the decoder. An adapter
+holding NaN or infinity is neither read nor written (refused naming the tensor).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from disco_ray.graph.errors import UsageError
+from disco_ray.graph.errors import NonFiniteError, UsageError
 from workloads.llm.train import TARGETS, LoraSpec
 
 PREFIX = "base_model.model.model.layers."
@@ -114,14 +115,33 @@ def load(
                     raise UsageError(
                         f"{path / WEIGHTS}: {k!r} has shape {list(tensors[k].shape)}, want {list(shape)}"
                     )
+                if not tensors[k].is_floating_point():
+                    raise UsageError(f"{path / WEIGHTS}: {k!r} has dtype {tensors[k].dtype}, want a float")
                 out[k] = tensors[k].float()
+                bad = _not_finite(out[k])
+                if bad:
+                    raise UsageError(f"{path / WEIGHTS}: {k!r} holds {bad}: training would compute NaN")
     return spec, out
 
 
+def _not_finite(t: torch.Tensor) -> str:
+    """'' when every value of `t` is finite, else how many are NaN and infinite."""
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    return f"{nan} NaN and {inf} infinite values of {t.numel()}" if nan or inf else ""
+
+
 def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base: str) -> None:
-    """Writes the adapter directory (the files appear whole: written aside, then renamed)."""
+    """Writes the adapter directory (the files appear whole: both written aside, then renamed).
+
+    Raises:
+        NonFiniteError: a tensor holds NaN or infinity (named); nothing is written.
+    """
     from safetensors.torch import save_file
 
+    for k, t in tensors.items():
+        bad = _not_finite(t)
+        if bad:
+            raise NonFiniteError(f"{path}: not written: adapter tensor {k!r} holds {bad}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -141,15 +161,17 @@ def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], bas
         "modules_to_save": None,
         "layers_to_transform": None,
     }
-    for name, write in (
-        (WEIGHTS, lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, p)),
-        (CONFIG, lambda p: Path(p).write_text(json.dumps(cfg, indent=2))),
-    ):
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path / name)
-        except BaseException:
+    temps: dict[str, str] = {}
+    try:  # both written aside first: a failure leaves the previous adapter whole
+        for name, write in (
+            (WEIGHTS, lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, p)),
+            (CONFIG, lambda p: Path(p).write_text(json.dumps(cfg, indent=2))),
+        ):
+            fd, temps[name] = tempfile.mkstemp(dir=path, prefix=f".{name}.", suffix=".tmp")
+            os.close(fd)
+            write(temps[name])
+        for name in list(temps):
+            os.replace(temps.pop(name), path / name)
+    finally:
+        for tmp in temps.values():
             Path(tmp).unlink(missing_ok=True)
-            raise

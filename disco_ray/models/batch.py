@@ -293,7 +293,9 @@ def run_batch(
         p = layout.length  # the cache index of the next token fed
         while book.live():
             live = book.live()
-            toks = sample(logits[live], params, [own[book.rows[r]] for r in live] if own else ())  # type: ignore[index]
+            named = [seeds[book.rows[r]] for r in live]  # type: ignore[index]  # each row's `indices` entry
+            draws = [own[book.rows[r]] for r in live] if own else ()  # type: ignore[index]
+            toks = sample(logits[live], params, draws, step=len(gen.decode_s), rows=named)
             for s, t, why in book.advance(toks.tolist()):
                 if on_token is not None:
                     on_token(s, t)

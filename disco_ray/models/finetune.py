@@ -11,17 +11,22 @@ optimizer on the batch's sequences. The graph is planned once per batch shape an
 every step. The adapter's matrices and the optimizer's moments are worker states: written once
 before the first step, updated in place by every step's optimizer vertices, read back only when
 asked for (`adapter()`, `save_adapter`).
+
+Each step's loss is checked: a NaN or infinite one raises `NonFiniteError` naming the step, and
+the adapter on the workers (updated by that step) is never written: `save_adapter` refuses it,
+and one holding a NaN or infinite value by the tensor's name, so a file written earlier stays.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
 import torch
 
 from disco_ray.driver.program import Program
-from disco_ray.graph.errors import UsageError
+from disco_ray.graph.errors import NonFiniteError, UsageError
 from planner import build_memgraph
 from workloads.llm.train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
@@ -87,6 +92,7 @@ class LoraTrainer(Programs):
         self.steps_done = 0
         self.losses: list[float] = []
         self.step_s: list[float] = []
+        self.bad_step: int | None = None  # the first step whose loss was not finite
 
     def _program(self, batch: int, seq: int) -> tuple[TrainGraph, Program]:
         got = self._programs.get((batch, seq))
@@ -128,6 +134,11 @@ class LoraTrainer(Programs):
         self.steps_done += 1
         loss = float(outs[tgraph.loss].float().reshape(-1)[0])
         self.losses.append(loss)
+        if not math.isfinite(loss):
+            self.bad_step = self.bad_step or self.steps_done
+            raise NonFiniteError(
+                f"step {self.steps_done}: the loss is {loss}: the adapter this step updated is never written"
+            )
         return loss
 
     @one_request
@@ -163,6 +174,17 @@ class LoraTrainer(Programs):
         return out
 
     def save_adapter(self, path: str) -> None:
+        """Writes the adapter to directory `path` in PEFT's layout (whole files or nothing).
+
+        Raises:
+            NonFiniteError: a step's loss was not finite, or a matrix holds NaN or infinity
+                (named): nothing is written.
+        """
+        if self.bad_step is not None:
+            raise NonFiniteError(
+                f"{path}: not written: step {self.bad_step}'s loss was {self.losses[self.bad_step - 1]} "
+                "and its update made the adapter unusable"
+            )
         adapter.save(path, self.lora, self.adapter(), str(self.ck.path))
 
     def statistics(self) -> dict:

@@ -33,7 +33,7 @@ from workloads.llm.model import ModelGraph
 from .batch import BatchGeneration, SequenceOutput, run_batch
 from .planned import PlannedModel, last_steps
 from .programs import one_request, open_checkpoint
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_logits, sample
 
 
 @dataclass(slots=True)
@@ -208,10 +208,12 @@ class LlamaModel(PlannedModel):
     # ---- the API -------------------------------------------------------------------------------
     @one_request
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        """The logits [len(ids), vocab] (float32) of every position of the prompt `ids`."""
+        """The logits [len(ids), vocab] (float32) of every position of the prompt `ids`;
+        NonFiniteError naming the first position with a NaN or infinite one."""
         ids = self._ids(ids)
         blocks = math.ceil(len(ids) / self.block)
         logits, _, _ = self._run(("prefill", blocks, "all", False), ids, 0)
+        check_logits(logits[: len(ids)], 0, row="position")
         return logits[: len(ids)]
 
     def generate(
@@ -353,10 +355,12 @@ class LlamaModel(PlannedModel):
         gen = Generation([], None, 0.0)
         logits, first, gen.prefill_s = self._run(first_key, ids, 0, gen, timeout)
         if prefill_logits:
+            check_logits(logits[:n], 0, row="position")  # what --logits writes is an answer too
             gen.prefill_logits = logits[:n].clone()
         eos = set(self.config.eos) if stop_at_eos else set()
+        greedy = SamplingParams()
         if max_new_tokens:
-            gen.tokens.append(int(logits[n - 1 - first].argmax()))
+            gen.tokens.append(int(sample(logits[n - 1 - first : n - first], greedy, step=0)[0]))
             if on_token is not None:
                 on_token(gen.tokens[-1])
         for step in range(1, max_new_tokens):
@@ -367,7 +371,7 @@ class LlamaModel(PlannedModel):
             self._poll_budget()  # between steps: a new capacity takes effect here
             logits, _, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p, gen, timeout)
             gen.decode_s.append(dt)
-            gen.tokens.append(int(logits[0].argmax()))
+            gen.tokens.append(int(sample(logits[:1], greedy, step=step)[0]))
             if on_token is not None:
                 on_token(gen.tokens[-1])
         else:

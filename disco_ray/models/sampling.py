@@ -10,6 +10,9 @@ sequences share its batch, nor on their order.
 The rows are whole: top-k and top-p need the order of the full vocabulary, so logits that are
 sharded over the vocabulary (one block of columns per GPU) are gathered first. The decode graph
 outputs full logits to the driver, which samples there over the full row.
+
+Every row sampled from is checked first (`check_logits`): a NaN or infinite logit ends the
+generation with a `NonFiniteError` naming the step and the sequence, never a token.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from disco_ray.graph.errors import UsageError
+from disco_ray.graph.errors import NonFiniteError, UsageError
 
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 
@@ -124,6 +127,32 @@ def _check_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.float32)
 
 
+def check_logits(
+    logits: torch.Tensor, step: int | None = None, rows: Sequence[int] | None = None, row: str = "sequence"
+) -> None:
+    """NonFiniteError unless every logit of `logits` [rows, vocab] is finite.
+
+    Args:
+        logits: the rows a step samples from.
+        step: the generation step (0: the prefill's logits), named in the message.
+        rows: each row's index as the caller names it (default 0..n-1): a sequence's index
+            in its request (`indices=`, a line of a prompts file), a prompt's position.
+        row: what a row is ("sequence"; "position" for a prompt's logits).
+    """
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    if not bool(bad.any()):
+        return
+    r = int(bad.nonzero()[0])
+    x = logits[r]
+    name = rows[r] if rows is not None else r
+    when = "" if step is None else "the prefill: " if step == 0 else f"decode step {step}: "
+    raise NonFiniteError(
+        f"{when}the logits of {row} {name} hold {int(torch.isnan(x).sum())} NaN and "
+        f"{int(torch.isinf(x).sum())} infinite values of {x.numel()} ({int(bad.sum())} of the "
+        f"{logits.shape[0]} rows have some): no token is sampled from them"
+    )
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p (transformers' order); filtered tokens get -inf.
 
@@ -158,7 +187,12 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, seq_samplers: Sequence[SequenceSampler] = ()
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seq_samplers: Sequence[SequenceSampler] = (),
+    *,
+    step: int | None = None,
+    rows: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The next token of each row: argmax when greedy, else one draw from softmax(process_logits).
 
@@ -166,13 +200,19 @@ def sample(
         logits: [batch, vocab] full rows, gathered on the driver (see the module's docstring).
         params: the request's params.
         seq_samplers: row i's sampler (greedy needs none); each advances by one draw.
+        step, rows: the generation step and each row's sequence index, for `check_logits`.
 
     Returns:
         [batch] int64 token ids. Greedy picks the lowest id among tied maxima, as torch.argmax.
+
+    Raises:
+        NonFiniteError: a row holds a NaN or infinite logit (naming the step and its sequence).
     """
+    rows32 = _check_rows(logits)
+    check_logits(rows32, step, rows)
     if not params.do_sample:
         params.validate()
-        return _check_rows(logits).argmax(dim=-1)
+        return rows32.argmax(dim=-1)
     probs = process_logits(logits, params).softmax(dim=-1)
     if len(seq_samplers) != probs.shape[0]:
         raise ValueError(f"{probs.shape[0]} rows of logits but {len(seq_samplers)} samplers")

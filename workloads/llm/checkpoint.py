@@ -8,7 +8,9 @@ worker reads its own (`disco_ray.graph.sources`).
 
 Supported: `model_type` "llama" (LlamaForCausalLM), grouped-query attention
 (`num_key_value_heads`), `head_dim`, tied embeddings, RoPE of type default, linear or llama3,
-SiLU MLPs without biases. Anything else is refused with one `UsageError` naming the field.
+SiLU MLPs without biases. Anything else is refused with one `UsageError` naming the field; a
+weight stored as other than F32, F16 or BF16, by its tensor name. Its sources are `finite`: the
+worker reading a block refuses one holding NaN or infinity, naming the tensor.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from disco_ray.graph.sources import CONFIG_ONLY, FILE_DTYPES, Source
 from .layer import LayerSpec
 
 CONFIG_ONLY_FILE = f"{CONFIG_ONLY}/model.safetensors"
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")  # the weights' dtypes a checkpoint may store
+FILE_NAMES = {ours: theirs for theirs, ours in FILE_DTYPES.items()}  # for messages: safetensors' names
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -260,6 +264,11 @@ class Checkpoint:
                 raise UsageError(
                     f"{got[0]}: tensor {name!r} has shape {list(got[1])}, the config says {list(shape)}"
                 )
+            if got[2] not in WEIGHT_DTYPES:  # an integer read as a float computes garbage
+                raise UsageError(
+                    f"{got[0]}: tensor {name!r} has dtype {FILE_NAMES.get(got[2], got[2])}; a weight "
+                    "must be F32, F16 or BF16"
+                )
 
     def source(
         self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
@@ -267,7 +276,7 @@ class Checkpoint:
         """The block of tensor `name` with rows [a, b) and columns [c, d) (None: all)."""
         file = self.tensors[name][0]
         slices: tuple = () if rows is None and cols is None else (rows, cols) if cols is not None else (rows,)
-        return Source(file, name, slices)
+        return Source(file, name, slices, finite=True)  # a NaN weight never computes an answer
 
     def weight_bytes(self, dtype: str | None = None) -> int:
         """Bytes of all weights, as stored or (dtype given) converted."""
