@@ -161,7 +161,8 @@ class LlamaModel(PlannedModel):
         if b is None:
             return
         if hasattr(b, "poll"):  # a BudgetFile: each of its warnings once
-            got, name, warned = b.poll().since(self._budget_seq), b.name, b.warned
+            got = b.poll().since(self._budget_seq)
+            name, warned = getattr(b, "name", "the budget"), getattr(b, "warned", None)
         else:
             import ray
 
