@@ -82,6 +82,8 @@ class RayEngine:
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, config.backend, op_modules)
             self.generation = self.pool.generation
+            if any(mg.disk_capacity):  # before the load makes the files: a failed one leaves some
+                self.pool.disk_dirs.add(config.disk_dir)
             ship_own_ops(tg, self.workers)
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
             ray.get(
@@ -417,7 +419,10 @@ class RayEngine:
         import ray
 
         if self.own_pool:
-            self.pool.close()
+            if not self.broken:  # each worker removes its spill file, on any node
+                with contextlib.suppress(Exception):
+                    ray.get([w.unload.remote(self.key) for w in self.workers], timeout=30)
+            self.pool.close()  # a worker that did not removes nothing: the pool does (on this node)
             return
         if not ray.is_initialized() or self.pool.generation != self.generation:
             return  # the actors this engine loaded into are gone already

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -30,6 +31,7 @@ from .placement import Placed, PlacementConfig, place, remove
 READY_S = 120.0  # the actors' first answer (their process start, imports)
 INLINE_BYTES = 1 << 20  # a private Ray's task arguments and results up to this size travel inline
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
+EXIT_S = 5.0  # longest a discard waits for killed workers to exit before removing their spill files
 log = logging.getLogger("disco_ray")
 _SHARED: RayPool | None = None
 
@@ -82,6 +84,9 @@ class RayPool:
         self.generation = 0  # counts discards: an engine loaded before the last one must reload
         self.pids: list[int] = []  # of the coordinator, then of each worker
         self.private = False  # this pool started a private Ray (its processes are the driver's)
+        # where the loaded graphs' spill files go (None: a temporary directory): what a killed
+        # worker left there is removed once it is gone (`actors.tiers.sweep`)
+        self.disk_dirs: set[str | None] = set()
         self._keys = 0
 
     def new_key(self) -> str:
@@ -137,7 +142,8 @@ class RayPool:
         return self.coord, self.workers[:gpus]
 
     def discard(self) -> None:
-        """Kills the actors (after a failure, or to remake them)."""
+        """Kills the actors (after a failure, or to remake them) and removes the spill files the
+        workers had open (a killed worker cannot)."""
         import ray
 
         if ray.is_initialized():
@@ -145,9 +151,22 @@ class RayPool:
                 with contextlib.suppress(Exception):  # already dead: nothing to kill
                     ray.kill(a)
             remove(self.placed)
+        if self.workers and self.disk_dirs:
+            self._remove_spill_files(self.pids[1:])
         if self.coord is not None or self.workers:
             self.generation += 1
         self.coord, self.workers, self.placed = None, [], None
+
+    def _remove_spill_files(self, pids: Sequence[int]) -> None:
+        """Once the killed workers `pids` are gone (a file made by one still loading would outlive
+        the sweep), removes their spill files from every directory the graphs named."""
+        from actors.tiers.sweep import remove_left
+
+        wait_exited(pids, EXIT_S)
+        for d in self.disk_dirs:
+            for path in remove_left(d, pids):
+                log.debug("removed %s, left by a killed worker", path)
+        self.disk_dirs = set()
 
     def read_state(self, gpu: int, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """A copy of state `id` of GPU `gpu`'s worker (what the runs so far saved there)."""
@@ -192,6 +211,28 @@ class RayPool:
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         self.started_ray = self.private = False
+
+
+def wait_exited(pids: Sequence[int], seconds: float) -> None:
+    """Waits up to `seconds` until none of `pids` is a live GpuWorker process of this node (a
+    worker on another node, or a reused pid, is not waited for)."""
+    deadline = time.monotonic() + seconds
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if _live_worker(p)]
+        if left:
+            time.sleep(0.05)
+
+
+def _live_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"GpuWorker" not in f.read():
+                return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie holds no file
+    except (OSError, IndexError):
+        return False
 
 
 @contextlib.contextmanager
