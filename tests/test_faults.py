@@ -101,15 +101,12 @@ def test_bad_inputs_are_refused_before_anything_runs(pool):  # noqa: F811
 
 
 # ---- issue 15: a silent worker, a dead coordinator, a placement that can never be granted ---------
-def test_stopped_worker_is_named_within_the_stall_bound(pool, noop_op, monkeypatch):  # noqa: F811
+def test_stopped_worker_is_named_within_the_stall_bound(pool, noop_op):  # noqa: F811
     """SIGSTOP: the worker neither dies nor answers; the heartbeat names it (gpu, actor, pid)
-    within STALL_S plus a heartbeat, without any --timeout."""
+    within the stall timeout plus a heartbeat, without any --timeout."""
     import os
     import signal
 
-    from disco_ray.driver import engine_ray
-
-    monkeypatch.setattr(engine_ray, "STALL_S", 3.0)
     tg = noop_graph(gpus=2, n=60)
     with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
         prog.engine  # noqa: B018  (actors and their pids first)
@@ -121,11 +118,37 @@ def test_stopped_worker_is_named_within_the_stall_bound(pool, noop_op, monkeypat
             with pytest.raises(
                 RunError, match=rf"gpu:1 worker \(actor \w+, pid {pid}\).* has not answered for"
             ):
-                prog.run({}, delay=(0.02, 0.03))  # ~2 s of work, no timeout
+                prog.run({}, delay=(0.02, 0.03), stall_timeout=3.0)  # ~2 s of work, no timeout
         finally:
             timer.join()
             os.kill(pid, signal.SIGCONT)  # let Ray's kill (on close) finish it
-        assert time.monotonic() - t < 3.0 + 8  # the bound: STALL_S, a heartbeat, polling slack
+        assert time.monotonic() - t < 3.0 + 8  # the bound: the stall timeout, a heartbeat, slack
+
+
+def test_the_stall_timeout_is_10_s_by_default_and_checked():
+    from actors.options import RunOptions
+    from disco_ray.cli.app import build_parser
+
+    assert RunOptions().stall_timeout == 10.0
+    assert build_parser().parse_args(["run", "x", "--out", "o.npz"]).stall_timeout == 10.0
+    for bad in (0, -1.0, float("nan"), float("inf"), "3"):
+        with pytest.raises(RunError, match="stall_timeout must be"):
+            RunOptions(stall_timeout=bad)
+
+
+@pytest.mark.slow
+def test_a_kernel_longer_than_the_stall_timeout_is_not_a_stall(pool, noop_op):  # noqa: F811
+    """A worker busy in one 12 s kernel answers every heartbeat (pings run on another thread),
+    so the default 10 s stall timeout never ends a healthy run."""
+    from disco_ray.graph.taskgraph import TaskGraph
+
+    tg = TaskGraph(gpus=2)
+    a = tg.kernel("noop", gpu=0, id="a", shape=[4])
+    tg.output(tg.kernel("noop", tg.transfer(a, gpu=1, id="t"), gpu=1, id="long", shape=[4], sleep=12.0))
+    with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
+        t = time.monotonic()
+        prog.run({})  # the default stall timeout (10 s), no timeout
+        assert time.monotonic() - t >= 12.0
 
 
 def test_killed_coordinator_stops_the_run_naming_it(pool, noop_op):  # noqa: F811
@@ -153,13 +176,10 @@ def test_a_placement_no_node_can_hold_is_refused_at_once(pool):  # noqa: F811
     assert time.monotonic() - t < 5
 
 
-def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op, monkeypatch):  # noqa: F811
+def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op):  # noqa: F811
     import os
     import signal
 
-    from disco_ray.driver import engine_ray
-
-    monkeypatch.setattr(engine_ray, "STALL_S", 3.0)
     tg = noop_graph(gpus=2, n=8)
     with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
         prog.engine  # noqa: B018
@@ -168,7 +188,7 @@ def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op, monkeypatc
         t = time.monotonic()
         try:
             with pytest.raises(RunError, match=rf"gpu:0 worker \(actor \w+, pid {pid}\).* as the run starts"):
-                prog.run({})
+                prog.run({}, stall_timeout=3.0)
         finally:
             os.kill(pid, signal.SIGCONT)
         assert time.monotonic() - t < 3.0 + 8

@@ -14,7 +14,6 @@ call, `run_alone`, without the coordinator (docs/RUNTIME.md, "One worker").
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -31,9 +30,7 @@ from .pool import RayPool, shared_pool, ship_own_ops
 from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address
 
 POLL_S = 0.2
-# an actor that has not answered a ping for this long is stopped or hung (SIGSTOP, a deadlock): the
-# run ends naming it, --timeout or not; a computing actor answers (its pings run on another thread)
-STALL_S = float(os.environ.get("DISCO_RAY_STALL_S", "30"))
+ASK_S = 5.0  # longest the driver waits for the coordinator's count of vertices done
 SHIP_NUMPY_BYTES = 1 << 16  # caller inputs up to this size travel as numpy bytes (`shippable`)
 
 
@@ -142,7 +139,7 @@ class RayEngine:
 
         if len(self.workers) == 1:
             return self._run_alone(inputs, opts)
-        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
+        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, opts.stall_timeout)
         try:
             self._get_watched(
                 [
@@ -191,7 +188,7 @@ class RayEngine:
             "coordinator": False,
         }
         self._alone_done = []
-        dog = Watchdog({0: w}, HEARTBEAT_S, STALL_S)
+        dog = Watchdog({0: w}, HEARTBEAT_S, opts.stall_timeout)
         ref = w.run_alone.remote(
             self.key,
             {k: shippable(inputs[k]) for k in self.wants[0] if k in inputs},  # left out: the worker's copy
@@ -333,7 +330,7 @@ class RayEngine:
         if len(self.workers) == 1:
             return len(self._alone_done)
         try:
-            return ray.get(self.coord.progress.remote(), timeout=min(STALL_S, 5.0))
+            return ray.get(self.coord.progress.remote(), timeout=ASK_S)
         except Exception:  # stopped, dead or slow: the watchdog names it
             return "?"
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.files import new_directory, replacing
 from workloads.llm.train import TARGETS, LoraSpec
 
 PREFIX = "base_model.model.model.layers."
@@ -122,8 +121,6 @@ def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], bas
     """Writes the adapter directory (the files appear whole: written aside, then renamed)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     cfg = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -141,15 +138,8 @@ def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], bas
         "modules_to_save": None,
         "layers_to_transform": None,
     }
-    for name, write in (
-        (WEIGHTS, lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, p)),
-        (CONFIG, lambda p: Path(p).write_text(json.dumps(cfg, indent=2))),
-    ):
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+    with new_directory(path) as into:  # a failure leaves the previous adapter, or no directory
+        with replacing(into / WEIGHTS) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        with replacing(into / CONFIG) as tmp:
+            tmp.write_text(json.dumps(cfg, indent=2))

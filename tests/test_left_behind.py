@@ -1,0 +1,216 @@
+"""Issue 30 item 3: nothing left behind on any exit path.
+
+Spill files (the disk tier, `actors.tiers.spill`) are gone after a run that succeeds, fails, is
+interrupted (SIGINT, SIGTERM), loses a worker (killed, stopped) or finds the disk full: a worker
+removes its own file when its graph is unloaded, and the pool removes what a worker it killed
+left (`actors.tiers.sweep`). Outputs appear whole or not at all (`disco_ray.graph.files`): a
+failed write leaves the previous file, or nothing. The CLI cases run as a user runs them, in a
+process of their own with a private Ray and TMPDIR pointed at the test's directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.tiers.diskio import ALIGN
+from actors.tiers.spill import SpillFile
+from actors.tiers.sweep import TEMP_PREFIX, owner, remove_left, spill_name
+from disco_ray.graph.errors import RunError
+from tests.conftest import ROOT
+
+LLAMA = ["preset=tiny", "layers=4", "seq=256", "tile=64"]  # spills with the tiers below
+TIERS = ["--capacity", "200KiB", "--host-capacity", "16KiB"]
+
+
+def _alloc(n: int, host: bool) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.uint8)
+
+
+def _env(tmp: Path) -> dict:
+    (tmp / "tmp").mkdir(exist_ok=True)
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TMPDIR": str(tmp / "tmp"),  # where spill directories without --disk go
+    }
+
+
+def _spill_left(tmp: Path, *dirs: Path) -> list[str]:
+    """Spill files in `dirs` and spill directories in the run's TMPDIR."""
+    left = [str(p) for d in dirs if d.exists() for p in d.iterdir()]
+    return left + [str(p) for p in (tmp / "tmp").glob(TEMP_PREFIX + "*")]
+
+
+def _one_error(err: str) -> str:
+    errors = [ln for ln in err.splitlines() if ln.startswith("disco-ray: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+# ---- the names the sweep goes by ------------------------------------------------------------------
+def test_a_spill_files_name_carries_its_process_and_only_those_are_removed(tmp_path):
+    mine, other = spill_name(0, 4242), spill_name(1, 77)
+    assert owner(mine) == 4242 and owner(other) == 77
+    assert owner("spill-gpu0-x-1.bin") is None and owner("results.json") is None
+    for name in (mine, other, "spill-gpu0-4242.txt", "notes.bin"):
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_left(str(tmp_path), [4242]) == [str(tmp_path / mine)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other, "spill-gpu0-4242.txt", "notes.bin"])
+
+
+def test_without_a_directory_the_sweep_removes_the_temporary_one_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    dead = tmp_path / f"{TEMP_PREFIX}abc"
+    live = tmp_path / f"{TEMP_PREFIX}def"
+    dead.mkdir(), live.mkdir()
+    (dead / spill_name(0, 11)).write_bytes(b"x")
+    (live / spill_name(1, 12)).write_bytes(b"x")
+    assert len(remove_left(None, [11])) == 1
+    assert not dead.exists() and len(list(live.iterdir())) == 1
+
+
+# ---- a full disk ------------------------------------------------------------------------------------
+def test_a_full_disk_when_the_spill_file_is_made_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(
+        RunError, match=r"gpu:0: spill file .*/spill-gpu0-\d+-\w+\.bin: no room for its 8192 "
+    ):
+        SpillFile(str(tmp_path), 0, 2 * ALIGN, ALIGN, _alloc)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_spilling_ends_the_run_naming_the_file(tmp_path, monkeypatch):
+    """ENOSPC in the writer thread: the run fails with one error naming the spill file and the
+    cause; the Program's close removes the file."""
+    from disco_ray.driver.api import compile
+    from workloads import build
+
+    w = build("llama_prefill", preset="tiny", layers=4, seq=256, tile=64)
+    prog = compile(w.taskgraph, 200 << 10, host_capacity=0, engine="local", disk_dir=str(tmp_path), streams=2)
+    real = os.pwritev
+
+    def full(fd, buffers, offset, *a):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, buffers, offset, *a)
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with (
+        prog,
+        pytest.raises(
+            RunError, match=r"spill file .*spill-gpu\d-.*: a write failed: No space left on device"
+        ),
+    ):
+        prog.run(w.inputs, timeout=120)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- whole runs, as a user runs them -----------------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("disk", [True, False], ids=["disk-dir", "tmpdir"])
+def test_a_ray_run_that_spills_leaves_no_spill_file(tmp_path, disk):
+    spill = tmp_path / "spill"
+    args = ["run", "llama_prefill", *LLAMA, *TIERS, "--out", str(tmp_path / "o.npz"), "--check-reference"]
+    args += ["--disk", str(spill)] if disk else []
+    r = subprocess.run(
+        [sys.executable, "-m", "disco_ray", *args],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "disk bandwidth: write" in r.stderr and "outputs match" in r.stderr  # it did spill
+    assert _spill_left(tmp_path, spill) == []
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tests.test_models import make_checkpoint
+
+    path = tmp_path_factory.mktemp("ck")
+    make_checkpoint(path, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=4096)
+    return str(path)
+
+
+def _wait_for_spill_file(proc, spill: Path, seconds: float = 180) -> int:
+    """The pid of the first worker whose spill file appears (the run is then under way)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        pids = [owner(p.name) for p in spill.iterdir()] if spill.exists() else []
+        if pids:
+            return next(p for p in pids if p is not None)
+        time.sleep(0.1)
+    raise AssertionError(f"no spill file in {spill} (exit {proc.poll()}): {proc.stderr.read()[-3000:]}")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "rc", "word"),
+    [
+        (signal.SIGINT, 130, "interrupted"),
+        (signal.SIGTERM, 143, "terminated"),
+        (signal.SIGKILL, 2, "died"),  # to the worker
+        (signal.SIGSTOP, 2, "has not answered"),  # to the worker: named after --stall-timeout
+    ],
+    ids=["sigint", "sigterm", "killed-worker", "stopped-worker"],
+)
+def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(checkpoint, tmp_path, fault, rc, word):
+    spill = tmp_path / "spill"
+    args = ["generate", checkpoint, "--prompt-ids", "5,17,3,99,42,7,8,1,60,63", "--max-new-tokens", "3000"]
+    args += [
+        "--capacity",
+        "1MiB",
+        "--block",
+        "4",
+        "--ignore-eos",
+        "--host-capacity",
+        "0",
+        "--disk",
+        str(spill),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disco_ray", *args, "--stall-timeout", "3"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+        start_new_session=True,  # its Ray's processes are found (and ended) by its session
+        # Ctrl-C as at a terminal, even where this runs as a background job (which ignores SIGINT)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    worker = None
+    try:
+        worker = _wait_for_spill_file(proc, spill)
+        time.sleep(0.5)  # into the decode steps
+        os.kill(proc.pid if fault in (signal.SIGINT, signal.SIGTERM) else worker, fault)
+        err = proc.communicate(timeout=120)[1]
+        assert proc.returncode == rc, err[-3000:]
+        assert word in _one_error(err)
+        assert _spill_left(tmp_path, spill) == []
+    finally:
+        if worker is not None and fault == signal.SIGSTOP:
+            with contextlib.suppress(OSError):
+                os.kill(worker, signal.SIGCONT)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its session is left
+        proc.wait(timeout=30)
