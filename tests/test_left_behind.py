@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,19 +38,24 @@ def _alloc(n: int, host: bool) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8)
 
 
-def _env(tmp: Path) -> dict:
-    (tmp / "tmp").mkdir(exist_ok=True)
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "TMPDIR": str(tmp / "tmp"),  # where spill directories without --disk go
-    }
+@pytest.fixture
+def tmpdir_of_run():
+    """The TMPDIR of a CLI run: where its spill directories without --disk go (and its Ray's
+    session files: short, as Ray's socket paths must be)."""
+    d = Path(tempfile.mkdtemp(prefix="dr-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
-def _spill_left(tmp: Path, *dirs: Path) -> list[str]:
+def _env(tmpdir: Path) -> dict:
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmpdir)}
+
+
+def _spill_left(tmpdir: Path, *dirs: Path) -> list[str]:
     """Spill files in `dirs` and spill directories in the run's TMPDIR."""
     left = [str(p) for d in dirs if d.exists() for p in d.iterdir()]
-    return left + [str(p) for p in (tmp / "tmp").glob(TEMP_PREFIX + "*")]
+    return left + [str(p) for p in tmpdir.glob(TEMP_PREFIX + "*")]
 
 
 def _one_error(err: str) -> str:
@@ -70,8 +77,6 @@ def test_a_spill_files_name_carries_its_process_and_only_those_are_removed(tmp_p
 
 def test_without_a_directory_the_sweep_removes_the_temporary_one_too(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    import tempfile
-
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     dead = tmp_path / f"{TEMP_PREFIX}abc"
     live = tmp_path / f"{TEMP_PREFIX}def"
@@ -125,7 +130,7 @@ def test_a_full_disk_while_spilling_ends_the_run_naming_the_file(tmp_path, monke
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("disk", [True, False], ids=["disk-dir", "tmpdir"])
-def test_a_ray_run_that_spills_leaves_no_spill_file(tmp_path, disk):
+def test_a_ray_run_that_spills_leaves_no_spill_file(tmp_path, tmpdir_of_run, disk):
     spill = tmp_path / "spill"
     args = ["run", "llama_prefill", *LLAMA, *TIERS, "--out", str(tmp_path / "o.npz"), "--check-reference"]
     args += ["--disk", str(spill)] if disk else []
@@ -133,12 +138,12 @@ def test_a_ray_run_that_spills_leaves_no_spill_file(tmp_path, disk):
         [sys.executable, "-m", "disco_ray", *args],
         capture_output=True,
         text=True,
-        env=_env(tmp_path),
+        env=_env(tmpdir_of_run),
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "disk bandwidth: write" in r.stderr and "outputs match" in r.stderr  # it did spill
-    assert _spill_left(tmp_path, spill) == []
+    assert _spill_left(tmpdir_of_run, spill) == []
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +152,7 @@ def checkpoint(tmp_path_factory):
     from tests.test_models import make_checkpoint
 
     path = tmp_path_factory.mktemp("ck")
-    make_checkpoint(path, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=4096)
+    make_checkpoint(path, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=1024)
     return str(path)
 
 
@@ -174,26 +179,19 @@ def _wait_for_spill_file(proc, spill: Path, seconds: float = 180) -> int:
     ],
     ids=["sigint", "sigterm", "killed-worker", "stopped-worker"],
 )
-def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(checkpoint, tmp_path, fault, rc, word):
+def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(
+    checkpoint, tmp_path, tmpdir_of_run, fault, rc, word
+):
     spill = tmp_path / "spill"
-    args = ["generate", checkpoint, "--prompt-ids", "5,17,3,99,42,7,8,1,60,63", "--max-new-tokens", "3000"]
-    args += [
-        "--capacity",
-        "1MiB",
-        "--block",
-        "4",
-        "--ignore-eos",
-        "--host-capacity",
-        "0",
-        "--disk",
-        str(spill),
-    ]
+    args = ["generate", checkpoint, "--prompt-ids", "5,17,3,99,42,7,8,1,60,63", "--max-new-tokens", "600"]
+    args += ["--capacity", "330000", "--block", "4", "--ignore-eos"]  # tight: the decode steps spill
+    args += ["--host-capacity", "0", "--disk", str(spill), "--stall-timeout", "3"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "disco_ray", *args, "--stall-timeout", "3"],
+        [sys.executable, "-m", "disco_ray", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(tmp_path),
+        env=_env(tmpdir_of_run),
         start_new_session=True,  # its Ray's processes are found (and ended) by its session
         # Ctrl-C as at a terminal, even where this runs as a background job (which ignores SIGINT)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -206,7 +204,7 @@ def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(checkpoint
         err = proc.communicate(timeout=120)[1]
         assert proc.returncode == rc, err[-3000:]
         assert word in _one_error(err)
-        assert _spill_left(tmp_path, spill) == []
+        assert _spill_left(tmpdir_of_run, spill) == []
     finally:
         if worker is not None and fault == signal.SIGSTOP:
             with contextlib.suppress(OSError):
