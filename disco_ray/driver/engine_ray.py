@@ -401,14 +401,15 @@ class RayEngine:
 
     def statistics(self) -> dict:
         import ray
+        from ray.exceptions import RayActorError
 
-        return {
-            "engine": self.name,
-            "scheduler": ray.get(self.coord.statistics.remote())
-            if self._alone is None
-            else dict(self._alone),
-            "workers": ray.get([w.statistics.remote(self.key) for w in self.workers]),
-        }
+        refs = {w.statistics.remote(self.key): g for g, w in enumerate(self.workers)}
+        try:  # a worker killed between two runs is named as one killed in a run
+            sched = ray.get(self.coord.statistics.remote()) if self._alone is None else dict(self._alone)
+            return {"engine": self.name, "scheduler": sched, "workers": ray.get(list(refs))}
+        except RayActorError:
+            self.broken = True
+            raise RunError(self._dead_worker(refs) or "the coordinator died after the run") from None
 
     def close(self) -> None:
         """Unloads the graph from a shared pool's actors; kills them if that fails (a dead or stuck
@@ -416,10 +417,7 @@ class RayEngine:
         import ray
 
         if self.own_pool:
-            if not self.broken:  # each worker removes its spill file, on any node
-                with contextlib.suppress(Exception):
-                    ray.get([w.unload.remote(self.key) for w in self.workers], timeout=30)
-            self.pool.close()  # a worker that did not removes nothing: the pool does (on this node)
+            self.pool.close(unload=not self.broken)  # a failed run's actors may be stopped or dead
             return
         if not ray.is_initialized() or self.pool.generation != self.generation:
             return  # the actors this engine loaded into are gone already

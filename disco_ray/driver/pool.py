@@ -31,6 +31,7 @@ from .placement import Placed, PlacementConfig, place, remove
 READY_S = 120.0  # the actors' first answer (their process start, imports)
 INLINE_BYTES = 1 << 20  # a private Ray's task arguments and results up to this size travel inline
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
+UNLOAD_S = 30.0  # longest a close waits for the workers to unload their graphs
 EXIT_S = 5.0  # longest a discard waits for killed workers to exit before removing their spill files
 log = logging.getLogger("disco_ray")
 _SHARED: RayPool | None = None
@@ -203,10 +204,15 @@ class RayPool:
 
         return ray.get([w.state_count.remote() for w in self.workers])
 
-    def close(self) -> None:
-        """Kills the actors, and shuts Ray down if this pool started it."""
+    def close(self, unload: bool = True) -> None:
+        """Kills the actors, and shuts Ray down if this pool started it. First, with `unload`,
+        the workers unload their graphs: each removes its spill files, on any node (the sweep of
+        `discard` reaches this node's only)."""
         import ray
 
+        if unload and self.workers and ray.is_initialized():
+            with contextlib.suppress(Exception):  # dead or stopped: killed, and swept, below
+                ray.get([w.unload.remote() for w in self.workers], timeout=UNLOAD_S)
         self.discard()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
