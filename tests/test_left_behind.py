@@ -212,3 +212,65 @@ def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)  # whatever of its session is left
         proc.wait(timeout=30)
+
+
+# ---- outputs: whole or not at all -------------------------------------------------------------------
+def test_an_output_that_fails_midway_leaves_the_previous_file_and_nothing_beside_it(tmp_path):
+    from disco_ray.graph.files import new_directory, replacing, write_bytes
+
+    out = tmp_path / "o.bin"
+    write_bytes(out, b"old")
+    with pytest.raises(OSError, match=r"No space left on device: '.*/o\.bin'"), replacing(out) as tmp:
+        tmp.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert out.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["o.bin"]
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # not the temporary file's 0600
+    with pytest.raises(KeyboardInterrupt), new_directory(tmp_path / "adapter") as d:
+        (d / "a.json").write_text("{}")
+        raise KeyboardInterrupt
+    assert [p.name for p in tmp_path.iterdir()] == ["o.bin"]  # no directory, not even an empty one
+    with new_directory(tmp_path / "adapter") as d:
+        write_bytes(d / "a.json", b"{}")
+    assert (tmp_path / "adapter" / "a.json").read_bytes() == b"{}"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.slow
+def test_finetune_out_on_a_full_file_system_is_one_line_and_keeps_the_previous_adapter(tmp_path):
+    """The adapter's files cannot be written (a file-size limit: EFBIG, as ENOSPC on a full disk
+    fails a write): one error line naming the file, exit 2, no new directory (not even an empty
+    one), and a previous adapter at --out is left as it was."""
+    pytest.importorskip("transformers")
+    import resource
+
+    import numpy as np
+
+    from tests.test_models import make_checkpoint
+
+    make_checkpoint(tmp_path / "ck", seed=5, num_key_value_heads=2, tie_word_embeddings=False)
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 128, (2, 9)))
+    args = ["finetune", str(tmp_path / "ck"), "--data", str(tmp_path / "tokens.npy"), "--steps", "1"]
+    args += ["--lr", "0.01", "--capacity", "1MiB", "--block", "4", "--engine", "local", "--out"]
+
+    def full() -> None:  # every file this run writes stops at 4 KiB (the adapter is larger)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    def finetune(out: Path, limit=None) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "disco_ray", *args, str(out)]
+        env = _env(Path(tempfile.gettempdir()))
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, preexec_fn=limit)
+
+    r = finetune(tmp_path / "new", full)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"{tmp_path / 'new' / 'adapter_model.safetensors'}: File too large" in _one_error(r.stderr)
+    assert not list(tmp_path.glob("*new*"))
+    assert finetune(tmp_path / "old").returncode == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()}
+    r = finetune(tmp_path / "old", full)
+    assert r.returncode == 2 and "File too large" in _one_error(r.stderr), r.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()} == before

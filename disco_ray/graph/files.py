@@ -38,6 +38,10 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
         yield Path(tmp)
         os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None:  # a failed write names no file: the output it was for
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     finally:
         Path(tmp).unlink(missing_ok=True)  # gone after the rename; else what a failure left
 
@@ -64,5 +68,9 @@ def new_directory(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         tmp.chmod(0o777 & ~UMASK)
         os.rename(tmp, path)
+    except OSError as e:
+        if e.filename is not None and str(e.filename).startswith(str(tmp)):  # named as the user named it
+            raise OSError(e.errno, e.strerror, str(path) + str(e.filename)[len(str(tmp)) :]) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; else what a failure left

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from disco_ray.graph.errors import UsageError
-from disco_ray.graph.files import new_directory, replacing
+from disco_ray.graph.files import new_directory, write_bytes
 from workloads.llm.train import TARGETS, LoraSpec
 
 PREFIX = "base_model.model.model.layers."
@@ -119,7 +119,7 @@ def load(
 
 def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base: str) -> None:
     """Writes the adapter directory (the files appear whole: written aside, then renamed)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save as serialize
 
     cfg = {
         "peft_type": "LORA",
@@ -139,7 +139,7 @@ def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], bas
         "layers_to_transform": None,
     }
     with new_directory(path) as into:  # a failure leaves the previous adapter, or no directory
-        with replacing(into / WEIGHTS) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        with replacing(into / CONFIG) as tmp:
-            tmp.write_text(json.dumps(cfg, indent=2))
+        # bytes written here: a full disk is an OSError naming the file (safetensors' own
+        # writer raises its SafetensorError)
+        write_bytes(into / WEIGHTS, serialize({k: v.contiguous() for k, v in tensors.items()}))
+        write_bytes(into / CONFIG, json.dumps(cfg, indent=2).encode())
