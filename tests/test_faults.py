@@ -192,3 +192,27 @@ def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op):  # noqa: 
         finally:
             os.kill(pid, signal.SIGCONT)
         assert time.monotonic() - t < 3.0 + 8
+
+
+def test_a_full_disk_under_ray_names_the_spill_file_and_leaves_none(pool, tmp_path):  # noqa: F811
+    """A worker's writes to its spill file fail (a file-size limit set in the worker after the
+    file is preallocated: EFBIG, as ENOSPC on a full disk): the run ends naming the file, and the
+    pool removes the files of the workers it kills."""
+    from disco_ray.driver.api import compile
+    from workloads import build
+
+    def limit(worker, nbytes: int) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    w = build("llama_prefill", preset="tiny", layers=4, seq=256, tile=64)
+    prog = compile(w.taskgraph, 200 << 10, host_capacity=0, engine="ray", pool=pool, disk_dir=str(tmp_path))
+    with prog:
+        ray.get([x.call.remote(limit, 1) for x in prog.engine.workers])  # after the files are made
+        assert len(list(tmp_path.iterdir())) == 2
+        with pytest.raises(
+            RunError, match=rf"spill file {tmp_path}/spill-gpu\d-.*: a write failed: File too large"
+        ):
+            prog.run(w.inputs, timeout=120)
+    assert list(tmp_path.iterdir()) == []
