@@ -136,6 +136,38 @@ def test_the_stall_timeout_is_10_s_by_default_and_checked():
             RunOptions(stall_timeout=bad)
 
 
+def test_a_silent_actor_is_named_the_stall_timeout_after_its_last_answer(monkeypatch):
+    """The watchdog counts quiet from an actor's last answer: one stopped right after answering
+    is named 10 s later (plus a poll), not 10 s after the next ping (a heartbeat more)."""
+    from disco_ray.driver import watch
+
+    clock = [0.0]
+    answered: set[int] = set()
+    sent: list[int] = []
+
+    class Actor:
+        class ping:  # the shape of a Ray actor method: ping.remote()
+            @staticmethod
+            def remote() -> int:
+                sent.append(len(sent))
+                return sent[-1]
+
+    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: ([r for r in refs if r in answered], []))
+    dog = watch.Watchdog({1: Actor()}, 1.0, 10.0)
+    for t in (1.0, 1.2):  # ping 0 goes at 1.0, its answer is seen at 1.2
+        clock[0] = t
+        answered.add(0)
+        assert dog.check() is None
+    clock[0] = 2.0  # ping 1 goes: the actor was stopped after its answer and never answers
+    assert dog.check() is None and sent == [0, 1]
+    clock[0] = 11.1
+    assert dog.check() is None
+    clock[0] = 11.3
+    key, quiet = dog.check()
+    assert key == 1 and quiet == pytest.approx(10.1)
+
+
 @pytest.mark.slow
 def test_a_kernel_longer_than_the_stall_timeout_is_not_a_stall(pool, noop_op):  # noqa: F811
     """A worker busy in one 12 s kernel answers every heartbeat (pings run on another thread),
