@@ -32,14 +32,17 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside `path` (its suffix kept: writers that choose a format by it see the
     right one) for the block to write; renamed to `path` when the block ends, removed if it raises."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".tmp")
+    except OSError as e:  # no such directory, no permission: named as the output, not the temporary
+        raise OSError(e.errno, e.strerror, str(path)) from None
     os.close(fd)
     try:
         yield Path(tmp)
         os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
     except OSError as e:
-        if e.filename is None:  # a failed write names no file: the output it was for
+        if e.filename is None or str(e.filename) == tmp:  # named as the output it was for
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     finally:
