@@ -6,6 +6,8 @@ known), never hang; `timeout=` below only turns a hang into a failure.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
 import time
 
@@ -248,3 +250,44 @@ def test_a_full_disk_under_ray_names_the_spill_file_and_leaves_none(pool, tmp_pa
         ):
             prog.run(w.inputs, timeout=120)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_outside_a_run_is_named_not_waited_for(pool, noop_op):  # noqa: F811
+    """Loading a graph and moving states are watched as runs are: a stopped worker is named
+    after the default stall timeout (10 s), never a hang (a decode loop does both between runs)."""
+    import os
+    import signal
+
+    def named(call) -> str:
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(_raised(call)), daemon=True)
+        t.start()
+        t.join(timeout=60)
+        for pid in pool.pids[1:]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)  # let Ray's kill finish it
+        assert got, "still waiting 60 s after a worker stopped"
+        return got[0]
+
+    tg = noop_graph(gpus=2, n=8)
+    pool.acquire(2, op_modules=["actors.testops"])
+    os.kill(pool.pids[2], signal.SIGSTOP)
+    prog = Program(tg, plan(tg), engine="ray", pool=pool)
+    assert re.search(
+        r"gpu:1 worker .* has not answered for 1\d s .*(installing its ops|loading the graph)",
+        named(lambda: prog.engine),
+    )
+    pool.acquire(2, op_modules=["actors.testops"])
+    os.kill(pool.pids[1], signal.SIGSTOP)
+    assert re.search(
+        r"gpu:0 worker \(pid \d+\) has not answered .*moving states", named(lambda: pool.move_states({}))
+    )
+
+
+def _raised(call) -> str:
+    try:
+        call()
+    except RunError as e:
+        return str(e)
+    return "no error"

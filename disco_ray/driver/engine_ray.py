@@ -20,14 +20,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from actors.options import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
+from actors.options import DEFAULT_RUN, DEFAULT_WORKER, STALL_S, RunOptions, WorkerConfig
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .placement import PlacementConfig, describe
 from .pool import RayPool, shared_pool, ship_own_ops
-from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address
+from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address, watched_get
 
 POLL_S = 0.2
 ASK_S = 5.0  # longest the driver waits for the coordinator's count of vertices done
@@ -81,9 +81,9 @@ class RayEngine:
             self.generation = self.pool.generation
             if any(mg.disk_capacity):  # before the load makes the files: a failed one leaves some
                 self.pool.disk_dirs.add(config.disk_dir)
-            ship_own_ops(tg, self.workers)
+            self._get_watched(ship_own_ops(tg, self.workers), when="installing its ops")
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
-            ray.get(
+            self._get_watched(
                 [
                     self.coord.load.remote(self.key, mg_ref, self.workers),
                     *[
@@ -98,7 +98,8 @@ class RayEngine:
                         )
                         for g, w in enumerate(self.workers)
                     ],
-                ]
+                ],
+                when="loading the graph",
             )
             n = len(self.workers)
             self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
@@ -306,21 +307,16 @@ class RayEngine:
         order = [ends[g] for g in range(len(self.workers))]
         return self._outputs([part for _, part, _ in order]), [trace for _, _, trace in order]
 
-    def _get_watched(self, refs: list, dog: Watchdog) -> list:
-        """ray.get(refs) while the watchdog listens: an actor stopped before the run starts (handing
-        over inputs) is named as one stopped during it would be."""
-        import ray
-
-        while True:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
-            if len(ready) == len(refs):
-                return ray.get(refs)
-            silent = dog.check()
-            if silent is not None:
-                who, quiet = silent
-                raise RunError(
-                    f"{self._name(who)} has not answered for {quiet:.0f} s (stopped or hung) as the run starts"
-                )
+    def _get_watched(self, refs: list, dog: Watchdog | None = None, when: str = "as the run starts") -> list:
+        """ray.get(refs) while the watchdog (default: over every actor, `STALL_S`) listens: an actor
+        stopped outside a run (loading the graph, handing over inputs or counts) is named as one
+        stopped during it would be."""
+        dog = dog or Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
+        try:
+            return watched_get(refs, dog, self._name, when)
+        except BaseException:
+            self.broken = True  # a stopped or dead actor: close kills, and sweeps, instead of unloading
+            raise
 
     def _progress(self) -> int | str:
         """Vertices done so far, as the coordinator counts them ("?" when it does not answer); in a
@@ -400,16 +396,16 @@ class RayEngine:
         return f" (on node {w['node_id'][:12]}, {w['ip']})"
 
     def statistics(self) -> dict:
-        import ray
         from ray.exceptions import RayActorError
 
         refs = {w.statistics.remote(self.key): g for g, w in enumerate(self.workers)}
-        try:  # a worker killed between two runs is named as one killed in a run
-            sched = ray.get(self.coord.statistics.remote()) if self._alone is None else dict(self._alone)
-            return {"engine": self.name, "scheduler": sched, "workers": ray.get(list(refs))}
+        first = [] if self._alone is not None else [self.coord.statistics.remote()]
+        try:  # a worker killed or stopped between two runs is named as one in a run would be
+            got = self._get_watched([*first, *refs], when="after the run")
         except RayActorError:
-            self.broken = True
             raise RunError(self._dead_worker(refs) or "the coordinator died after the run") from None
+        sched = got[0] if first else dict(self._alone or {})
+        return {"engine": self.name, "scheduler": sched, "workers": got[len(first) :]}
 
     def close(self) -> None:
         """Unloads the graph from a shared pool's actors; kills them if that fails (a dead or stuck

@@ -22,11 +22,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from actors.options import STALL_S
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .cluster import connect, running_cluster
 from .placement import Placed, PlacementConfig, place, remove
+from .watch import HEARTBEAT_S, Watchdog, watched_get
 
 READY_S = 120.0  # the actors' first answer (their process start, imports)
 INLINE_BYTES = 1 << 20  # a private Ray's task arguments and results up to this size travel inline
@@ -171,38 +173,44 @@ class RayPool:
 
     def read_state(self, gpu: int, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """A copy of state `id` of GPU `gpu`'s worker (what the runs so far saved there)."""
-        import ray
 
         if len(self.workers) <= gpu:
             raise RunError(f"the pool has no worker for gpu:{gpu}")
-        return ray.get(self.workers[gpu].read_state.remote(id, tuple(shape), dtype))
+        return self._get([self.workers[gpu].read_state.remote(id, tuple(shape), dtype)], "reading a state")[0]
 
     def write_state(self, gpu: int, id: str, value: torch.Tensor) -> None:
         """Sets state `id` of GPU `gpu`'s worker (e.g. an adapter's initial weights)."""
-        import ray
 
         if len(self.workers) <= gpu:
             raise RunError(f"the pool has no worker for gpu:{gpu}")
-        ray.get(self.workers[gpu].write_state.remote(id, value))
+        self._get([self.workers[gpu].write_state.remote(id, value)], "writing a state")
 
     def clear_states(self) -> None:
         """Zeroes every worker's states (a new KV cache, say); resident inputs stay."""
-        import ray
 
-        ray.get([w.clear_states.remote() for w in self.workers])
+        self._get([w.clear_states.remote() for w in self.workers], "clearing the states")
 
     def move_states(self, renames: Mapping[str, str], drop: Sequence[str] = ()) -> list[dict]:
         """Renames and drops states on every worker, no data copied (`WorkerStore.move_states`)."""
-        import ray
 
         renames, drop = dict(renames), list(drop)
-        return ray.get([w.move_states.remote(renames, drop) for w in self.workers])
+        return self._get([w.move_states.remote(renames, drop) for w in self.workers], "moving states")
 
     def state_count(self) -> list[int]:
         """How many states each worker holds."""
-        import ray
 
-        return ray.get([w.state_count.remote() for w in self.workers])
+        return self._get([w.state_count.remote() for w in self.workers], "counting states")
+
+    def _get(self, refs: list, when: str) -> list:
+        """ray.get of calls on the workers, never a hang: one that stops answering is named after
+        `STALL_S` and the actors are discarded (a stopped process is of no further use)."""
+        pids = self.pids
+        dog = Watchdog(dict(enumerate(self.workers)), HEARTBEAT_S, STALL_S)
+        try:
+            return watched_get(refs, dog, lambda g: f"gpu:{g} worker (pid {pids[g + 1]})", when)
+        except RunError:
+            self.discard()
+            raise
 
     def close(self, unload: bool = True) -> None:
         """Kills the actors, and shuts Ray down if this pool started it. First, with `unload`,
@@ -305,18 +313,19 @@ def start_private_ray(num_cpus: int | None, gpus: int) -> None:
         )
 
 
-def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:
+def ship_own_ops(tg: TaskGraph, workers: Sequence) -> list:
     """Registers, in every worker, the ops of one's own that `tg` uses (defined in the driver after
-    the built-in op set), so that no worker lacks one; see `disco_ray.graph.kernels.own_ops`."""
-    import ray
+    the built-in op set), so that no worker lacks one; see `disco_ray.graph.kernels.own_ops`.
+    Returns the calls' refs, for the caller to wait on (watched)."""
     from ray import cloudpickle
 
     from disco_ray.graph.kernels import own_ops
 
     own = own_ops(v.op for v in tg if v.op is not None)
-    if own:
-        blobs = {name: cloudpickle.dumps(d) for name, d in own.items()}
-        ray.get([w.install_ops.remote(blobs) for w in workers])
+    if not own:
+        return []
+    blobs = {name: cloudpickle.dumps(d) for name, d in own.items()}
+    return [w.install_ops.remote(blobs) for w in workers]
 
 
 def share_devices(workers: Sequence) -> list[bool]:

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("disco_ray")
 HEARTBEAT_S = 1.0  # how often the driver pings every actor of a running graph (and tries the GCS)
@@ -55,6 +55,24 @@ class Watchdog:
                     self.out[key] = actor.ping.remote()  # type: ignore[attr-defined]
             self.next = now + self.every
         return None
+
+
+def watched_get(refs: list, dog: Watchdog, name: Callable[[int], str], when: str) -> list:
+    """ray.get(refs) while `dog` pings its actors: RunError naming (`name(key)`) one that stays
+    silent, `when` saying what it was doing (loading a graph, moving states); never a hang."""
+    import ray
+
+    from disco_ray.graph.errors import RunError
+
+    while True:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+        if len(ready) == len(refs):
+            return ray.get(refs)
+        silent = dog.check()
+        if silent is not None:
+            raise RunError(
+                f"{name(silent[0])} has not answered for {silent[1]:.0f} s (stopped or hung) {when}"
+            )
 
 
 GCS_LOST_EXITS = False  # the CLI sets it: a lost GCS ends the process with one line (see GcsMonitor)
