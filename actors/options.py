@@ -3,10 +3,15 @@ worker of a Program runs its vertices, given once to each engine and worker)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from disco_ray.graph.errors import RunError
+
+# a Ray actor that leaves a heartbeat unanswered this long is stopped or hung (SIGSTOP, a deadlock):
+# the run ends naming it; a computing actor answers (its pings run on another thread)
+STALL_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +23,13 @@ class RunOptions:
     seed: int = 0  # seeds the delays
     timeout: float | None = None  # give up (RunError) after this many seconds; None: never
     progress: Callable[[int], None] | None = None  # called with the number of vertices done
+    stall_timeout: float = STALL_S  # ray engine: an actor silent this many seconds ends the run
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.stall_timeout, (int, float)) and math.isfinite(self.stall_timeout)):
+            raise RunError(f"stall_timeout must be a number of seconds, got {self.stall_timeout!r}")
+        if self.stall_timeout <= 0:
+            raise RunError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
 
 
 DEFAULT_RUN = RunOptions()

@@ -1,8 +1,9 @@
 """Test and benchmark ops, registered on import (not part of the op set of FORMATS.md).
 
-- `noop(*xs, shape, dtype="float32", fail=False)`: does nothing and leaves its output as it was
-  (so its value is undefined: never compare it); with `fail=True` it raises RuntimeError, for
-  fault tests. It measures the runtime's per-vertex cost with no kernel work.
+- `noop(*xs, shape, dtype="float32", fail=False, sleep=0)`: does nothing and leaves its output as
+  it was (so its value is undefined: never compare it); with `fail=True` it raises RuntimeError,
+  for fault tests; with `sleep=S` it takes S seconds (a long kernel: the heartbeat must not take
+  it for a stall). It measures the runtime's per-vertex cost with no kernel work.
 
 Workers in other processes import this module when it is named in `op_modules` (the runtime's
 option to load extra op modules before a graph is loaded). In a process that also runs other
@@ -13,6 +14,7 @@ listings of the op set.
 from __future__ import annotations
 
 import sys
+import time
 
 from disco_ray.graph import kernels, ops
 
@@ -27,9 +29,9 @@ ops.register(
         0,
         None,
         _infer_noop,
-        attrs={"shape": ops.REQUIRED, "dtype": "float32", "fail": False},
+        attrs={"shape": ops.REQUIRED, "dtype": "float32", "fail": False, "sleep": 0.0},
         flops=lambda s, o, a: 0.0,
-        doc="does nothing (test/benchmark op); fail=True raises",
+        doc="does nothing (test/benchmark op); fail=True raises; sleep=S takes S seconds",
     )
 )
 
@@ -38,6 +40,7 @@ ops.register(
 def _noop(out, ins, attrs):
     if attrs["fail"]:
         raise RuntimeError("noop kernel told to fail")
+    time.sleep(float(attrs["sleep"]))  # releases the GIL, as a long torch kernel does
 
 
 def unregister() -> None:

@@ -6,6 +6,8 @@ known), never hang; `timeout=` below only turns a hang into a failure.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
 import time
 
@@ -101,15 +103,12 @@ def test_bad_inputs_are_refused_before_anything_runs(pool):  # noqa: F811
 
 
 # ---- issue 15: a silent worker, a dead coordinator, a placement that can never be granted ---------
-def test_stopped_worker_is_named_within_the_stall_bound(pool, noop_op, monkeypatch):  # noqa: F811
+def test_stopped_worker_is_named_within_the_stall_bound(pool, noop_op):  # noqa: F811
     """SIGSTOP: the worker neither dies nor answers; the heartbeat names it (gpu, actor, pid)
-    within STALL_S plus a heartbeat, without any --timeout."""
+    within the stall timeout plus a heartbeat, without any --timeout."""
     import os
     import signal
 
-    from disco_ray.driver import engine_ray
-
-    monkeypatch.setattr(engine_ray, "STALL_S", 3.0)
     tg = noop_graph(gpus=2, n=60)
     with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
         prog.engine  # noqa: B018  (actors and their pids first)
@@ -121,11 +120,69 @@ def test_stopped_worker_is_named_within_the_stall_bound(pool, noop_op, monkeypat
             with pytest.raises(
                 RunError, match=rf"gpu:1 worker \(actor \w+, pid {pid}\).* has not answered for"
             ):
-                prog.run({}, delay=(0.02, 0.03))  # ~2 s of work, no timeout
+                prog.run({}, delay=(0.02, 0.03), stall_timeout=3.0)  # ~2 s of work, no timeout
         finally:
             timer.join()
             os.kill(pid, signal.SIGCONT)  # let Ray's kill (on close) finish it
-        assert time.monotonic() - t < 3.0 + 8  # the bound: STALL_S, a heartbeat, polling slack
+        assert time.monotonic() - t < 3.0 + 8  # the bound: the stall timeout, a heartbeat, slack
+
+
+def test_the_stall_timeout_is_10_s_by_default_and_checked():
+    from actors.options import RunOptions
+    from disco_ray.cli.app import build_parser
+
+    assert RunOptions().stall_timeout == 10.0
+    assert build_parser().parse_args(["run", "x", "--out", "o.npz"]).stall_timeout == 10.0
+    for bad in (0, -1.0, float("nan"), float("inf"), "3"):
+        with pytest.raises(RunError, match="stall_timeout must be"):
+            RunOptions(stall_timeout=bad)
+
+
+def test_a_silent_actor_is_named_the_stall_timeout_after_its_last_answer(monkeypatch):
+    """The watchdog counts quiet from an actor's last answer: one stopped right after answering
+    is named 10 s later (plus a poll), not 10 s after the next ping (a heartbeat more)."""
+    from disco_ray.driver import watch
+
+    clock = [0.0]
+    answered: set[int] = set()
+    sent: list[int] = []
+
+    class Actor:
+        class ping:  # the shape of a Ray actor method: ping.remote()
+            @staticmethod
+            def remote() -> int:
+                sent.append(len(sent))
+                return sent[-1]
+
+    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: ([r for r in refs if r in answered], []))
+    dog = watch.Watchdog({1: Actor()}, 1.0, 10.0)
+    for t in (1.0, 1.2):  # ping 0 goes at 1.0, its answer is seen at 1.2
+        clock[0] = t
+        answered.add(0)
+        assert dog.check() is None
+    clock[0] = 2.0  # ping 1 goes: the actor was stopped after its answer and never answers
+    assert dog.check() is None and sent == [0, 1]
+    clock[0] = 11.1
+    assert dog.check() is None
+    clock[0] = 11.3
+    key, quiet = dog.check()
+    assert key == 1 and quiet == pytest.approx(10.1)
+
+
+@pytest.mark.slow
+def test_a_kernel_longer_than_the_stall_timeout_is_not_a_stall(pool, noop_op):  # noqa: F811
+    """A worker busy in one 12 s kernel answers every heartbeat (pings run on another thread),
+    so the default 10 s stall timeout never ends a healthy run."""
+    from disco_ray.graph.taskgraph import TaskGraph
+
+    tg = TaskGraph(gpus=2)
+    a = tg.kernel("noop", gpu=0, id="a", shape=[4])
+    tg.output(tg.kernel("noop", tg.transfer(a, gpu=1, id="t"), gpu=1, id="long", shape=[4], sleep=12.0))
+    with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
+        t = time.monotonic()
+        prog.run({})  # the default stall timeout (10 s), no timeout
+        assert time.monotonic() - t >= 12.0
 
 
 def test_killed_coordinator_stops_the_run_naming_it(pool, noop_op):  # noqa: F811
@@ -153,13 +210,10 @@ def test_a_placement_no_node_can_hold_is_refused_at_once(pool):  # noqa: F811
     assert time.monotonic() - t < 5
 
 
-def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op, monkeypatch):  # noqa: F811
+def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op):  # noqa: F811
     import os
     import signal
 
-    from disco_ray.driver import engine_ray
-
-    monkeypatch.setattr(engine_ray, "STALL_S", 3.0)
     tg = noop_graph(gpus=2, n=8)
     with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
         prog.engine  # noqa: B018
@@ -168,7 +222,72 @@ def test_worker_stopped_before_the_run_starts_is_named(pool, noop_op, monkeypatc
         t = time.monotonic()
         try:
             with pytest.raises(RunError, match=rf"gpu:0 worker \(actor \w+, pid {pid}\).* as the run starts"):
-                prog.run({})
+                prog.run({}, stall_timeout=3.0)
         finally:
             os.kill(pid, signal.SIGCONT)
         assert time.monotonic() - t < 3.0 + 8
+
+
+def test_a_full_disk_under_ray_names_the_spill_file_and_leaves_none(pool, tmp_path):  # noqa: F811
+    """A worker's writes to its spill file fail (a file-size limit set in the worker after the
+    file is preallocated: EFBIG, as ENOSPC on a full disk): the run ends naming the file, and the
+    pool removes the files of the workers it kills."""
+    from disco_ray.driver.api import compile
+    from workloads import build
+
+    def limit(worker, nbytes: int) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    w = build("llama_prefill", preset="tiny", layers=4, seq=256, tile=64)
+    prog = compile(w.taskgraph, 200 << 10, host_capacity=0, engine="ray", pool=pool, disk_dir=str(tmp_path))
+    with prog:
+        ray.get([x.call.remote(limit, 1) for x in prog.engine.workers])  # after the files are made
+        assert len(list(tmp_path.iterdir())) == 2
+        with pytest.raises(
+            RunError, match=rf"spill file {tmp_path}/spill-gpu\d-.*: a write failed: File too large"
+        ):
+            prog.run(w.inputs, timeout=120)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_outside_a_run_is_named_not_waited_for(pool, noop_op):  # noqa: F811
+    """Loading a graph and moving states are watched as runs are: a stopped worker is named
+    after the default stall timeout (10 s), never a hang (a decode loop does both between runs)."""
+    import os
+    import signal
+
+    def named(call) -> str:
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(_raised(call)), daemon=True)
+        t.start()
+        t.join(timeout=60)
+        for pid in pool.pids[1:]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)  # let Ray's kill finish it
+        assert got, "still waiting 60 s after a worker stopped"
+        return got[0]
+
+    tg = noop_graph(gpus=2, n=8)
+    pool.acquire(2, op_modules=["actors.testops"])
+    os.kill(pool.pids[2], signal.SIGSTOP)
+    prog = Program(tg, plan(tg), engine="ray", pool=pool)
+    assert re.search(
+        r"gpu:1 worker .* has not answered for 1\d s .*(installing its ops|loading the graph)",
+        named(lambda: prog.engine),
+    )
+    pool.acquire(2, op_modules=["actors.testops"])
+    os.kill(pool.pids[1], signal.SIGSTOP)
+    assert re.search(
+        r"gpu:0 worker \(pid \d+\) has not answered .*moving states", named(lambda: pool.move_states({}))
+    )
+
+
+def _raised(call) -> str:
+    try:
+        call()
+    except RunError as e:
+        return str(e)
+    return "no error"

@@ -90,13 +90,10 @@ def test_one_worker_killed_is_named_with_what_it_held(pool, noop_op):  # noqa: F
         assert 0 < held < len(prog.mg), str(e.value)
 
 
-def test_one_worker_stopped_is_named_within_the_stall_bound(pool, noop_op, monkeypatch):  # noqa: F811
+def test_one_worker_stopped_is_named_within_the_stall_bound(pool, noop_op):  # noqa: F811
     import os
     import signal
 
-    from disco_ray.driver import engine_ray
-
-    monkeypatch.setattr(engine_ray, "STALL_S", 3.0)
     tg = noop_graph(gpus=1, n=60)
     with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
         prog.engine  # noqa: B018  (actors and their pids first)
@@ -108,7 +105,7 @@ def test_one_worker_stopped_is_named_within_the_stall_bound(pool, noop_op, monke
             with pytest.raises(
                 RunError, match=rf"gpu:0 worker \(actor \w+, pid {pid}\).* has not answered for"
             ):
-                prog.run({}, delay=(0.02, 0.03))  # ~1.5 s of work, no timeout
+                prog.run({}, delay=(0.02, 0.03), stall_timeout=3.0)  # ~1.5 s of work, no timeout
         finally:
             timer.join()
             os.kill(pid, signal.SIGCONT)  # let Ray's kill (on close) finish it

@@ -12,6 +12,7 @@ worker by default, each the size of the largest block: loads on several lanes ta
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -34,6 +35,21 @@ def aligned(nbytes: int, alloc: Callable[[int, bool], torch.Tensor]) -> torch.Te
     raw = alloc(nbytes + ALIGN, True)
     off = (-raw.data_ptr()) % ALIGN
     return raw[off : off + nbytes]
+
+
+def preallocate(fd: int, nbytes: int, where: str) -> None:
+    """Gives file `fd` its `nbytes` on disk now, so that a full disk is found before a run, not
+    in the middle of it; a sparse file where the file system cannot preallocate.
+
+    Raises:
+        RunError: naming `where`: no room for it (ENOSPC, a quota, a file-size limit).
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise RunError(f"{where}: no room for its {nbytes} bytes ({e.strerror})") from None
+        os.ftruncate(fd, nbytes)  # EOPNOTSUPP, EINVAL: no fallocate here
 
 
 class FileReader:

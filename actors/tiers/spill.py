@@ -16,7 +16,6 @@ import shutil
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -24,7 +23,8 @@ import torch
 
 from disco_ray.graph.errors import RunError
 
-from .diskio import ALIGN, aligned
+from .diskio import ALIGN, aligned, preallocate
+from .sweep import TEMP_PREFIX, spill_name
 
 CHUNK = 16 << 20  # the largest spill-file I/O: a bounce buffer's size (a multiple of ALIGN)
 
@@ -77,9 +77,9 @@ class SpillFile:
         direct: bool = True,
         chunk: int = CHUNK,
     ):
-        self.tmp = tempfile.mkdtemp(prefix="disco-spill-") if directory is None else None
+        self.tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX) if directory is None else None
         directory = self.tmp or str(directory)
-        self.path = os.path.join(directory, f"spill-gpu{gpu}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
+        self.path = os.path.join(directory, spill_name(gpu, os.getpid()))  # the pool's sweep finds it
         self.nbytes = -(-nbytes // ALIGN) * ALIGN
         try:
             os.makedirs(directory, exist_ok=True)
@@ -97,10 +97,7 @@ class SpillFile:
         self.dfd: int | None = None
         self.fd = fd
         try:
-            try:
-                os.posix_fallocate(self.fd, 0, self.nbytes)
-            except OSError:  # a file system without fallocate: a sparse file of that size
-                os.ftruncate(self.fd, self.nbytes)
+            preallocate(self.fd, self.nbytes, f"gpu:{gpu}: spill file {self.path}")
             if direct and hasattr(os, "O_DIRECT"):
                 try:
                     self.dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
@@ -154,8 +151,8 @@ class SpillFile:
                         self.dfd = None
 
     def _check(self) -> None:
-        if self._error is not None:
-            raise RunError(f"spill file {self.path}: a write failed: {self._error}")
+        if (e := self._error) is not None:  # a full disk: ENOSPC (or EFBIG past a file-size limit)
+            raise RunError(f"spill file {self.path}: a write failed: {getattr(e, 'strerror', None) or e}")
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from disco_ray.graph.files import replacing
 
 from .run import BenchResult, BenchSettings
 
@@ -100,10 +101,10 @@ def _write_traces(out: Path, settings: BenchSettings, res: BenchResult, head: st
         path = out / ("trace.json" if mode == first else f"trace.{mode}.json")
         write_doc(trace, path)
         written.append(path)
-    png, tmp = out / "timeline.png", out / ".timeline.png.tmp.png"
+    png = out / "timeline.png"
     title = f"{head.splitlines()[0]}\ncapacity {capacity_text(settings.capacity)} per GPU; {_where(settings)}"
-    plot.plot([plot.panel(t, m) for m, t in res.traces.items()], str(tmp), title, res.unit[0])
-    os.replace(tmp, png)
+    with replacing(png) as tmp:
+        plot.plot([plot.panel(t, m) for m, t in res.traces.items()], str(tmp), title, res.unit[0])
     return [*written, png]
 
 

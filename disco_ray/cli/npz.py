@@ -7,12 +7,10 @@ also accepted for a bfloat16 input (rounded to bfloat16). Files are written atom
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
-from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.files import replacing
 
 DTYPE_SUFFIX = ".__dtype__"
 
@@ -72,12 +70,5 @@ def save_npz(path: str, tensors: Mapping) -> None:
             arrays[k + DTYPE_SUFFIX] = np.array("bfloat16")
         else:
             arrays[k] = t.numpy()
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)

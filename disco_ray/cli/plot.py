@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.files import replacing
 
 from .app import command, writable_file
 
@@ -70,13 +70,10 @@ def cmd_plot(args) -> int:
         if not p.rows and not p.counters:
             raise UsageError(f"{path}: no slices and no counters to draw")
         panels.append(p)
-    tmp = out.with_name(f".{out.name}.tmp.png")
     try:
-        plot.plot(panels, str(tmp), args.title or ", ".join(Path(t).name for t in args.traces))
-        os.replace(tmp, out)
+        with replacing(out) as tmp:
+            plot.plot(panels, str(tmp), args.title or ", ".join(Path(t).name for t in args.traces))
     except OSError as e:
         raise UsageError(f"{out}: cannot write ({e.strerror})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     log.info("wrote %s", out)
     return 0

@@ -3,7 +3,7 @@
     disco-ray run TASKGRAPH|WORKLOAD [key=value ...] [--inputs IN.npz] --out OUT.npz
         [--capacity SIZE[,SIZE...]] [--capacity-gpu G=SIZE] [--plan MEMGRAPH] [--progress]
         [--check-reference] [--engine ray|local] [--backend cpu|cuda] [--streams 5] [--ahead N]
-        [--check] [--trace trace.json] [--seed 0] [--delay LO,HI] [--timeout S]
+        [--check] [--trace trace.json] [--seed 0] [--delay LO,HI] [--timeout S] [--stall-timeout S]
 
 Inputs and outputs are .npz files keyed by TaskGraph ids (`disco_ray.cli.npz`; bfloat16 as raw
 bits plus a dtype entry), and `disco_ray.cli.target` says which inputs a file or a workload gets
@@ -20,6 +20,7 @@ import math
 import sys
 from collections.abc import Callable
 
+from actors.options import STALL_S
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import DiscoError, UsageError
 
@@ -87,8 +88,21 @@ def add_run(p) -> None:
         "--delay", type=delay_arg, metavar="LO,HI", help="debug: sleep uniform(LO, HI) s before each vertex"
     )
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up after S seconds")
+    add_stall_arg(p)
     add_cluster_args(p)  # --address, --placement, --gpus-per-worker, --cpus-per-worker
     p.set_defaults(func=cmd_run)
+
+
+def add_stall_arg(p: argparse.ArgumentParser) -> None:
+    """--stall-timeout: how long a silent Ray actor (stopped, hung) may hold a run."""
+    p.add_argument(
+        "--stall-timeout",
+        type=seconds_arg,
+        default=STALL_S,
+        metavar="S",
+        help="ray engine: a worker that answers no heartbeat for S seconds (stopped or hung; a long "
+        f"kernel still answers) ends the run naming it (default {STALL_S:g})",
+    )
 
 
 def add_model_run_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +118,7 @@ def add_model_run_args(p: argparse.ArgumentParser) -> None:
         "from the checkpoint at each load (disk: no host copy)",
     )
     add_engine_args(p)
+    add_stall_arg(p)
     add_cluster_args(p)
 
 
@@ -139,6 +154,7 @@ def model_run_kwargs(args: argparse.Namespace, gpus: int) -> dict:
 
     kw = engine_kwargs(args)
     kw.update(weights=args.weights, host_capacity=host_capacity_of(args, gpus), disk_dir=args.disk)
+    kw.update(stall_timeout=args.stall_timeout)
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     return kw
@@ -232,6 +248,7 @@ def cmd_run(args) -> int:
             delay=args.delay,
             seed=args.seed,
             timeout=args.timeout,
+            stall_timeout=args.stall_timeout,
             progress=progress_arg(args.progress, len(prog.mg)),
         )
     from .npz import save_npz

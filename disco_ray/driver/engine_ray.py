@@ -14,26 +14,23 @@ call, `run_alone`, without the coordinator (docs/RUNTIME.md, "One worker").
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from actors.options import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
+from actors.options import DEFAULT_RUN, DEFAULT_WORKER, STALL_S, RunOptions, WorkerConfig
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .placement import PlacementConfig, describe
 from .pool import RayPool, shared_pool, ship_own_ops
-from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address
+from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address, watched_get
 
 POLL_S = 0.2
-# an actor that has not answered a ping for this long is stopped or hung (SIGSTOP, a deadlock): the
-# run ends naming it, --timeout or not; a computing actor answers (its pings run on another thread)
-STALL_S = float(os.environ.get("DISCO_RAY_STALL_S", "30"))
+ASK_S = 5.0  # longest the driver waits for the coordinator's count of vertices done
 SHIP_NUMPY_BYTES = 1 << 16  # caller inputs up to this size travel as numpy bytes (`shippable`)
 
 
@@ -83,9 +80,11 @@ class RayEngine:
         try:
             self.coord, self.workers = self.pool.acquire(mg.gpus, config.backend, op_modules)
             self.generation = self.pool.generation
-            ship_own_ops(tg, self.workers)
+            if any(mg.disk_capacity):  # before the load makes the files: a failed one leaves some
+                self.pool.disk_dirs.add(config.disk_dir)
+            self._get_watched(ship_own_ops(tg, self.workers), when="installing its ops")
             mg_ref, tg_ref = ray.put(mg), ray.put(tg)
-            ray.get(
+            self._get_watched(
                 [
                     self.coord.load.remote(self.key, mg_ref, self.workers),
                     *[
@@ -100,7 +99,8 @@ class RayEngine:
                         )
                         for g, w in enumerate(self.workers)
                     ],
-                ]
+                ],
+                when="loading the graph",
             )
             n = len(self.workers)
             self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
@@ -144,7 +144,7 @@ class RayEngine:
 
         if len(self.workers) == 1:
             return self._run_alone(inputs, opts)
-        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
+        dog = Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, opts.stall_timeout)
         try:
             self._get_watched(
                 [
@@ -193,7 +193,7 @@ class RayEngine:
             "coordinator": False,
         }
         self._alone_done = []
-        dog = Watchdog({0: w}, HEARTBEAT_S, STALL_S)
+        dog = Watchdog({0: w}, HEARTBEAT_S, opts.stall_timeout)
         ref = w.run_alone.remote(
             self.key,
             {k: shippable(inputs[k]) for k in self.wants[0] if k in inputs},  # left out: the worker's copy
@@ -311,21 +311,16 @@ class RayEngine:
         order = [ends[g] for g in range(len(self.workers))]
         return self._outputs([part for _, part, _ in order]), [trace for _, _, trace in order]
 
-    def _get_watched(self, refs: list, dog: Watchdog) -> list:
-        """ray.get(refs) while the watchdog listens: an actor stopped before the run starts (handing
-        over inputs) is named as one stopped during it would be."""
-        import ray
-
-        while True:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
-            if len(ready) == len(refs):
-                return ray.get(refs)
-            silent = dog.check()
-            if silent is not None:
-                who, quiet = silent
-                raise RunError(
-                    f"{self._name(who)} has not answered for {quiet:.0f} s (stopped or hung) as the run starts"
-                )
+    def _get_watched(self, refs: list, dog: Watchdog | None = None, when: str = "as the run starts") -> list:
+        """ray.get(refs) while the watchdog (default: over every actor, `STALL_S`) listens: an actor
+        stopped outside a run (loading the graph, handing over inputs or counts) is named as one
+        stopped during it would be."""
+        dog = dog or Watchdog({-1: self.coord, **dict(enumerate(self.workers))}, HEARTBEAT_S, STALL_S)
+        try:
+            return watched_get(refs, dog, self._name, when)
+        except BaseException:
+            self.broken = True  # a stopped or dead actor: close kills, and sweeps, instead of unloading
+            raise
 
     def _progress(self) -> int | str:
         """Vertices done so far, as the coordinator counts them ("?" when it does not answer); in a
@@ -335,7 +330,7 @@ class RayEngine:
         if len(self.workers) == 1:
             return len(self._alone_done)
         try:
-            return ray.get(self.coord.progress.remote(), timeout=min(STALL_S, 5.0))
+            return ray.get(self.coord.progress.remote(), timeout=ASK_S)
         except Exception:  # stopped, dead or slow: the watchdog names it
             return "?"
 
@@ -405,15 +400,16 @@ class RayEngine:
         return f" (on node {w['node_id'][:12]}, {w['ip']})"
 
     def statistics(self) -> dict:
-        import ray
+        from ray.exceptions import RayActorError
 
-        return {
-            "engine": self.name,
-            "scheduler": ray.get(self.coord.statistics.remote())
-            if self._alone is None
-            else dict(self._alone),
-            "workers": ray.get([w.statistics.remote(self.key) for w in self.workers]),
-        }
+        refs = {w.statistics.remote(self.key): g for g, w in enumerate(self.workers)}
+        first = [] if self._alone is not None else [self.coord.statistics.remote()]
+        try:  # a worker killed or stopped between two runs is named as one in a run would be
+            got = self._get_watched([*first, *refs], when="after the run")
+        except RayActorError:
+            raise RunError(self._dead_worker(refs) or "the coordinator died after the run") from None
+        sched = got[0] if first else dict(self._alone or {})
+        return {"engine": self.name, "scheduler": sched, "workers": got[len(first) :]}
 
     def close(self) -> None:
         """Unloads the graph from a shared pool's actors; kills them if that fails (a dead or stuck
@@ -425,7 +421,7 @@ class RayEngine:
         import ray
 
         if self.own_pool:
-            self.pool.close()
+            self.pool.close(unload=not self.broken)  # a failed run's actors may be stopped or dead
             return
         if not ray.is_initialized() or self.pool.generation != self.generation:
             return  # the actors this engine loaded into are gone already

@@ -17,19 +17,24 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from actors.options import STALL_S
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .cluster import connect, running_cluster
 from .placement import Placed, PlacementConfig, place, remove
+from .watch import HEARTBEAT_S, Watchdog, watched_get
 
 READY_S = 120.0  # the actors' first answer (their process start, imports)
 INLINE_BYTES = 1 << 20  # a private Ray's task arguments and results up to this size travel inline
 MAX_CONCURRENCY = 32  # actor threads: serve + dispatch + peers' read_range + driver calls
+UNLOAD_S = 30.0  # longest a close waits for the workers to unload their graphs
+EXIT_S = 5.0  # longest a discard waits for killed workers to exit before removing their spill files
 log = logging.getLogger("disco_ray")
 _SHARED: RayPool | None = None
 _SHARED_LOCK = threading.Lock()  # two threads' first Programs make one shared pool, not two
@@ -89,6 +94,9 @@ class RayPool:
         self.pids: list[int] = []  # of the coordinator, then of each worker
         self.private = False  # this pool started a private Ray (its processes are the driver's)
         self.lock = threading.RLock()
+        # where the loaded graphs' spill files go (None: a temporary directory): what a killed
+        # worker left there is removed once it is gone (`actors.tiers.sweep`)
+        self.disk_dirs: set[str | None] = set()
         self._keys = 0
 
     def new_key(self) -> str:
@@ -148,7 +156,8 @@ class RayPool:
         return self.coord, self.workers[:gpus]
 
     def discard(self) -> None:
-        """Kills the actors (after a failure, or to remake them)."""
+        """Kills the actors (after a failure, or to remake them) and removes the spill files the
+        workers had open (a killed worker cannot)."""
         import ray
 
         if ray.is_initialized():
@@ -156,60 +165,103 @@ class RayPool:
                 with contextlib.suppress(Exception):  # already dead: nothing to kill
                     ray.kill(a)
             remove(self.placed)
+        if self.workers and self.disk_dirs:
+            self._remove_spill_files(self.pids[1:])
         if self.coord is not None or self.workers:
             self.generation += 1
         self.coord, self.workers, self.placed = None, [], None
 
+    def _remove_spill_files(self, pids: Sequence[int]) -> None:
+        """Once the killed workers `pids` are gone (a file made by one still loading would outlive
+        the sweep), removes their spill files from every directory the graphs named."""
+        from actors.tiers.sweep import remove_left
+
+        wait_exited(pids, EXIT_S)
+        for d in self.disk_dirs:
+            for path in remove_left(d, pids):
+                log.debug("removed %s, left by a killed worker", path)
+        self.disk_dirs = set()
+
     def read_state(self, gpu: int, id: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """A copy of state `id` of GPU `gpu`'s worker (what the runs so far saved there)."""
-        import ray
 
         if len(self.workers) <= gpu:
             raise RunError(f"the pool has no worker for gpu:{gpu}")
-        return ray.get(self.workers[gpu].read_state.remote(id, tuple(shape), dtype))
+        return self._get([self.workers[gpu].read_state.remote(id, tuple(shape), dtype)], "reading a state")[0]
 
     def write_state(self, gpu: int, id: str, value: torch.Tensor) -> None:
         """Sets state `id` of GPU `gpu`'s worker (e.g. an adapter's initial weights)."""
-        import ray
 
         if len(self.workers) <= gpu:
             raise RunError(f"the pool has no worker for gpu:{gpu}")
-        ray.get(self.workers[gpu].write_state.remote(id, value))
+        self._get([self.workers[gpu].write_state.remote(id, value)], "writing a state")
 
     def clear_states(self) -> None:
         """Zeroes every worker's states (a new KV cache, say); resident inputs stay."""
-        import ray
 
-        ray.get([w.clear_states.remote() for w in self.workers])
+        self._get([w.clear_states.remote() for w in self.workers], "clearing the states")
 
     def move_states(self, renames: Mapping[str, str], drop: Sequence[str] = ()) -> list[dict]:
         """Renames and drops states on every worker, no data copied (`WorkerStore.move_states`)."""
-        import ray
 
         renames, drop = dict(renames), list(drop)
-        return ray.get([w.move_states.remote(renames, drop) for w in self.workers])
+        return self._get([w.move_states.remote(renames, drop) for w in self.workers], "moving states")
 
     def state_count(self) -> list[int]:
         """How many states each worker holds."""
-        import ray
-
-        return ray.get([w.state_count.remote() for w in self.workers])
+        return self._get([w.state_count.remote() for w in self.workers], "counting states")
 
     def usage(self) -> list[dict[str, int | None]]:
         """Each worker process's resident memory, open file descriptors and threads
         (`actors.worker.process_usage`)."""
+        return self._get([w.usage.remote() for w in self.workers], "reading usage")
+
+    def _get(self, refs: list, when: str) -> list:
+        """ray.get of calls on the workers, never a hang: one that stops answering is named after
+        `STALL_S` and the actors are discarded (a stopped process is of no further use)."""
+        pids = self.pids
+        dog = Watchdog(dict(enumerate(self.workers)), HEARTBEAT_S, STALL_S)
+        try:
+            return watched_get(refs, dog, lambda g: f"gpu:{g} worker (pid {pids[g + 1]})", when)
+        except RunError:
+            self.discard()
+            raise
+
+    def close(self, unload: bool = True) -> None:
+        """Kills the actors, and shuts Ray down if this pool started it. First, with `unload`,
+        the workers unload their graphs: each removes its spill files, on any node (the sweep of
+        `discard` reaches this node's only)."""
         import ray
 
-        return ray.get([w.usage.remote() for w in self.workers])
-
-    def close(self) -> None:
-        """Kills the actors, and shuts Ray down if this pool started it."""
-        import ray
-
+        if unload and self.workers and ray.is_initialized():
+            with contextlib.suppress(Exception):  # dead or stopped: killed, and swept, below
+                ray.get([w.unload.remote() for w in self.workers], timeout=UNLOAD_S)
         self.discard()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         self.started_ray = self.private = False
+
+
+def wait_exited(pids: Sequence[int], seconds: float) -> None:
+    """Waits up to `seconds` until none of `pids` is a live GpuWorker process of this node (a
+    worker on another node, or a reused pid, is not waited for)."""
+    deadline = time.monotonic() + seconds
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if _live_worker(p)]
+        if left:
+            time.sleep(0.05)
+
+
+def _live_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"GpuWorker" not in f.read():
+                return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie holds no file
+    except (OSError, IndexError):
+        return False
 
 
 @contextlib.contextmanager
@@ -276,18 +328,19 @@ def start_private_ray(num_cpus: int | None, gpus: int) -> None:
         )
 
 
-def ship_own_ops(tg: TaskGraph, workers: Sequence) -> None:
+def ship_own_ops(tg: TaskGraph, workers: Sequence) -> list:
     """Registers, in every worker, the ops of one's own that `tg` uses (defined in the driver after
-    the built-in op set), so that no worker lacks one; see `disco_ray.graph.kernels.own_ops`."""
-    import ray
+    the built-in op set), so that no worker lacks one; see `disco_ray.graph.kernels.own_ops`.
+    Returns the calls' refs, for the caller to wait on (watched)."""
     from ray import cloudpickle
 
     from disco_ray.graph.kernels import own_ops
 
     own = own_ops(v.op for v in tg if v.op is not None)
-    if own:
-        blobs = {name: cloudpickle.dumps(d) for name, d in own.items()}
-        ray.get([w.install_ops.remote(blobs) for w in workers])
+    if not own:
+        return []
+    blobs = {name: cloudpickle.dumps(d) for name, d in own.items()}
+    return [w.install_ops.remote(blobs) for w in workers]
 
 
 def share_devices(workers: Sequence) -> list[bool]:

@@ -210,7 +210,10 @@ class Program:
                 so that many execution orders occur.
             timeout: give up (RunError) after this many seconds; None waits for ever.
             progress: True for a tqdm bar, or a callable taking the number of vertices done.
-            (check, delay, seed, timeout, progress are the fields of `actors.options.RunOptions`.)
+            stall_timeout: ray engine: an actor that leaves a heartbeat unanswered this many
+                seconds (10 by default: stopped or hung) ends the run, naming it.
+            (check, delay, seed, timeout, progress, stall_timeout are the fields of
+            `actors.options.RunOptions`.)
 
         Raises:
             RunError: a bad input (before anything runs), a kernel that raised, a dead worker,

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("disco_ray")
 HEARTBEAT_S = 1.0  # how often the driver pings every actor of a running graph (and tries the GCS)
@@ -23,13 +23,17 @@ HEARTBEAT_S = 1.0  # how often the driver pings every actor of a running graph (
 
 class Watchdog:
     """Heartbeats through Ray: pings each actor every `every` s, and says which one (its key) has
-    left a ping unanswered for more than `stall` s. An actor answers pings on a thread of its own
-    (threaded actors) while its streams compute, so only a stopped or hung process goes quiet."""
+    a ping out and has not answered any for more than `stall` s (counted from its last answer, so
+    a process stopped just after one is named `stall` s later, not a heartbeat more). An actor
+    answers pings on a thread of its own (threaded actors) while its streams compute, so only a
+    stopped or hung process goes quiet."""
 
     def __init__(self, actors: Mapping[int, object], every: float, stall: float):
         self.actors, self.every, self.stall = dict(actors), every, stall
-        self.out: dict[int, tuple[object, float]] = {}  # key -> (unanswered ping, when sent)
-        self.next = time.monotonic() + every  # a run shorter than a heartbeat sends no ping
+        self.out: dict[int, object] = {}  # key -> its unanswered ping
+        now = time.monotonic()
+        self.seen = dict.fromkeys(self.actors, now)  # key -> when its last answer came (or the start)
+        self.next = now + every  # a run shorter than a heartbeat sends no ping
 
     def check(self) -> tuple[int, float] | None:
         """(key, seconds quiet) of an actor silent too long, else None; sends the next pings."""
@@ -37,19 +41,38 @@ class Watchdog:
 
         now = time.monotonic()
         if self.out:
-            refs = [r for r, _ in self.out.values()]
+            refs = list(self.out.values())
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-            for key, (ref, sent) in list(self.out.items()):
+            for key, ref in list(self.out.items()):
                 if ref in ready:  # answered (or died: the run's serve refs tell that)
                     del self.out[key]
-                elif now - sent > self.stall:
-                    return key, now - sent
+                    self.seen[key] = now
+                elif now - self.seen[key] > self.stall:
+                    return key, now - self.seen[key]
         if now >= self.next:
             for key, actor in self.actors.items():
                 if key not in self.out:
-                    self.out[key] = (actor.ping.remote(), now)  # type: ignore[attr-defined]
+                    self.out[key] = actor.ping.remote()  # type: ignore[attr-defined]
             self.next = now + self.every
         return None
+
+
+def watched_get(refs: list, dog: Watchdog, name: Callable[[int], str], when: str) -> list:
+    """ray.get(refs) while `dog` pings its actors: RunError naming (`name(key)`) one that stays
+    silent, `when` saying what it was doing (loading a graph, moving states); never a hang."""
+    import ray
+
+    from disco_ray.graph.errors import RunError
+
+    while True:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+        if len(ready) == len(refs):
+            return ray.get(refs)
+        silent = dog.check()
+        if silent is not None:
+            raise RunError(
+                f"{name(silent[0])} has not answered for {silent[1]:.0f} s (stopped or hung) {when}"
+            )
 
 
 GCS_LOST_EXITS = False  # the CLI sets it: a lost GCS ends the process with one line (see GcsMonitor)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import overload
 
 import msgpack
 
 from .errors import FormatError, GraphError
+from .files import write_bytes
 from .memgraph import MemGraph
 from .taskgraph import TaskGraph
 
@@ -45,18 +45,10 @@ def read_doc(path: str | os.PathLike) -> object:
 
 
 def write_doc(doc: object, path: str | os.PathLike) -> None:
-    """Writes atomically (temp file + rename): a failed write leaves nothing half-written."""
+    """Writes atomically (`files.write_bytes`): a failed write leaves nothing half-written."""
     s = _suffix(path)
     data = json.dumps(doc, separators=(",", ":")).encode() if s == ".json" else msgpack.packb(doc)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes(path, data)
 
 
 def _with_path(exc: GraphError, path) -> GraphError:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from disco_ray.graph.files import replacing
 from disco_ray.graph.formats import write_doc
 from disco_ray.graph.memgraph import DISK, HOST, MemGraph, MKind
 
@@ -208,7 +209,7 @@ def write_trace(
     if str(path).endswith(".json"):
         write_doc(doc, path)
     else:
-        with open(path, "w") as f:
+        with replacing(path) as tmp, open(tmp, "w") as f:
             json.dump(doc, f)
 
 

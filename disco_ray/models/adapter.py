@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from disco_ray.graph.errors import NonFiniteError, UsageError
+from disco_ray.graph.files import new_directory, write_bytes
 from workloads.llm.train import TARGETS, LoraSpec
 
 PREFIX = "base_model.model.model.layers."
@@ -131,19 +130,17 @@ def _not_finite(t: torch.Tensor) -> str:
 
 
 def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], base: str) -> None:
-    """Writes the adapter directory (the files appear whole: both written aside, then renamed).
+    """Writes the adapter directory (the files appear whole: written aside, then renamed).
 
     Raises:
         NonFiniteError: a tensor holds NaN or infinity (named); nothing is written.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save as serialize
 
     for k, t in tensors.items():
         bad = _not_finite(t)
         if bad:
             raise NonFiniteError(f"{path}: not written: adapter tensor {k!r} holds {bad}")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     cfg = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -161,17 +158,8 @@ def save(path: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], bas
         "modules_to_save": None,
         "layers_to_transform": None,
     }
-    temps: dict[str, str] = {}
-    try:  # both written aside first: a failure leaves the previous adapter whole
-        for name, write in (
-            (WEIGHTS, lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, p)),
-            (CONFIG, lambda p: Path(p).write_text(json.dumps(cfg, indent=2))),
-        ):
-            fd, temps[name] = tempfile.mkstemp(dir=path, prefix=f".{name}.", suffix=".tmp")
-            os.close(fd)
-            write(temps[name])
-        for name in list(temps):
-            os.replace(temps.pop(name), path / name)
-    finally:
-        for tmp in temps.values():
-            Path(tmp).unlink(missing_ok=True)
+    with new_directory(path) as into:  # a failure leaves the previous adapter, or no directory
+        # bytes written here: a full disk is an OSError naming the file (safetensors' own
+        # writer raises its SafetensorError)
+        write_bytes(into / WEIGHTS, serialize({k: v.contiguous() for k, v in tensors.items()}))
+        write_bytes(into / CONFIG, json.dumps(cfg, indent=2).encode())

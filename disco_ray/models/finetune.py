@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from actors.options import STALL_S
 from disco_ray.driver.program import Program
 from disco_ray.graph.errors import NonFiniteError, UsageError
 from planner import build_memgraph
@@ -46,7 +47,7 @@ class LoraTrainer(Programs):
         grad_sum: how a weight gradient's partials are summed ("sum_into", the default: sum-into
             kernels, each adding one partial as soon as it exists; "add": one n-ary add; "chain").
         capacity, host_capacity, disk_dir, gpus, dtype, block, engine, backend, streams, ahead,
-            weights, pool, check: as for `disco_ray.models.LlamaModel`.
+            weights, pool, check, stall_timeout: as for `disco_ray.models.LlamaModel`.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class LoraTrainer(Programs):
         check: bool = False,
         host_capacity: int | str | Sequence[int | None] | None = None,
         disk_dir: str | None = None,
+        stall_timeout: float = STALL_S,
         **cluster: object,
     ):
         self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine)
@@ -88,6 +90,7 @@ class LoraTrainer(Programs):
         super().__init__(
             engine, pool, cluster, capacity, host_capacity, backend, streams, ahead, weights, disk_dir, check
         )
+        self.run_kw["stall_timeout"] = stall_timeout
         self._written = False  # the adapter's initial states are on the workers
         self.steps_done = 0
         self.losses: list[float] = []
@@ -129,7 +132,7 @@ class LoraTrainer(Programs):
         tgraph, prog = self._program(*tokens.shape)
         feed = tgraph.feed(self.config, tokens, self.steps_done + 1)
         t = time.perf_counter()
-        outs = prog.run(feed, check=self.check, timeout=timeout)
+        outs = prog.run(feed, timeout=timeout, **self.run_kw)
         self.step_s.append(time.perf_counter() - t)
         self.steps_done += 1
         loss = float(outs[tgraph.loss].float().reshape(-1)[0])

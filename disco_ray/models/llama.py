@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from actors.options import STALL_S
 from disco_ray.driver.elastic import device_memory, fit_budget
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
@@ -84,6 +85,7 @@ class LlamaModel(PlannedModel):
         weights: "host" (each worker reads its shards once and keeps them in host memory) or
             "disk" (each load reads them from the checkpoint files: host memory holds none).
         check: run the sanitizer in every run (slow; for tests).
+        stall_timeout: ray engine: a worker silent this many seconds (stopped, hung) ends a run.
         pool: a `RayPool` / `LocalPool` to run on and keep (default: one of its own, closed
             with the model).
     """
@@ -109,6 +111,7 @@ class LlamaModel(PlannedModel):
         pool: object | None = None,
         host_capacity: int | str | Sequence[int | None] | None = None,
         disk_dir: str | None = None,
+        stall_timeout: float = STALL_S,
     ):
         if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
             raise UsageError(f"gpus must be a positive integer, got {gpus!r}")
@@ -125,6 +128,7 @@ class LlamaModel(PlannedModel):
         super().__init__(
             engine, pool, cluster, capacity, host_capacity, backend, streams, ahead, weights, disk_dir, check
         )
+        self.run_kw["stall_timeout"] = stall_timeout
         self._plans: dict[tuple, tuple[ModelGraph, MemGraph]] = {}  # (key, capacity) -> plan
         self._micros: dict[tuple, int] = {}  # (kind, rows, blocks, capacity) -> chosen micro-batches
         self.micro_choices: list[dict] = []  # each choice made, with every candidate's bytes moved
@@ -190,7 +194,7 @@ class LlamaModel(PlannedModel):
         mgraph, prog = self._program(key)
         feed = mgraph.feed(self.config, ids, pos)
         t = time.perf_counter()
-        outs = prog.run(feed, check=self.check, timeout=timeout)
+        outs = prog.run(feed, timeout=timeout, **self.run_kw)
         dt = time.perf_counter() - t
         if gen is not None:
             gen.bytes_offloaded += prog.mg.stats.get("bytes_offloaded", 0)

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from actors.options import STALL_S
 from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
@@ -80,6 +81,7 @@ class Programs:
         """`capacity`, `host_capacity`: as `disco_ray.compile` takes them ("64MiB" strings too);
         the others as `LlamaModel` takes them."""
         self.engine, self.backend, self.check = engine, backend, check
+        self.run_kw: dict[str, Any] = {"check": check, "stall_timeout": STALL_S}  # every run's options
         self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
         self.host_capacity = (
             parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity

@@ -1,0 +1,79 @@
+"""Output files that appear whole or not at all.
+
+Every file the command line writes (plans, traces, results, .npz outputs and logits, plots, an
+adapter's files) is written under a temporary name in its own directory, then renamed over its
+final name (`os.replace`: atomic on one file system). A failure on the way (a full disk, Ctrl-C,
+a bad value found late) removes the temporary file, so the path holds the previous file or
+nothing, never half of one. A new directory of files (an adapter) is made aside and renamed in
+the same way (`new_directory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: put straight back
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()  # temporary files are private (0600); the renamed output gets the usual mode
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` (its suffix kept: writers that choose a format by it see the
+    right one) for the block to write; renamed to `path` when the block ends, removed if it raises."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".tmp")
+    except OSError as e:  # no such directory, no permission: named as the output, not the temporary
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~UMASK)
+        os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None or str(e.filename) == tmp:  # named as the output it was for
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # gone after the rename; else what a failure left
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Writes `data` to `path` atomically (`replacing`)."""
+    with replacing(path) as tmp:
+        tmp.write_bytes(data)
+
+
+@contextlib.contextmanager
+def new_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """The directory to write `path`'s files into. When `path` does not exist: a hidden sibling,
+    renamed to `path` when the block ends and removed with its files if it raises (a failure
+    leaves no directory, not even an empty one); when it does: `path` itself, whose files the
+    block replaces one by one (`replacing`: each the previous one or the new one)."""
+    path = Path(path)
+    if path.is_dir():
+        yield path
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        tmp.chmod(0o777 & ~UMASK)
+        os.rename(tmp, path)
+    except OSError as e:
+        if e.filename is not None and str(e.filename).startswith(str(tmp)):  # named as the user named it
+            raise OSError(e.errno, e.strerror, str(path) + str(e.filename)[len(str(tmp)) :]) from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; else what a failure left
