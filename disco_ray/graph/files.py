@@ -57,20 +57,24 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 @contextlib.contextmanager
 def new_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """The directory to write `path`'s files into. When `path` does not exist: a hidden sibling,
-    renamed to `path` when the block ends and removed with its files if it raises (a failure
-    leaves no directory, not even an empty one); when it does: `path` itself, whose files the
-    block replaces one by one (`replacing`: each the previous one or the new one)."""
+    """The directory to write `path`'s files into: a hidden sibling, whose files all appear in
+    `path` when the block ends, or none if it raises. When `path` does not exist the sibling is
+    renamed to it (a failure leaves no directory, not even an empty one); when it does, each file
+    is renamed over its old one after every file is written (a failure leaves the previous files
+    whole; files the block does not write stay)."""
     path = Path(path)
-    if path.is_dir():
-        yield path
-        return
+    existed = path.is_dir()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
-        tmp.chmod(0o777 & ~UMASK)
-        os.rename(tmp, path)
+        if existed:
+            for f in sorted(tmp.iterdir()):
+                f.chmod(0o666 & ~UMASK)
+                os.replace(f, path / f.name)
+        else:
+            tmp.chmod(0o777 & ~UMASK)
+            os.rename(tmp, path)
     except OSError as e:
         if e.filename is not None and str(e.filename).startswith(str(tmp)):  # named as the user named it
             raise OSError(e.errno, e.strerror, str(path) + str(e.filename)[len(str(tmp)) :]) from None
