@@ -249,7 +249,7 @@ class GpuWorker:
         wanted: list,
         carry: Mapping[str, Sequence[str]],
         halt: Sequence[str],
-    ) -> tuple[str | None, list[dict[str, Any]], list[list[tuple[int, int, int, int]]]]:
+    ) -> tuple[str | None, list[dict[str, Any]], list[Any]]:
         """Up to len(feeds) runs of one-GPU graph `key` in this call, each step's carried outputs
         fed to the next, ending after a step whose halt output is nonzero (`actors.steps`)."""
         from .steps import run_alone_steps

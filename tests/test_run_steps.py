@@ -71,7 +71,7 @@ def check_counter(prog) -> None:
     # row 1 reaches its stop id 6 at the third step: the call ends there
     assert [o["next"].tolist() for o in got] == [[1, 4, 10], [2, 5, 11], [3, 6, 12]]
     assert [o["done"].tolist() for o in got] == [[0, 0, 0], [0, 0, 0], [0, 1, 0]]
-    assert len(prog.last_steps) == 3 and prog.last_records == prog.last_steps[-1]
+    assert len(prog.last_steps) == 3 and prog.last_records is prog.last_steps[-1]
     assert one_by_one(prog, steps) == [o["next"].tolist() for o in got]
     # no stop: row 2's max of 5 new tokens ends the call after 5 steps; later calls reuse inputs
     longer = prog.run_steps(feeds([0, 0, 0], stop_at=-1, k=8), carry={"next": ["tok"]}, halt=["done"])

@@ -126,3 +126,19 @@ def test_a_sampling_decode_graph_picks_what_the_driver_picks_from_its_logits(
             assert got[:3].tolist() == want.tolist() and got[3] == 0
             done = torch.cat([outs[d] for d in mgraph.finished])
             assert done.tolist() == [1, 0, 0, 0]  # row 0 made its last token; row 3 is padding
+
+
+@pytest.mark.parametrize("gpus, micro", [(1, 1), (2, 2)])
+def test_the_feeds_of_several_steps_are_each_steps_own(tmp_path, gpus, micro):
+    from tests.test_models import make_checkpoint
+    from workloads.llm.decode_sample import feed_decode_steps
+
+    make_checkpoint(tmp_path, num_key_value_heads=2)
+    ck = Checkpoint(str(tmp_path))
+    mgraph = batch_decode_graph(ck, gpus, 4, 3, 4, micro=micro, stops=4)
+    layout = BatchLayout.of([5, 3, 7], 4, 4)
+    steps = feed_decode_steps(mgraph, ck.config, layout, [3, 9, 27], 8, 3)
+    for j, got in enumerate(steps):
+        want = feed_decode(mgraph, ck.config, layout, [3, 9, 27], 8 + j, micro)
+        want = want if j == 0 else {x: v for x, v in want.items() if not x.startswith("tok_")}
+        assert got.keys() == want.keys() and all(torch.equal(got[x], want[x]) for x in want), j

@@ -17,13 +17,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.kernels_sample import PADDING
 from disco_ray.graph.memgraph import MKind
-from workloads.llm.batch import BatchLayout, feed_decode
-from workloads.llm.decode_sample import feed_sampling, token_carry
+from workloads.llm.batch import BatchLayout
+from workloads.llm.decode_sample import feed_decode_steps, feed_sampling, token_carry
 
 from .sampling import SamplingParams, SequenceSampler
 
@@ -69,18 +70,14 @@ def decode_call(
     draws = [own[s].peek(k) for s in seqs] if sampled else []
     temp = float(params.temperature) if sampled else 0.0  # 0: greedy
     knobs = torch.tensor([temp, params.top_k, params.top_p], dtype=torch.float64)
-    feeds = []
-    for j in range(k):
+    feeds = feed_decode_steps(mgraph, model.config, layout, book.tokens(), p, k)
+    for j, feed in enumerate(feeds):
         u = torch.full((rows,), PADDING, dtype=torch.float64)
         left = torch.zeros(rows, dtype=torch.int64)
         for i, (r, s) in enumerate(zip(live, seqs, strict=True)):
             u[r] = draws[i][j] if sampled else 0.0
             left[r] = book.maxes[s] - len(book.new[s]) - j
-        feed = feed_decode(mgraph, model.config, layout, book.tokens(), p + j, m)
-        if j:  # the tokens come from the step before, inside the call
-            feed = {x: v for x, v in feed.items() if not x.startswith("tok_")}
         feed |= feed_sampling(mgraph, u, left, knobs if j == 0 else None, stops if j == 0 else None)
-        feeds.append(feed)
     t = time.perf_counter()
     outs = prog.run_steps(
         feeds, carry=token_carry(mgraph), halt=mgraph.finished, check=model.check, timeout=timeout
@@ -117,11 +114,12 @@ def check_steps_per_call(n: object) -> int:
     return n
 
 
-def loaded(mg, records: list[list]) -> int:
-    """Bytes a step loaded into the arenas: inputs (skipped loads excluded) and reloads."""
+def loaded(mg, records: list) -> int:
+    """Bytes a step loaded into the arenas: inputs (skipped loads, of no length, excluded) and
+    reloads; `records` per GPU, tuples or `actors.steps.records_array`s."""
     total = 0
     for recs in records:
-        for vid, _, a, b in recs:
+        for vid, _, a, b in recs.tolist() if isinstance(recs, np.ndarray) else recs:
             v = mg.vertex(vid)
             if (v.kind is MKind.INPUT and a != b) or v.kind is MKind.RELOAD:
                 total += v.out.nbytes

@@ -11,11 +11,19 @@ last new token), and any flag ends a `run_steps` call after that step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from disco_ray.graph.kernels_sample import as_bits
 
+from .checkpoint import LlamaConfig
+from .layer import rope_tables
 from .model import ModelGraph
+
+if TYPE_CHECKING:
+    from .batch import BatchLayout
 
 
 def add_sampling(mgraph: ModelGraph, k: int, grp: range, owner: int, stops: int) -> None:
@@ -70,3 +78,31 @@ def feed_sampling(
         if stops is not None:
             out[f"stop_m{k}"] = stops[rows].clone()
     return out
+
+
+def feed_decode_steps(
+    mgraph: ModelGraph, cfg: LlamaConfig, layout: BatchLayout, tokens: Sequence[int], p: int, k: int
+) -> list[dict[str, torch.Tensor]]:
+    """`feed_decode`'s inputs of k decode steps at cache indices p..p+k-1 (the rotary rows of
+    every step in one table), `tokens` fed at the first; the later steps have no token inputs
+    (`token_carry` gives them)."""
+    G, R = mgraph.taskgraph.gpus, layout.rows
+    n = R // len(mgraph.tokens)  # rows per micro-batch
+    off = torch.tensor(layout.offsets, dtype=torch.int64)
+    idx = torch.arange(p, p + k, dtype=torch.int64).unsqueeze(1)  # [k, 1]
+    cos, sin = rope_tables(cfg.spec, (idx - off).clamp(min=0).reshape(-1), getattr(torch, mgraph.dtype))
+    cos, sin = cos.view(k, R, -1), sin.view(k, R, -1)
+    tok = torch.tensor(list(tokens) + [0] * (R - len(tokens)), dtype=torch.int64)
+    feeds = []
+    for j in range(k):
+        span = torch.stack((off, torch.full_like(off, p + j)), dim=1)
+        out = {f"pos_g{g}": torch.tensor([p + j], dtype=torch.int64) for g in range(G)}
+        for m, (r0, _) in enumerate(mgraph.tokens):
+            rows = slice(r0, r0 + n)
+            part = {"cos": cos[j, rows], "sin": sin[j, rows], "span": span[rows]}
+            if j == 0:
+                part["tok"] = tok[rows]
+            for g in range(G):
+                out |= {f"{x}_m{m}_g{g}": v.clone() for x, v in part.items()}
+        feeds.append(out)
+    return feeds
