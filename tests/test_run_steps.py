@@ -116,3 +116,18 @@ def test_bad_steps_are_refused_before_anything_runs():
         with pytest.raises(UsageError, match="non-empty list"):
             prog.run_steps([], carry={})
         assert prog.held == frozenset()  # nothing ran
+
+
+@pytest.mark.parametrize("engine", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_kernel_failing_at_a_later_step_ends_the_call_naming_it(engine, request):
+    """Token 3's table row is NaN: the second step's sample_tokens raises (row 2); the error names the
+    worker, the vertex and the row, and the Program runs again afterwards."""
+    kw = {"pool": request.getfixturevalue("pool")} if engine == "ray" else {}
+    with compile(counter(1), engine=engine, **kw) as prog:
+        steps = feeds([0, 1, 2], stop_at=-1, k=4)
+        steps[0]["table"][3] = float("nan")
+        with pytest.raises(RunError, match=r"gpu:0 .*next.* non-finite logits in row 2"):
+            prog.run_steps(steps, carry={"next": "tok"}, halt="done", timeout=60)
+        assert prog.run_steps(feeds([0, 1, 2], stop_at=-1, k=2), carry={"next": "tok"})[1][
+            "next"
+        ].tolist() == [2, 3, 4]

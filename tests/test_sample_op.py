@@ -137,7 +137,7 @@ def test_the_feeds_of_several_steps_are_each_steps_own(tmp_path, gpus, micro):
     ck = Checkpoint(str(tmp_path))
     mgraph = batch_decode_graph(ck, gpus, 4, 3, 4, micro=micro, stops=4)
     layout = BatchLayout.of([5, 3, 7], 4, 4)
-    steps = feed_decode_steps(mgraph, ck.config, layout, [3, 9, 27], 8, 3)
+    steps = feed_decode_steps(mgraph, ck.config, layout.offsets, [3, 9, 27], 8, 3)
     for j, got in enumerate(steps):
         want = feed_decode(mgraph, ck.config, layout, [3, 9, 27], 8 + j, micro)
         want = want if j == 0 else {x: v for x, v in want.items() if not x.startswith("tok_")}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,14 +22,14 @@ from disco_ray.graph.errors import RunError
 from .watch import HEARTBEAT_S, GcsMonitor, Watchdog
 
 
-def await_alone(eng: Any, ref: Any, opts: RunOptions) -> Any:
+def await_alone(
+    eng: Any, ref: Any, opts: RunOptions, poll_s: float, stall_s: float, cause: Callable[[Exception], str]
+) -> Any:
     """What the one worker's call `ref` of engine `eng` (a RayEngine) returns, watched: a dead or
-    silent worker, the timeout and a task error raise RunError naming it; the progress is
-    the completions polled meanwhile."""
+    silent worker (no answer for `stall_s`), the timeout and a task error (its message: `cause`)
+    raise RunError naming it; every `poll_s` the completions so far give the progress."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
-
-    from .engine_ray import POLL_S, STALL_S, _cause
 
     w = eng.workers[0]
     # the keys of the coordinator's statistics (`Scheduler.statistics`), counted here
@@ -43,12 +43,12 @@ def await_alone(eng: Any, ref: Any, opts: RunOptions) -> Any:
         "coordinator": False,
     }
     eng._alone_done = []
-    dog = Watchdog({0: w}, HEARTBEAT_S, STALL_S)
+    dog = Watchdog({0: w}, HEARTBEAT_S, stall_s)
     progress, timeout = opts.progress, opts.timeout
     t_end = None if timeout is None else time.monotonic() + timeout
     asked = None  # the completions asked for at the last poll, not answered yet
     with GcsMonitor(eng._gcs(), private=eng.pool.private) as gcs:
-        while not ray.wait([ref], num_returns=1, timeout=POLL_S)[0]:
+        while not ray.wait([ref], num_returns=1, timeout=poll_s)[0]:
             gcs.due()
             if asked is not None and ray.wait([asked], timeout=0)[0]:
                 with contextlib.suppress(Exception):  # dead or failed: `ref` tells
@@ -72,7 +72,7 @@ def await_alone(eng: Any, ref: Any, opts: RunOptions) -> Any:
         try:
             return ray.get(ref)
         except RayTaskError as e:
-            raise RunError(_cause(e)) from None
+            raise RunError(cause(e)) from None
         except RayActorError:
             raise RunError(eng._died(0)) from None
 
@@ -83,18 +83,19 @@ def run_steps_alone(
     carry: Mapping,
     halt: Sequence[str],
     opts: RunOptions,
+    ship: Callable[[torch.Tensor], Any],
+    **watch: Any,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[list]]]:
-    """Steps of a one-worker plan in one call (`GpuWorker.run_steps`): (each step's outputs,
-    each step's trace records per GPU). The carried and halt outputs come back with the wanted
-    ones (a carried value the caller does not want is still an output of the graph)."""
-    from .engine_ray import shippable
-
+    """Steps of a one-worker plan in one call (`GpuWorker.run_steps`), each input as `ship` makes
+    it travel, the call watched as `await_alone` (`watch`: its poll_s, stall_s, cause): (each
+    step's outputs, each step's trace records per GPU). The carried and halt outputs come back
+    with the wanted ones (a carried value the caller does not want is still a graph output)."""
     wants = eng.wants[0]
-    shipped = [{k: shippable(feed[k]) for k in wants if k in feed} for feed in feeds]
+    shipped = [{k: ship(feed[k]) for k in wants if k in feed} for feed in feeds]
     ref = eng.workers[0].run_steps.remote(
         eng.key, shipped, opts.check, opts.delay, opts.seed, eng.wanted[0], dict(carry), list(halt)
     )
-    err, parts, traces = await_alone(eng, ref, opts)
+    err, parts, traces = await_alone(eng, ref, opts, **watch)
     eng._alone.update(completed=sum(map(len, traces)), state="failed" if err else "finished")
     if err is not None:
         raise RunError(err)

@@ -181,7 +181,7 @@ class RayEngine:
             opts.seed,
             self.wanted[0],
         )
-        err, part, trace = await_alone(self, ref, opts)
+        err, part, trace = await_alone(self, ref, opts, POLL_S, STALL_S, _cause)
         self._alone.update(completed=len(trace), state="failed" if err else "finished")  # type: ignore[union-attr]
         if err is not None:
             raise RunError(err)
@@ -202,7 +202,9 @@ class RayEngine:
         try:
             if len(self.workers) > 1:
                 return loop_steps(lambda x: self._run(x, opts), feeds, carry, halt)
-            return run_steps_alone(self, feeds, carry, halt, opts)
+            return run_steps_alone(
+                self, feeds, carry, halt, opts, shippable, poll_s=POLL_S, stall_s=STALL_S, cause=_cause
+            )
         except BaseException:
             self.broken = True  # actors may hold a half-done run: the pool remakes them
             raise

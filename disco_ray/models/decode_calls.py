@@ -70,7 +70,7 @@ def decode_call(
     draws = [own[s].peek(k) for s in seqs] if sampled else []
     temp = float(params.temperature) if sampled else 0.0  # 0: greedy
     knobs = torch.tensor([temp, params.top_k, params.top_p], dtype=torch.float64)
-    feeds = feed_decode_steps(mgraph, model.config, layout, book.tokens(), p, k)
+    feeds = feed_decode_steps(mgraph, model.config, layout.offsets, book.tokens(), p, k)
     for j, feed in enumerate(feeds):
         u = torch.full((rows,), PADDING, dtype=torch.float64)
         left = torch.zeros(rows, dtype=torch.int64)

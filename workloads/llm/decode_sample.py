@@ -12,7 +12,6 @@ last new token), and any flag ends a `run_steps` call after that step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,9 +20,6 @@ from disco_ray.graph.kernels_sample import as_bits
 from .checkpoint import LlamaConfig
 from .layer import rope_tables
 from .model import ModelGraph
-
-if TYPE_CHECKING:
-    from .batch import BatchLayout
 
 
 def add_sampling(mgraph: ModelGraph, k: int, grp: range, owner: int, stops: int) -> None:
@@ -81,14 +77,14 @@ def feed_sampling(
 
 
 def feed_decode_steps(
-    mgraph: ModelGraph, cfg: LlamaConfig, layout: BatchLayout, tokens: Sequence[int], p: int, k: int
+    mgraph: ModelGraph, cfg: LlamaConfig, offsets: Sequence[int], tokens: Sequence[int], p: int, k: int
 ) -> list[dict[str, torch.Tensor]]:
     """`feed_decode`'s inputs of k decode steps at cache indices p..p+k-1 (the rotary rows of
-    every step in one table), `tokens` fed at the first; the later steps have no token inputs
-    (`token_carry` gives them)."""
-    G, R = mgraph.taskgraph.gpus, layout.rows
+    every step in one table) for rows whose first tokens sit at `offsets` (`BatchLayout.offsets`),
+    `tokens` fed at the first step; the later steps have no token inputs (`token_carry` gives them)."""
+    G, R = mgraph.taskgraph.gpus, len(offsets)
     n = R // len(mgraph.tokens)  # rows per micro-batch
-    off = torch.tensor(layout.offsets, dtype=torch.int64)
+    off = torch.tensor(list(offsets), dtype=torch.int64)
     idx = torch.arange(p, p + k, dtype=torch.int64).unsqueeze(1)  # [k, 1]
     cos, sin = rope_tables(cfg.spec, (idx - off).clamp(min=0).reshape(-1), getattr(torch, mgraph.dtype))
     cos, sin = cos.view(k, R, -1), sin.view(k, R, -1)
