@@ -243,6 +243,25 @@ class GpuWorker:
         self.ex, self.transport = ex, transport
         return ex.run_alone(inputs, wanted, check=check, delay=delay, seed=seed)
 
+    def run_steps(
+        self,
+        key: str,
+        feeds: Sequence[Mapping[str, torch.Tensor]],
+        check: bool,
+        delay,
+        seed: int,
+        wanted: list,
+        carry: Mapping[str, Sequence[str]],
+        halt: Sequence[str],
+    ) -> tuple[str | None, list[dict[str, Any]], list[Any]]:
+        """Up to len(feeds) runs of one-GPU graph `key` in this call, each step's carried outputs
+        fed to the next, ending after a step whose halt output is nonzero (`actors.steps`)."""
+        from .steps import run_alone_steps
+
+        ex, transport = self._graph(key)
+        self.ex, self.transport = ex, transport
+        return run_alone_steps(ex, feeds, wanted, carry, halt, check=check, delay=delay, seed=seed)
+
     def completed_since(self, n: int) -> list[int]:
         return self._ex().completed_since(n)
 

@@ -259,7 +259,9 @@ def _part_a(path: Path, args, third: int, blocks: int, batches: list[int], chose
         for b in batches:
             r = bench_disco(model, prompts(b, args.prompt), args.new, args.repeat, chosen[b])
             rows_a[b] = r
-            mgraph, prog = model._programs[("batch_decode", b, blocks, chosen[b])]
+            # its decode steps sample on the device: the plan key ends with the stop ids per row
+            key = next(k for k in model._programs if k[:4] == ("batch_decode", b, blocks, chosen[b]))
+            mgraph, prog = model._programs[key]
             traces[b] = (mgraph.taskgraph, prog.mg, prog.last_records)
             print(
                 f"  batch {b:>3} micro {chosen[b]}: {r['tokens_per_s']:8.1f} new tokens/s (prefill "

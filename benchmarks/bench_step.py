@@ -1,7 +1,8 @@
 """The runtime's own cost per decode step: wall time minus the union of its vertices' intervals.
 
     .venv/bin/python benchmarks/bench_step.py [--model tiny|bench] [--engine ray|local]
-        [--gpus 1] [--steps 40] [--prompt 128] [--dir /tmp/bench_llama] [--json out.json]
+        [--gpus 1] [--steps 40] [--prompt 128] [--steps-per-call K] [--dir /tmp/bench_llama]
+        [--json out.json]
 
 One LLaMA checkpoint (`tiny`: 2 layers, hidden 64, made here; `bench`: the 0.49 GB checkpoint
 of benchmarks/bench_llama_cpu.py), one GPU (`--gpus`: split over more), batch 1, a roomy arena. After a prompt and a few
@@ -10,7 +11,10 @@ timed around `Program.run`: its wall time, the union of its trace records' inter
 worker's streams and lanes were busy with) and the rest, the runtime's own share (the driver's
 call, messages, the worker's bookkeeping, waiting). Also where the rest lies: before the first
 vertex starts, after the last one ends, and between vertices. Median and best (lowest wall) of
-the steps. A benchmark: it measures and prints; nothing here is a test.
+the steps. `--steps-per-call K` (K >= 1) times instead the batch decode step that samples on
+the device (`run_generate_batch`'s), K steps per `Program.run_steps` call (none halts): per step,
+the call's wall time, vertices and own time over its K steps. A benchmark: it measures and
+prints; nothing here is a test.
 """
 
 from __future__ import annotations
@@ -99,6 +103,77 @@ def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1) -> 
     }
 
 
+def step_feeds(m, prog_key: tuple, layout, tok: int, p: int, k: int) -> list[dict]:
+    """K steps of the batch decode graph of `prog_key` from cache index p, one row, greedy, never
+    halting (a maximum far away): what `decode_calls.decode_call` hands `run_steps`."""
+    from workloads.llm.batch import feed_decode
+    from workloads.llm.decode_sample import feed_sampling
+
+    mgraph, _ = m._program(prog_key)
+    knobs = torch.tensor([0.0, 0, 1.0], dtype=torch.float64)
+    stops = torch.full((1, prog_key[-1]), -1, dtype=torch.int64)
+    feeds = []
+    for j in range(k):
+        feed = feed_decode(mgraph, m.config, layout, [tok], p + j, 1)
+        if j:
+            feed = {x: v for x, v in feed.items() if not x.startswith("tok_")}
+        u, left = torch.zeros(1, dtype=torch.float64), torch.tensor([1 << 20])
+        feeds.append(
+            feed | feed_sampling(mgraph, u, left, knobs if j == 0 else None, stops if j == 0 else None)
+        )
+    return feeds
+
+
+def measure_calls(path: Path, engine: str, steps: int, prompt: int, k: int, gpus: int = 1) -> dict:
+    """As `measure`, for the sampling decode step, `k` steps per call: per step = per call / k."""
+    from disco_ray.models import LlamaModel
+    from disco_ray.models.decode_calls import MIN_STOPS
+    from disco_ray.models.graphs import capacity_bounds
+    from workloads.llm.batch import BatchLayout
+    from workloads.llm.decode_sample import token_carry
+
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8, batch=1)["roomy"][0]
+    with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine) as m:
+        g = m.run_generate_batch([ids], 4, stop_at_eos=False, steps_per_call=k)  # plans, weights in
+        layout = BatchLayout.of([prompt], m.block, 1)
+        p = layout.length  # the first index of a cache block: k <= block steps stay in it
+        key = ("batch_decode", 1, p // m.block + 1, 1, MIN_STOPS)
+        mgraph, prog = m._program(key)
+        feeds = step_feeds(m, key, layout, g.sequences[0].new_ids[-1], p, k)
+        carry, halt = token_carry(mgraph), mgraph.finished
+        for _ in range(3):
+            prog.run_steps(feeds, carry=carry, halt=halt)
+        rows = []
+        for _ in range(max(1, steps // k)):
+            t0 = time.time_ns()  # the clock of the trace records
+            done = len(prog.run_steps(feeds, carry=carry, halt=halt))
+            t1 = time.time_ns()
+            iv = [(a, b) for step in prog.last_steps for recs in step for _, _, a, b in recs]
+            busy = union_ns(iv)
+            first, last = min(a for a, _ in iv), max(b for _, b in iv)
+            rows.append(
+                {
+                    "wall_ms": (t1 - t0) / 1e6 / done,
+                    "kernels_ms": busy / 1e6 / done,
+                    "own_ms": (t1 - t0 - busy) / 1e6 / done,
+                    "before_first_ms": (first - t0) / 1e6 / done,
+                    "after_last_ms": (t1 - last) / 1e6 / done,
+                    "between_ms": (last - first - busy) / 1e6 / done,
+                }
+            )
+    med = {x: round(statistics.median(r[x] for r in rows), 3) for x in rows[0]}
+    best = min(rows, key=lambda r: r["wall_ms"])
+    return {
+        "vertices": len(iv) // done,
+        "steps": len(rows) * done,
+        "steps_per_call": k,
+        "median": med,
+        "best": {x: round(v, 3) for x, v in best.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("tiny", "bench"), default="tiny")
@@ -106,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=1, help="workers the model is split over")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=0,
+        metavar="K",
+        help="time the sampling batch decode step, K per call (0: the single-sequence step, one per run)",
+    )
     ap.add_argument("--dir", default=None, help="the checkpoint (made if missing)")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args(argv)
@@ -116,12 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         from bench_llama_cpu import checkpoint
 
         path = checkpoint(Path(args.dir or "/tmp/bench_llama"))
-    r = measure(path, args.engine, args.steps, args.prompt, args.gpus)
+    if args.steps_per_call:
+        r = measure_calls(path, args.engine, args.steps, args.prompt, args.steps_per_call, args.gpus)
+    else:
+        r = measure(path, args.engine, args.steps, args.prompt, args.gpus)
     r.update(model=args.model, engine=args.engine, gpus=args.gpus, prompt=args.prompt, root=str(ROOT))
     for name in ("median", "best"):
         x = r[name]
         print(
-            f"{args.model} {args.engine} {args.gpus} GPU {name}: step {x['wall_ms']:.2f} ms = vertices {x['kernels_ms']:.2f} "
+            f"{args.model} {args.engine} {args.gpus} GPU K={args.steps_per_call} {name}: step {x['wall_ms']:.2f} ms = vertices {x['kernels_ms']:.2f} "
             f"+ own {x['own_ms']:.2f} (before the first vertex {x['before_first_ms']:.2f}, after the "
             f"last {x['after_last_ms']:.2f}, between {x['between_ms']:.2f}); {r['vertices']} vertices"
         )

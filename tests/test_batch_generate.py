@@ -282,7 +282,8 @@ def test_the_plans_choose_the_micro_batches_again_when_the_capacity_shrinks_mid_
                     budget.write_text(str(tight))
                     os.utime(budget, ns=(mtime + 10**9, mtime + 10**9))  # a change whatever the clock
 
-        g = m.run_generate_batch(PROMPTS, MAX_NEW, stop_at_eos=False, on_token=cut)
+        # one step per call: a new capacity takes effect at the next call, here the next step
+        g = m.run_generate_batch(PROMPTS, MAX_NEW, stop_at_eos=False, on_token=cut, steps_per_call=1)
         assert [s.new_ids for s in g.sequences] == free
         assert g.micro == 1 and g.micros[0] == 1 and g.rows[1] == 4
         assert g.micros[1] > 1, g.micros  # chosen again at the new capacity

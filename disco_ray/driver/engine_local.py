@@ -18,6 +18,7 @@ from actors.backends import make_backend
 from actors.executor import Executor
 from actors.options import DEFAULT_RUN, DEFAULT_WORKER, RunOptions, WorkerConfig
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Instruction, Scheduler, WorkerFailed
+from actors.steps import loop_steps
 from actors.tiers.store import WorkerStore
 from actors.transports.base import Transport
 from actors.transports.local import LocalTransport
@@ -182,6 +183,16 @@ class LocalEngine:
             vid = self.mg.outputs[value]
             outs[value] = self.execs[self.mg.vertex(vid).gpu].output(value, vid)
         return outs, [list(ex.trace) for ex in self.execs]
+
+    def run_steps(
+        self,
+        feeds: Sequence[Mapping[str, torch.Tensor]],
+        carry: Mapping,
+        halt: Sequence[str],
+        opts: RunOptions,
+    ) -> tuple[list[dict[str, torch.Tensor]], list[list[list]]]:
+        """Up to len(feeds) runs, each step's carried outputs fed to the next (`actors.steps`)."""
+        return loop_steps(lambda x: self.run(x, opts), feeds, carry, halt)
 
     def statistics(self) -> dict:
         return {

@@ -13,7 +13,6 @@ call, `run_alone`, without the coordinator (docs/RUNTIME.md, "One worker").
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Mapping, Sequence
 
@@ -21,10 +20,12 @@ import numpy as np
 import torch
 
 from actors.options import DEFAULT_RUN, DEFAULT_WORKER, STALL_S, RunOptions, WorkerConfig
+from actors.steps import loop_steps
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
+from .alone import await_alone, run_steps_alone
 from .placement import PlacementConfig, describe
 from .pool import RayPool, shared_pool, ship_own_ops
 from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address, watched_get
@@ -175,26 +176,8 @@ class RayEngine:
     ) -> tuple[dict[str, torch.Tensor], list[list]]:
         """A run of a one-worker plan: one call (`GpuWorker.run_alone`) carries the inputs, runs
         every vertex and brings back the outputs and trace records; the coordinator is not
-        involved (it would dispatch every vertex at start and only count completions). Its part
-        in failures is kept here: the driver polls the worker's completions, so that a dead
-        worker is named with what it held, and the progress and timeout work as in `_wait`."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        w = self.workers[0]
-        # the keys of the coordinator's statistics (`Scheduler.statistics`), counted here
-        self._alone = {
-            "vertices": len(self.mg),
-            "completed": 0,
-            "state": "running",
-            "events": 0,
-            "dispatch_messages": 0,
-            "cross_worker_edges": 0,
-            "coordinator": False,
-        }
-        self._alone_done = []
-        dog = Watchdog({0: w}, HEARTBEAT_S, opts.stall_timeout)
-        ref = w.run_alone.remote(
+        involved (it would dispatch every vertex at start and only count completions)."""
+        ref = self.workers[0].run_alone.remote(
             self.key,
             {k: shippable(inputs[k]) for k in self.wants[0] if k in inputs},  # left out: the worker's copy
             opts.check,
@@ -202,43 +185,41 @@ class RayEngine:
             opts.seed,
             self.wanted[0],
         )
-        progress, timeout = opts.progress, opts.timeout
-        t_end = None if timeout is None else time.monotonic() + timeout
-        asked = None  # the completions asked for at the last poll, not answered yet
-        with GcsMonitor(self._gcs(), private=self.pool.private) as gcs:
-            while not ray.wait([ref], num_returns=1, timeout=POLL_S)[0]:
-                gcs.due()
-                if asked is not None and ray.wait([asked], timeout=0)[0]:
-                    with contextlib.suppress(Exception):  # dead or failed: `ref` tells
-                        self._alone_done += ray.get(asked)
-                    asked = None
-                if asked is None:
-                    asked = w.completed_since.remote(len(self._alone_done))
-                silent = dog.check()
-                if silent is not None:
-                    raise RunError(
-                        f"{self._name(silent[0])} has not answered for {silent[1]:.0f} s (stopped or "
-                        f"hung); the run is abandoned after {self._progress()} of {len(self.mg)} vertices"
-                    )
-                if progress is not None:
-                    progress(len(self._alone_done))
-                if t_end is not None and time.monotonic() > t_end:
-                    raise RunError(
-                        f"run did not finish within {timeout} s ({self._progress()} of {len(self.mg)} "
-                        "vertices done)"
-                    )
-            try:
-                err, part, trace = ray.get(ref)
-            except RayTaskError as e:
-                raise RunError(_cause(e)) from None
-            except RayActorError:
-                raise RunError(self._died(0)) from None
-        self._alone.update(completed=len(trace), state="failed" if err else "finished")
+        err, part, trace = await_alone(self, ref, opts, POLL_S, opts.stall_timeout, _cause)
+        self._alone.update(completed=len(trace), state="failed" if err else "finished")  # type: ignore[union-attr]
         if err is not None:
             raise RunError(err)
-        if progress is not None:
-            progress(len(trace))
+        if opts.progress is not None:
+            opts.progress(len(trace))
         return self._outputs([part]), [trace]
+
+    def run_steps(
+        self,
+        feeds: Sequence[Mapping[str, torch.Tensor]],
+        carry: Mapping,
+        halt: Sequence[str],
+        opts: RunOptions,
+    ) -> tuple[list[dict[str, torch.Tensor]], list[list[list]]]:
+        """Up to len(feeds) runs, each step's carried outputs fed to the next (`actors.steps`):
+        a one-worker plan's steps in one call to it (`GpuWorker.run_steps`), a plan over
+        several workers' as single runs in turn. Returns each step's outputs and records."""
+        try:
+            if len(self.workers) > 1:
+                return loop_steps(lambda x: self._run(x, opts), feeds, carry, halt)
+            return run_steps_alone(
+                self,
+                feeds,
+                carry,
+                halt,
+                opts,
+                shippable,
+                poll_s=POLL_S,
+                stall_s=opts.stall_timeout,
+                cause=_cause,
+            )
+        except BaseException:
+            self.broken = True  # actors may hold a half-done run: the pool remakes them
+            raise
 
     def _outputs(self, parts: Sequence[Mapping]) -> dict[str, torch.Tensor]:
         """The outputs as typed CPU tensors, from each worker's raw bytes."""

@@ -155,6 +155,7 @@ class Program:
         self._summary: dict | None = None
         self._last: tuple | None = None  # (plan, wall s, extra keys) of the last run, summarized when asked
         self.last_records: list[list] | None = None
+        self.last_steps: list[list[list]] = []  # each step's records, of the last `run_steps`
 
     @property
     def engine(self):
@@ -239,8 +240,16 @@ class Program:
         finally:
             if bar is not None:
                 bar.close()
-        wall = time.perf_counter() - t
         self._held |= set(tensors)
+        self._ran(eng, records, time.perf_counter() - t)
+        if trace:
+            write_trace(trace, self.mg, records, self.last_summary)
+        if details:
+            return RunResult(outs, self.mg, self.last_summary or {}, records)
+        return outs
+
+    def _ran(self, eng, records: list[list], wall: float) -> None:
+        """Keeps a run's records and what its summary adds to them (made when asked)."""
         self.last_records = records
         extra: dict = {
             "cold": self._runs == 0,  # the engine's first run: arenas, sourced inputs
@@ -253,10 +262,43 @@ class Program:
         # the records are summarized when asked (`last_summary`): a decode step does not pay for it
         self._last, self._summary = (self.mg, wall, extra), None
         self._runs += 1
-        if trace:
-            write_trace(trace, self.mg, records, self.last_summary)
-        if details:
-            return RunResult(outs, self.mg, self.last_summary or {}, records)
+
+    def run_steps(
+        self,
+        feeds: Sequence[Mapping[str, object]],
+        *,
+        carry: Mapping[str, str | Sequence[str]],
+        halt: str | Sequence[str] = (),
+        **opts,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Runs the plan up to len(feeds) times in a row, step k on `feeds[k]` and the outputs of
+        step k-1 that `carry` names; returns each step's outputs (docs/RUNTIME.md, "Several
+        steps per call": a one-worker plan on the ray engine runs them in one call).
+
+        Args:
+            feeds: step k's inputs, as `run` takes them; a step after the first leaves out the
+                carried inputs, and may leave out any input an earlier step or run handed in.
+            carry: output -> the input (or inputs) of the next step it becomes (same shape, dtype).
+            halt: outputs ending the call after the first step where one holds a nonzero element.
+            opts: `check`, `delay`, `seed`, `timeout` (the whole call's), `progress`, as `run`'s.
+
+        `last_records`, `last_summary`: the last step's (wall: the call's / steps); `last_steps`:
+        every step's records. UsageError: a carry or halt that is no output, a carry of another
+        shape or dtype; else as `run`."""
+        from .steps import check_steps
+
+        carried, halts = check_steps(self.tg, feeds, carry, halt, self.held, self._callers)
+        tensors = [{k: torch.as_tensor(v) for k, v in feed.items()} for feed in feeds]
+        eng = self.engine
+        t = time.perf_counter()
+        try:
+            outs, steps = eng.run_steps(tensors, carried, halts, RunOptions(**opts))
+        except BaseException:
+            self.close()
+            raise
+        self._held |= {k for feed in tensors for k in feed} | {x for xs in carried.values() for x in xs}
+        self.last_steps = steps
+        self._ran(eng, steps[-1], (time.perf_counter() - t) / len(steps))
         return outs
 
     @property

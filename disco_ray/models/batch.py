@@ -8,18 +8,21 @@ KV cache states, micro-batches). This module is the loop around them (`run_batch
   unfinished sequence in one run of one plan, so each weight block is loaded once per step;
 - micro-batches (`micro="auto"`, the default) are the plans' choice, `LlamaModel.choose_micro`:
   per (step kind, rows, cache blocks) at the current capacity, the split whose plan moves the
-  fewest bytes between host and device, made once per capacity (a resize between steps makes
-  the next step choose again);
+  fewest bytes between host and device, made once per capacity (a resize between calls makes
+  the next call choose again);
 - plans are keyed by (rows, cache blocks, micro-batches), with rows the live sequences rounded up
   to a power of two: a finished sequence's row stays as padding (token 0, output ignored) until
   the live count falls to the next lower power of two, when the batch is compacted: the live
   rows' KV cache states are renamed to rows 0..B'-1 and the others dropped on the workers
   (`move_states`: no data copied, memory freed). So a batch of B makes at most log2(B) + 1 row
   counts, each planned once per cache block reached, and later calls reuse every plan;
-- the next tokens are chosen on the driver from the gathered logits rows
-  (`disco_ray.models.sampling`: greedy by default, or sampling with one generator per sequence
-  by its index, its place in the call unless `indices=` names it otherwise, so a sequence's
-  tokens do not depend on its batch, nor on how a caller splits its prompts into calls);
+- the next tokens are chosen on the device that holds the logits, in the decode graph
+  (`disco_ray.models.sampling`'s math: greedy by default, or sampling with one generator per
+  sequence by its index, its place in the call unless `indices=` names it otherwise, so a
+  sequence's tokens do not depend on its batch, nor on how a caller splits its prompts into
+  calls); the prefill's, on the driver. Each Ray call runs up to `steps_per_call` decode steps,
+  the tokens carried from step to step on the workers, and ends after the step where a
+  sequence finishes (`disco_ray.models.decode_calls`);
 - a sequence ends at the request's stop ids, its own (`stop_ids=`, one list per prompt), the
   end-of-sequence ids or its own maximum, and its row is free from that step on.
 """
@@ -35,8 +38,16 @@ from typing import Any
 import torch
 
 from disco_ray.graph.errors import UsageError
-from workloads.llm.batch import BatchLayout, feed_decode, feed_prefill, state_ids
+from workloads.llm.batch import BatchLayout, feed_prefill, state_ids
 
+from .decode_calls import (
+    STEPS_PER_CALL,
+    advance,
+    check_steps_per_call,
+    decode_call,
+    steps_in_call,
+    stop_width,
+)
 from .sampling import FinishReason, SamplingParams, finish_reason, sample, samplers
 
 
@@ -252,9 +263,11 @@ def run_batch(
     on_token: Callable[[int, int], None] | None = None,
     timeout: float | None = None,
     prefill_logits: bool = False,
+    steps_per_call: int = STEPS_PER_CALL,
 ) -> BatchGeneration:
     """`LlamaModel.run_generate_batch` (see there); `prefill_logits` keeps each prompt's
     last-token logits (`BatchGeneration.prefill_logits`)."""
+    steps = check_steps_per_call(steps_per_call)
     cfg = model.config
     ids = check_prompts(prompts, cfg.vocab)
     maxes = check_max_new(max_new_tokens, len(ids))
@@ -263,7 +276,8 @@ def run_batch(
     fixed = check_micro(micro)  # the caller's micro-batch count, or None: the plans choose per step
 
     def split(kind: str, rows: int, blocks: int) -> int:
-        return int(model.choose_micro(kind, rows, blocks)) if fixed is None else min(fixed, rows)
+        extra = (stop_width(book.ends),) if kind == "batch_decode" else ()  # its graph samples
+        return int(model.choose_micro(kind, rows, blocks, extra)) if fixed is None else min(fixed, rows)
 
     params = check_sampling(sampling, cfg.vocab)
     own = samplers(params, seeds) if params.do_sample else []
@@ -291,28 +305,35 @@ def run_batch(
             if prefill_logits:
                 gen.prefill_logits = _per_prompt(logits, [s for s in book.rows if s is not None], len(ids))
         p = layout.length  # the cache index of the next token fed
-        while book.live():
+        if book.live():  # the first new tokens, from the prefill's logits, chosen here
             live = book.live()
             named = [seeds[book.rows[r]] for r in live]  # type: ignore[index]  # each row's `indices` entry
             draws = [own[book.rows[r]] for r in live] if own else ()  # type: ignore[index]
-            toks = sample(logits[live], params, draws, step=len(gen.decode_s), rows=named)
-            for s, t, why in book.advance(toks.tolist()):
-                if on_token is not None:
-                    on_token(s, t)
-                if why is not None:
-                    finish(s)
-            if not book.live():
-                break
+            toks = sample(logits[live], params, draws, step=0, rows=named)
+            first = dict(zip(live, toks.tolist()))
+            advance(book, [[first.get(r, 0) for r in range(R)]], on_token, finish)
+        width = stop_width(book.ends)
+        while book.live():
             keep = book.compaction()
             if keep is not None:  # live rows to 0..B'-1 on the workers, the rest dropped
                 _compact(model, keep, R, reached)
                 layout, R = layout.take(keep), len(keep)
-            model._poll_budget()  # between steps: a new capacity takes effect here
+            model._poll_budget()  # between calls: a new capacity takes effect here
             blocks = p // model.block + 1
             reached = max(reached, blocks)
             m = split("batch_decode", R, blocks)  # chosen once per (rows, blocks, capacity)
-            logits = _decode_step(model, gen, layout, book.tokens(), p, (R, blocks, m), timeout)
-            p += 1
+            left = [book.maxes[s] - len(book.new[s]) for s in (book.rows[r] for r in book.live())]  # type: ignore[index]
+            k = steps_in_call(steps, p, model.block, left)
+            toks, dt, moved = decode_call(
+                model, book, layout, p, (R, blocks, m, width), k, params, own, timeout
+            )
+            n = len(toks)
+            gen.decode_s += [dt / n] * n  # each step's share of the call
+            gen.rows += [R] * n
+            gen.micros += [m] * n
+            gen.bytes_loaded += moved
+            advance(book, [t.tolist() for t in toks], on_token, finish, own)
+            p += n
         ok = True
     finally:  # the batch's KV cache goes, whatever happened
         _drop_cache(model, rows0, reached, ok)
@@ -366,30 +387,6 @@ def _per_prompt(logits: torch.Tensor, seqs: list[int], n: int) -> torch.Tensor:
     out = torch.full((n, logits.shape[1]), float("nan"))
     out[seqs] = logits[: len(seqs)]
     return out
-
-
-def _decode_step(
-    model: Any,
-    gen: BatchGeneration,
-    layout: BatchLayout,
-    tokens: list[int],
-    p: int,
-    key: tuple[int, int, int],
-    timeout: float | None,
-) -> torch.Tensor:
-    """One decode step of every row in one run: `tokens` fed at cache index `p`, with `key` the
-    (rows, cache blocks, micro-batches) of its plan; the next logits per row. The step's time,
-    rows, micro-batches and bytes loaded go to `gen`."""
-    rows, blocks, m = key
-    mgraph, prog = model._program(("batch_decode", rows, blocks, m))
-    feed = feed_decode(mgraph, model.config, layout, tokens, p, m)
-    outs, dt = _run(prog, feed, model.check, timeout)
-    logits = mgraph.gather(outs)
-    gen.decode_s.append(dt)
-    gen.rows.append(rows)
-    gen.micros.append(m)
-    gen.bytes_loaded.append(_loaded(prog))
-    return logits
 
 
 def _drop_cache(model: Any, rows: int, blocks: int, ok: bool) -> None:

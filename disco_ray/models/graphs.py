@@ -11,12 +11,15 @@ from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
 from workloads.llm.checkpoint import Checkpoint
 from workloads.llm.model import ModelGraph, decode_graph, prefill_graph
 
+STOPS = 4  # stop ids per row of a batch's decode graph: a request's rounded up to a power of two >= this
+
 
 def model_graph(
     ck: Checkpoint, gpus: int, key: tuple, block: int, dtype: str | None, tile: int
 ) -> ModelGraph:
     """The graph of a plan key: ("prefill", blocks, logits, cache), ("decode", blocks), or a
-    batch's ("batch_prefill" | "batch_decode", rows, cache blocks, micro-batches)."""
+    batch's ("batch_prefill" | "batch_decode", rows, cache blocks, micro-batches), a decode step
+    that samples on the device with one more: ("batch_decode", ..., stop ids per row)."""
     if key[0] == "prefill":
         _, blocks, logits, cache = key
         mgraph = prefill_graph(
@@ -31,8 +34,8 @@ def model_graph(
         )
     elif key[0] == "decode":
         mgraph = decode_graph(ck, gpus, key[1], block, dtype)
-    else:  # a batch's: (kind, rows, cache blocks, micro-batches)
-        _, rows, blocks, micro = key
+    else:  # a batch's: (kind, rows, cache blocks, micro-batches[, stop ids per row])
+        _, rows, blocks, micro, *stops = key
         if key[0] == "batch_prefill":
             mgraph = batch_prefill_graph(
                 ck,
@@ -45,7 +48,9 @@ def model_graph(
                 tile=tile,
             )
         else:
-            mgraph = batch_decode_graph(ck, gpus, rows, blocks, block, dtype=dtype, micro=micro)
+            mgraph = batch_decode_graph(
+                ck, gpus, rows, blocks, block, dtype=dtype, micro=micro, stops=stops[0] if stops else 0
+            )
     return mgraph
 
 
@@ -60,6 +65,7 @@ def capacity_bounds(
     dtype: str | None = None,
     batch: int | None = None,
     micro: int = 1,
+    stops: int = STOPS,
 ) -> dict[str, list[int]]:
     """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
     prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
@@ -67,7 +73,8 @@ def capacity_bounds(
 
     `batch`: the graphs of `run_generate_batch` for that many prompts of at most `prompt` tokens
     (rows rounded up to a power of two, `micro` micro-batches; the fewer rows after compaction
-    need no more), instead of the single-sequence ones."""
+    need no more), instead of the single-sequence ones; its decode steps sample on the device with
+    `stops` stop ids per row (`run_generate_batch` rounds a request's up to a power of two >= 4)."""
     from planner import roomy_capacity
 
     ck = Checkpoint(path)
@@ -80,7 +87,7 @@ def capacity_bounds(
         graphs = [batch_prefill_graph(ck, gpus, rows, blocks, block, dtype=dtype, micro=m, tile=tile)]
         end = blocks * block + new_tokens - 2  # the cache index the last step feeds
         graphs += [
-            batch_decode_graph(ck, gpus, rows, n, block, dtype=dtype, micro=m)
+            batch_decode_graph(ck, gpus, rows, n, block, dtype=dtype, micro=m, stops=stops)
             for n in range(blocks + 1, end // block + 2)
             if new_tokens > 1
         ]

@@ -32,6 +32,7 @@ from disco_ray.graph.sizes import parse_capacity
 from workloads.llm.model import ModelGraph
 
 from .batch import BatchGeneration, SequenceOutput, run_batch
+from .decode_calls import STEPS_PER_CALL
 from .planned import PlannedModel, last_steps
 from .programs import one_request, open_checkpoint
 from .sampling import SamplingParams, check_logits, sample
@@ -232,6 +233,7 @@ class LlamaModel(PlannedModel):
         stop_at_eos: bool = True,
         micro: int | str = "auto",
         timeout: float | None = None,
+        steps_per_call: int = STEPS_PER_CALL,
     ) -> list[int] | list[list[int]]:
         """The new token ids after each prompt (at most `max_new_tokens`, an int or one per
         prompt; a stop id or the config's end-of-sequence token ends a sequence, and is included).
@@ -240,9 +242,10 @@ class LlamaModel(PlannedModel):
         of such lists of any lengths (a batch, `run_generate_batch`: a list of new-id lists).
         `sampling` (`SamplingParams`; default greedy); `stop_ids`: token ids added to its stop ids
         for every sequence, or (a batch) one list per prompt, each sequence's own; `indices`:
-        each sequence's sampling index (`run_generate_batch`)."""
+        each sequence's sampling index; `steps_per_call`: decode steps per call (`run_generate_batch`)."""
         batch = bool(len(prompts)) and isinstance(prompts[0], Sequence) and not isinstance(prompts[0], str)
         simple = sampling is None and stop_ids is None and indices is None and micro in (1, "auto")
+        simple = simple and steps_per_call == STEPS_PER_CALL
         if not batch and simple:
             if not isinstance(max_new_tokens, int):
                 raise UsageError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -261,6 +264,7 @@ class LlamaModel(PlannedModel):
             stop_at_eos=stop_at_eos,
             micro=micro,
             timeout=timeout,
+            steps_per_call=steps_per_call,
         )
         new = [s.new_ids for s in got.sequences]
         return new if batch else new[0]
@@ -285,6 +289,7 @@ class LlamaModel(PlannedModel):
         on_finish: Callable[[SequenceOutput], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
         timeout: float | None = None,
+        steps_per_call: int = STEPS_PER_CALL,
     ) -> BatchGeneration:
         """Generation for a batch of prompts of different lengths: one prefill run for all, then
         one run of one plan per step for every unfinished sequence (`disco_ray.models.batch`).
@@ -305,8 +310,13 @@ class LlamaModel(PlannedModel):
                 step, the count whose plan moves the fewest bytes at the current capacity
                 (`choose_micro`), chosen again after a resize.
             on_finish: called with each sequence's `SequenceOutput` as it finishes.
-            on_token: called with (sequence index, token) for every new token.
-            timeout: bounds each run (RunError past it).
+            on_token: called with (sequence index, token) for every new token, in order.
+            timeout: bounds each run (RunError past it): a call of several steps as a whole.
+            steps_per_call: decode steps per call to the workers (default 8): the tokens are
+                chosen on the device and carried to the next step there; a call ends early
+                after the step where a sequence finishes, or at the end of a cache block. A new
+                capacity (a resize, a budget file) takes effect at the next call; 1: one step
+                per call.
 
         Raises:
             UsageError: one line naming the bad input (an empty prompt, an id outside the
@@ -325,6 +335,7 @@ class LlamaModel(PlannedModel):
             on_finish=on_finish,
             on_token=on_token,
             timeout=timeout,
+            steps_per_call=steps_per_call,
         )
 
     @one_request

@@ -110,21 +110,22 @@ class PlannedModel(Programs):
             planned = self._plans[(key, tuple(self._caps()))] = (mgraph, mg)
         return planned
 
-    def choose_micro(self, kind: str, rows: int, blocks: int) -> int:
+    def choose_micro(self, kind: str, rows: int, blocks: int, extra: tuple = ()) -> int:
         """The micro-batches of a batch step (`kind` "batch_prefill" or "batch_decode", `rows`
         rows, `blocks` cache blocks) at the current capacity, chosen by the plans: each power of
         two up to `rows` is planned and the one whose plan moves the fewest bytes between host
         and device wins (ties: fewer micro-batches). Made once per (step, capacity), so a resize
-        chooses again at the next step, and going back to a capacity chooses nothing."""
+        chooses again at the next step, and going back to a capacity chooses nothing. `extra`: the
+        rest of the plan key (a sampling decode step's stop ids per row)."""
         caps = tuple(self._caps())
-        got = self._micros.get((kind, rows, blocks, caps))
+        got = self._micros.get((kind, rows, blocks, caps, *extra))
         if got is not None:
             return got
         moved: dict[int, int | str] = {}
         m = 1
         while m <= rows:
             try:
-                moved[m] = bytes_moved(self._plan((kind, rows, blocks, m))[1])
+                moved[m] = bytes_moved(self._plan((kind, rows, blocks, m, *extra))[1])
             except (CapacityError, UsageError) as e:  # this split does not plan: the others may
                 moved[m] = str(e)
             m *= 2
@@ -132,7 +133,7 @@ class PlannedModel(Programs):
         if not fits:
             raise CapacityError(f"{kind} of {rows} rows plans with no micro-batch count: {moved[1]}")
         best = min(fits, key=lambda m: (moved[m], m))
-        self._micros[(kind, rows, blocks, caps)] = best
+        self._micros[(kind, rows, blocks, caps, *extra)] = best
         self.micro_choices.append(
             {
                 "kind": kind,

@@ -8,11 +8,13 @@ request) and advances once per generated token, so a sequence's tokens never dep
 sequences share its batch, nor on their order.
 
 The rows are whole: top-k and top-p need the order of the full vocabulary, so logits that are
-sharded over the vocabulary (one block of columns per GPU) are gathered first. The decode graph
-outputs full logits to the driver, which samples there over the full row.
+sharded over the vocabulary (one block of columns per GPU) are gathered first. The math is
+`disco_ray.graph.kernels_sample`'s, shared with the `sample_tokens` op: a batch's decode graph
+samples on the device that holds the gathered logits, with the u each sequence's sampler gives
+(`peek`), and the driver samples the prefill's logits with the same code.
 
-Every row sampled from is checked first (`check_logits`): a NaN or infinite logit ends the
-generation with a `NonFiniteError` naming the step and the sequence, never a token.
+Every row sampled from is checked first (`check_logits`, and the op's own check): a NaN or
+infinite logit ends the generation with an error naming the step and the sequence, never a token.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from disco_ray.graph.errors import NonFiniteError, UsageError
+from disco_ray.graph.kernels_sample import pick, process_rows
 
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 
@@ -103,11 +106,26 @@ class SequenceSampler:
         # Hashed, so that nearby (seed, index) pairs give unrelated streams.
         digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
         self._generator = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+        self._ahead: list[float] = []  # numbers drawn by `peek`, not used yet
 
     def uniform(self) -> float:
         """The next number of the stream, uniform in [0, 1)."""
         self.draws += 1
+        if self._ahead:
+            return self._ahead.pop(0)
         return float(torch.rand((), generator=self._generator, dtype=torch.float64))
+
+    def peek(self, n: int) -> list[float]:
+        """The next `n` numbers of the stream, left for `uniform` (a call of several decode steps
+        hands them to the device; the steps it did not run leave the stream where it was)."""
+        while len(self._ahead) < n:
+            self._ahead.append(float(torch.rand((), generator=self._generator, dtype=torch.float64)))
+        return self._ahead[:n]
+
+    def skip(self, n: int) -> None:
+        """Uses the next `n` numbers (drawn by `peek`) as `uniform` would."""
+        for _ in range(n):
+            self.uniform()
 
     def statistics(self) -> dict[str, int]:
         """Its seed, its index in the request and how many numbers it has drawn."""
@@ -166,24 +184,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     params.validate()
     if params.temperature <= 0:
         raise UsageError(f"temperature must be > 0 to process logits, got {params.temperature}")
-    x = _check_rows(logits)
-    if params.temperature != 1.0:
-        x = x / params.temperature
-    else:
-        x = x.clone()
-    if params.top_k:
-        k = min(params.top_k, x.shape[1])
-        kth = torch.topk(x, k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, -math.inf)  # every token tied with the k-th stays
-    if params.top_p < 1.0:
-        # Ascending order, as the warper sorts (torch.sort's order also decides between ties).
-        ascending, order = torch.sort(x, dim=-1)
-        mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = mass_up_to <= 1 - params.top_p
-        drop_sorted[:, -1] = False  # min_tokens_to_keep=1: the most likely token always stays
-        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-        x = x.masked_fill(drop, -math.inf)
-    return x
+    return process_rows(_check_rows(logits), params.temperature, params.top_k, params.top_p)
 
 
 def sample(
@@ -212,14 +213,12 @@ def sample(
     check_logits(rows32, step, rows)
     if not params.do_sample:
         params.validate()
-        return rows32.argmax(dim=-1)
-    probs = process_logits(logits, params).softmax(dim=-1)
-    if len(seq_samplers) != probs.shape[0]:
-        raise ValueError(f"{probs.shape[0]} rows of logits but {len(seq_samplers)} samplers")
-    # Inverse CDF in float64: one uniform per row, so a row's token depends on its own stream only.
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    u = torch.tensor([[s.uniform()] for s in seq_samplers], dtype=torch.float64)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    # u * total may round up to total: fall back to the row's last token of nonzero probability.
-    last = probs.shape[1] - 1 - (probs > 0).flip(-1).to(torch.int64).argmax(dim=-1, keepdim=True)
-    return torch.minimum(picked, last).squeeze(1)
+        return pick(rows32, None, 0.0, 0, 1.0)
+    params.validate()
+    if params.temperature <= 0:
+        raise UsageError(f"temperature must be > 0 to process logits, got {params.temperature}")
+    if len(seq_samplers) != rows32.shape[0]:
+        raise ValueError(f"{rows32.shape[0]} rows of logits but {len(seq_samplers)} samplers")
+    # one uniform per row, so a row's token depends on its own stream only
+    u = torch.tensor([s.uniform() for s in seq_samplers], dtype=torch.float64)
+    return pick(rows32, u, params.temperature, params.top_k, params.top_p)

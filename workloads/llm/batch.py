@@ -31,6 +31,7 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .checkpoint import Checkpoint, LlamaConfig
+from .decode_sample import add_sampling
 from .layer import Attend, rope_tables
 from .model import ModelGraph, _Builder
 
@@ -251,11 +252,24 @@ def _rows_attend(
 
 
 def batch_decode_graph(
-    ck: Checkpoint, gpus: int, rows: int, blocks: int, block: int, *, dtype: str | None = None, micro: int = 1
+    ck: Checkpoint,
+    gpus: int,
+    rows: int,
+    blocks: int,
+    block: int,
+    *,
+    dtype: str | None = None,
+    micro: int = 1,
+    stops: int = 0,
+    logits: bool = False,
 ) -> ModelGraph:
     """One token per row at the shared run-time cache index p in [(blocks-1)*block,
     blocks*block), each row attending to its KV cache blocks 0..blocks-1 (states) within its
-    span, its key and value written into its last block."""
+    span, its key and value written into its last block.
+
+    `stops` = 0: the logits of each row are the outputs. `stops` = S > 0: the graph also chooses
+    each row's next token on the device (`add_sampling`: S stop ids per row), and outputs the
+    tokens and the rows' finished flags (the logits too when `logits`)."""
     groups = micro_groups(rows, micro)
     b = _Builder(ck, gpus, dtype or ck.config.dtype)
     g, cfg, G, hd = b.g, b.cfg, gpus, b.cfg.head_dim
@@ -289,12 +303,15 @@ def batch_decode_graph(
             steps.append(zz.take())
         zz.add(steps)
     out, steps = [], []
+    mgraph = ModelGraph("batch_decode", g, rows, block, blocks, b.dtype, out, b.split, [(0, rows)])
     for k, grp in enumerate(groups):
-        out.append((grp[0], b.head(h[k][0], owner[k], f"d.m{k}")))
+        out.append((grp[0], b.head(h[k][0], owner[k], f"d.m{k}", keep=logits or not stops)))
+        if stops:
+            add_sampling(mgraph, k, grp, owner[k], stops)
         steps.append(zz.take())
     zz.add(steps)
-    order = zz.order() if micro > 1 else []
-    return ModelGraph("batch_decode", g, rows, block, blocks, b.dtype, out, b.split, [(0, rows)], order)
+    mgraph.order = zz.order() if micro > 1 else []
+    return mgraph
 
 
 def _cached_rows_attend(

@@ -55,6 +55,9 @@ class ModelGraph:
     split: Split | None = None
     tiles: list[tuple[int, int]] = field(default_factory=list)  # prefill: (first row, rows) per tile
     order: list[str] = field(default_factory=list)  # the planner's serial order (empty: the builder's)
+    # a batch decode step that samples on the device: per micro-batch (first row, its tokens' id)
+    tokens: list[tuple[int, str]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # per micro-batch: its rows' finished flags
 
     def feed(self, cfg: LlamaConfig, ids: list[int], pos: int = 0) -> dict[str, torch.Tensor]:
         """The caller inputs of one run: token ids (padded to `rows`), positions from `pos`."""
@@ -142,8 +145,8 @@ class _Builder:
             return parts
         return self.layer.all_reduce(parts, owner, f"{stem}.h0")
 
-    def head(self, h: str, owner: int, stem: str) -> list[str]:
-        """Final norm and this row tile's logits, one column block per GPU."""
+    def head(self, h: str, owner: int, stem: str, keep: bool = True) -> list[str]:
+        """Final norm and this row tile's logits, one column block per GPU (graph outputs when `keep`)."""
         g = self.g
         hs = self.layer.broadcast(h, f"{stem}.hf")
         out = []
@@ -151,7 +154,8 @@ class _Builder:
             norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
             x = g.rmsnorm(hs[j], norm, eps=self.cfg.eps, id=f"{stem}.normf_g{j}")
             out.append(g.linear(x, self.head_table(j), id=f"{stem}.logits_g{j}"))
-        g.output(*out)
+        if keep:
+            g.output(*out)
         return out
 
 
