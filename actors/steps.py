@@ -50,8 +50,12 @@ def loop_steps(
     outputs, each step's records), ending after the first step that halts."""
     outs: list[dict] = []
     records: list[list] = []
-    for feed in feeds:
-        got, recs = run(carried(feed, outs[-1] if outs else None, carry))
+    for k, feed in enumerate(feeds):
+        try:
+            got, recs = run(carried(feed, outs[-1] if outs else None, carry))
+        except Exception as e:
+            e.step = k  # type: ignore[attr-defined]  # which step of the call failed (RunError.step)
+            raise
         outs.append(got)
         records.append(recs)
         if halted(got, halt):

@@ -216,18 +216,17 @@ def test_overflowing_logits_end_the_generation_with_one_line(good, tmp_path, cap
 def test_a_decode_step_names_itself_and_the_sequence(good, monkeypatch):
     """A NaN that appears at a later step (the run's logits corrupted after it, as an overflow in
     one row's activations would): the batch path and the one-prompt path name the step."""
-    from disco_ray.models import batch
+    from disco_ray.graph import kernels
 
-    real, steps = batch._decode_step, [0]
+    real, steps = kernels.IMPLS["sample_tokens"], [0]
 
-    def nan_at_step_2(*a, **k):
-        logits = real(*a, **k)
+    def nan_at_step_2(out, ins, attrs):  # the decode graph's token choice, on the device
         steps[0] += 1
         if steps[0] == 2:
-            logits[1, 7] = float("nan")  # the second live row
-        return logits
+            ins[0][1, 7] = float("nan")  # the second live row
+        return real(out, ins, attrs)
 
-    monkeypatch.setattr(batch, "_decode_step", nan_at_step_2)
+    monkeypatch.setitem(kernels.IMPLS, "sample_tokens", nan_at_step_2)
     with LlamaModel(str(good), capacity=1 << 20, block=4, engine="local") as m:
         with pytest.raises(NonFiniteError, match=r"^decode step 2: the logits of sequence 9 hold 1 NaN"):
             m.generate([[5, 17], [3, 4, 5], [8]], 4, indices=[5, 9, 11], stop_at_eos=False, micro=1)

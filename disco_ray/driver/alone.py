@@ -98,7 +98,9 @@ def run_steps_alone(
     err, parts, traces = await_alone(eng, ref, opts, **watch)
     eng._alone.update(completed=sum(map(len, traces)), state="failed" if err else "finished")
     if err is not None:
-        raise RunError(err)
+        failed = RunError(err)
+        failed.step = len(parts)  # the steps before it completed
+        raise failed
     if opts.progress is not None:
         opts.progress(len(traces[-1]))
     return [eng._outputs([part]) for part in parts], [[trace] for trace in traces]

@@ -28,6 +28,8 @@ class VerifyError(DiscoError):
 class RunError(DiscoError):
     """Running a MemGraph failed: a kernel raised, a worker died, an input was refused."""
 
+    step: int | None = None  # of `Program.run_steps`: the step of the call that failed (0-based)
+
 
 class NonFiniteError(RunError):
     """A weight, logit or loss holds NaN or infinity: names the tensor, or the step and row."""

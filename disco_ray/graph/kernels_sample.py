@@ -69,8 +69,12 @@ def sample_tokens(out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) ->
     rows = logits.index_select(0, live)
     bad = (~torch.isfinite(rows)).any(dim=-1)
     if bool(bad.any()):  # one host sync: a NaN row would sample garbage without a word
-        row = int(live[bad.nonzero()[0, 0]])
-        raise ValueError(f"non-finite logits in row {row} (NaN or infinite: the model's output is broken)")
+        i = int(bad.nonzero()[0, 0])
+        x = rows[i]
+        raise ValueError(
+            f"non-finite logits in row {int(live[i])}: {int(torch.isnan(x).sum())} NaN and "
+            f"{int(torch.isinf(x).sum())} infinite values of {x.numel()} (the model's output is broken)"
+        )
     got = pick(rows, None if temperature == 0 else u.index_select(0, live), temperature, int(top_k), top_p)
     out.zero_()
     out.index_copy_(0, live, got)

@@ -325,7 +325,17 @@ def run_batch(
             left = [book.maxes[s] - len(book.new[s]) for s in (book.rows[r] for r in book.live())]  # type: ignore[index]
             k = steps_in_call(steps, p, model.block, left)
             toks, dt, moved = decode_call(
-                model, book, layout, p, (R, blocks, m, width), k, params, own, timeout
+                model,
+                book,
+                layout,
+                p,
+                (R, blocks, m, width),
+                k,
+                params,
+                own,
+                timeout,
+                len(gen.decode_s),
+                seeds,
             )
             n = len(toks)
             gen.decode_s += [dt / n] * n  # each step's share of the call

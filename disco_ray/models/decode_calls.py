@@ -14,13 +14,15 @@ maximum may.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from disco_ray.graph.errors import UsageError
+from disco_ray.graph.errors import NonFiniteError, RunError, UsageError
 from disco_ray.graph.kernels_sample import PADDING
 from disco_ray.graph.memgraph import MKind
 from workloads.llm.batch import BatchLayout
@@ -54,10 +56,14 @@ def decode_call(
     params: SamplingParams,
     own: list[SequenceSampler],
     timeout: float | None,
+    done: int = 0,
+    names: Sequence[int] | None = None,
 ) -> tuple[list[torch.Tensor], float, list[int]]:
     """Up to `k` decode steps of every row of `book` (a `batch.BatchRows`) from cache index p in
     one `run_steps` call of the plan of `key` (rows, cache blocks, micro-batches, stop ids per
-    row): (each step's tokens [rows], the call's seconds, each step's bytes loaded)."""
+    row): (each step's tokens [rows], the call's seconds, each step's bytes loaded). Non-finite
+    logits end it with a NonFiniteError naming the decode step (`done` before this call) and the
+    sequence (`names[s]`: its `indices` entry)."""
     rows, blocks, m, width = key
     mgraph, prog = model._program(("batch_decode", rows, blocks, m, width))
     live = book.live()
@@ -79,9 +85,19 @@ def decode_call(
             left[r] = book.maxes[s] - len(book.new[s]) - j
         feed |= feed_sampling(mgraph, u, left, knobs if j == 0 else None, stops if j == 0 else None)
     t = time.perf_counter()
-    outs = prog.run_steps(
-        feeds, carry=token_carry(mgraph), halt=mgraph.finished, check=model.check, timeout=timeout
-    )
+    try:
+        outs = prog.run_steps(
+            feeds, carry=token_carry(mgraph), halt=mgraph.finished, check=model.check, timeout=timeout
+        )
+    except RunError as e:
+        bad = re.search(r"non-finite logits in row (\d+): (.*?) \(", str(e))
+        if bad is None:
+            raise
+        s = book.rows[int(bad.group(1))]
+        raise NonFiniteError(
+            f"decode step {done + (e.step or 0) + 1}: the logits of sequence "
+            f"{names[s] if names is not None else s} hold {bad.group(2)}: no token is sampled from them"
+        ) from None
     dt = time.perf_counter() - t
     tokens = [torch.cat([o[x] for _, x in mgraph.tokens]) for o in outs]
     return tokens, dt, [loaded(prog.mg, recs) for recs in prog.last_steps]
