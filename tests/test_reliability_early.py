@@ -13,6 +13,7 @@ failed late and lost the work.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -189,17 +190,21 @@ def test_the_python_api_refuses_before_anything_runs(ckpt, monkeypatch, batch):
 
 # ---- tokens streamed, kept when the run fails ---------------------------------------------------
 def _fail_at_run(monkeypatch, k: int) -> None:
-    """Program.run raises a RunError at its k-th call (the prefill is the first)."""
+    """The k-th call of Program.run or Program.run_steps (the prefill is the first; a sampled
+    generation's decode steps run several per run_steps call) raises a RunError."""
     calls: list[int] = []
-    run = Program.run
 
-    def failing(self, *a, **kw):
-        calls.append(1)
-        if len(calls) == k:
-            raise RunError("worker 0 (gpu 0): died (planted)")
-        return run(self, *a, **kw)
+    def failing(real):
+        def call(self, *a, **kw):
+            calls.append(1)
+            if len(calls) == k:
+                raise RunError("worker 0 (gpu 0): died (planted)")
+            return real(self, *a, **kw)
 
-    monkeypatch.setattr(Program, "run", failing)
+        return call
+
+    monkeypatch.setattr(Program, "run", failing(Program.run))
+    monkeypatch.setattr(Program, "run_steps", failing(Program.run_steps))
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -209,14 +214,19 @@ def test_a_late_failure_keeps_the_tokens_made(ckpt, capsys, monkeypatch, sampled
     argv = _gen_cli(ckpt, "--max-new-tokens", 12, "--capacity", "1MiB", *how, "--json")
     assert main(argv) == 0
     want = json.loads(capsys.readouterr().out)["tokens"]
-    _fail_at_run(monkeypatch, 6)  # the prefill and 4 decode steps made 5 tokens
+    # greedy: the prefill and 4 one-step decode runs made 5 tokens; sampled: the prefill's token
+    # and those of one call of several steps
+    _fail_at_run(monkeypatch, 3 if sampled else 6)
     rc = main(argv if json_out else argv[:-1])
     out, err = capsys.readouterr()
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert "died (planted)" in err and "the 5 new tokens made before it are on stdout" in err
+    made = re.search(r"the (\d+) new tokens made before it are on stdout", err)
+    assert "died (planted)" in err and made is not None, err
+    n = int(made.group(1))
+    assert n == 5 if not sampled else 1 < n < 12, err
     if json_out:
         doc = json.loads(out)
-        assert doc["tokens"] == want[:5] and doc["finish_reason"] == "error"
+        assert doc["tokens"] == want[:n] and doc["finish_reason"] == "error"
         assert "died (planted)" in doc["error"] and doc["prompt_tokens"] == 3
     else:
-        assert out == ",".join(map(str, want[:5])) + "\n"
+        assert out == ",".join(map(str, want[:n])) + "\n"
