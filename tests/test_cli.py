@@ -456,3 +456,35 @@ def test_usage_marks_required_options(cli, command, shown):
     r = cli(command, "--help")
     usage = " ".join(r.stdout.split("\n\n", 1)[0].split())
     assert r.returncode == 0 and all(s in usage for s in shown), usage
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_failed_runs_actors_close_after_its_error_line(capsys, monkeypatch, fails):
+    """A pool's close takes seconds (actors killed, a private Ray shut down): the error line that
+    names a stopped worker is printed first (`app.closing_after_error`)."""
+    import importlib
+
+    from disco_ray.cli import app
+    from disco_ray.graph.errors import RunError
+
+    closed: list[str] = []
+
+    class Pool:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            closed.append(capsys.readouterr().err)  # what stderr held when it closed
+
+    def cmd_ops(args):
+        with app.closing_after_error(Pool()):
+            if fails:
+                raise RunError("gpu:0 worker (pid 7) has not answered for 10 s")
+        return 0
+
+    monkeypatch.setattr(importlib.import_module(app.COMMANDS["ops"]), "cmd_ops", cmd_ops)
+    assert app.main(["ops"]) == (2 if fails else 0)
+    if fails:
+        assert closed == ["disco-ray: error: gpu:0 worker (pid 7) has not answered for 10 s\n"]
+    else:
+        assert closed == [""]

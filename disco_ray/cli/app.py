@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from disco_ray.graph import formats
@@ -98,6 +99,23 @@ def _on_sigterm(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+_CLOSE_LATER: list[Callable[[], object]] = []  # exits put off until the error line is out
+
+
+@contextlib.contextmanager
+def closing_after_error(resource):
+    """`with resource:`, except that when the body raises a DiscoError the resource's exit (its
+    actors killed, a private Ray shut down: seconds) runs after `main` has printed the error
+    line, so that a stopped worker is named as soon as the driver finds it."""
+    with contextlib.ExitStack() as stack:
+        got = stack.enter_context(resource)
+        try:
+            yield got
+        except DiscoError:
+            _CLOSE_LATER.append(stack.pop_all().close)
+            raise
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns its exit status (the console script's entry point)."""
     main_thread = threading.current_thread() is threading.main_thread()
@@ -106,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
+        while _CLOSE_LATER:  # after the error line (`closing_after_error`)
+            with contextlib.suppress(Exception):  # the run has failed already: its error is the one
+                _CLOSE_LATER.pop()()
         if main_thread:
             signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 

@@ -19,7 +19,15 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
-from .app import add_capacity_args, add_tier_args, capacity_of, command, seconds_arg, seed_arg
+from .app import (
+    add_capacity_args,
+    add_tier_args,
+    capacity_of,
+    closing_after_error,
+    command,
+    seconds_arg,
+    seed_arg,
+)
 from .paths import writable_dir
 from .run import add_model_run_args, model_run_kwargs
 
@@ -96,18 +104,20 @@ def cmd_finetune(args) -> int:
     spec = LoraSpec(args.lora_rank, args.lora_alpha, tuple(x for x in args.lora_targets.split(",") if x))
     optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)
     kw = model_run_kwargs(args, args.gpus)
-    with LoraTrainer(
-        args.model,
-        gpus=args.gpus,
-        capacity=capacity,
-        lora=spec,
-        init_adapter=args.init_adapter,
-        optim=optim,
-        dtype=args.dtype,
-        block=args.block,
-        seed=args.seed,
-        grad_sum=args.grad_sum,
-        **kw,
+    with closing_after_error(
+        LoraTrainer(
+            args.model,
+            gpus=args.gpus,
+            capacity=capacity,
+            lora=spec,
+            init_adapter=args.init_adapter,
+            optim=optim,
+            dtype=args.dtype,
+            block=args.block,
+            seed=args.seed,
+            grad_sum=args.grad_sum,
+            **kw,
+        )
     ) as tr:
         losses = tr.train(data, args.steps, args.batch, args.timeout)
         tr.save_adapter(args.out)

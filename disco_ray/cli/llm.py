@@ -7,7 +7,7 @@ from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 
-from .app import capacity_of
+from .app import capacity_of, closing_after_error
 from .run import model_run_kwargs
 
 
@@ -105,18 +105,21 @@ def model_stats(args, stats: dict) -> dict:
 
 
 def open_model(args, capacity):
-    """The `LlamaModel` the options describe, at `capacity` arena bytes per GPU."""
+    """The `LlamaModel` the options describe, at `capacity` arena bytes per GPU, to open with
+    `with` (closed after the error line when the run fails: `app.closing_after_error`)."""
     from disco_ray.models import LlamaModel
 
     kw = model_run_kwargs(args, args.gpus)
-    return LlamaModel(
-        args.model,
-        gpus=args.gpus,
-        capacity=capacity,
-        dtype=args.dtype,
-        block=args.block,
-        tile=args.tile,
-        **kw,
+    return closing_after_error(
+        LlamaModel(
+            args.model,
+            gpus=args.gpus,
+            capacity=capacity,
+            dtype=args.dtype,
+            block=args.block,
+            tile=args.tile,
+            **kw,
+        )
     )
 
 

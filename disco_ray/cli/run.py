@@ -24,7 +24,7 @@ from actors.options import STALL_S
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import DiscoError, UsageError
 
-from .app import command, seconds_arg, writable_file
+from .app import closing_after_error, command, seconds_arg, writable_file
 
 log = logging.getLogger("disco_ray")
 
@@ -240,7 +240,7 @@ def cmd_run(args) -> int:
             raise type(e)(f"{args.target}: {e}") from None
     if args.backend == "cpu" and not getattr(args, "address", None):
         check_arenas_fit(prog.mg, args.plan or args.target)
-    with prog:
+    with closing_after_error(prog):
         outs = prog.run(
             w.inputs,
             check=args.check,
