@@ -89,7 +89,10 @@ def _readme_block(heading: str) -> str:
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    return text.split(f"\n## {heading}\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    import re
+
+    after = text.split(f"\n## {heading}\n", 1)[1]
+    return re.split(r"```python(?: run)?\n", after, maxsplit=1)[1].split("```", 1)[0]
 
 
 def test_the_readme_walkthrough_from_a_torch_module_runs_with_offload(pool, capsys):  # noqa: F811

@@ -309,8 +309,8 @@ def run_batch(
             live = book.live()
             named = [seeds[book.rows[r]] for r in live]  # type: ignore[index]  # each row's `indices` entry
             draws = [own[book.rows[r]] for r in live] if own else ()  # type: ignore[index]
-            toks = sample(logits[live], params, draws, step=0, rows=named)
-            first = dict(zip(live, toks.tolist()))
+            picked = sample(logits[live], params, draws, step=0, rows=named)
+            first = dict(zip(live, picked.tolist()))
             advance(book, [[first.get(r, 0) for r in range(R)]], on_token, finish)
         width = stop_width(book.ends)
         while book.live():

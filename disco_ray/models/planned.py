@@ -133,7 +133,8 @@ class PlannedModel(Programs):
         if not fits:
             raise CapacityError(f"{kind} of {rows} rows plans with no micro-batch count: {moved[1]}")
         best = min(fits, key=lambda m: (moved[m], m))
-        self._micros[(kind, rows, blocks, caps, *extra)] = best
+        key = (kind, rows, blocks, caps, *extra)
+        self._micros[key] = best
         self.micro_choices.append(
             {
                 "kind": kind,

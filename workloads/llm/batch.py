@@ -302,7 +302,8 @@ def batch_decode_graph(
             h.append(b.layer.mlp_block(li, h1[k], owner[k], f"d.l{li}.m{k}", last))
             steps.append(zz.take())
         zz.add(steps)
-    out, steps = [], []
+    out: list[tuple[int, list[str]]] = []
+    steps = []
     mgraph = ModelGraph("batch_decode", g, rows, block, blocks, b.dtype, out, b.split, [(0, rows)])
     for k, grp in enumerate(groups):
         out.append((grp[0], b.head(h[k][0], owner[k], f"d.m{k}", keep=logits or not stops)))
