@@ -27,18 +27,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_batch import best_of as best  # noqa: E402
 from benchmarks.bench_llama_cpu import checkpoint  # noqa: E402
 from disco_ray.graph import sources  # noqa: E402
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
-
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def kernels(ck: Checkpoint, repeat: int) -> None:
