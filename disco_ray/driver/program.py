@@ -156,6 +156,7 @@ class Program:
         self._last: tuple | None = None  # (plan, wall s, extra keys) of the last run, summarized when asked
         self.last_records: list[list] | None = None
         self.last_steps: list[list[list]] = []  # each step's records, of the last `run_steps`
+        self._entered = 0  # open `with` blocks: a failed run leaves the close to the block's end
 
     @property
     def engine(self):
@@ -235,7 +236,8 @@ class Program:
         try:
             outs, records = eng.run(tensors, RunOptions(**opts, progress=progress or None))
         except BaseException:
-            self.close()
+            if not self._entered:  # else the `with` block's end closes it (after its error is told)
+                self.close()
             raise
         finally:
             if bar is not None:
@@ -294,7 +296,8 @@ class Program:
         try:
             outs, steps = eng.run_steps(tensors, carried, halts, RunOptions(**opts))
         except BaseException:
-            self.close()
+            if not self._entered:  # else the `with` block's end closes it (after its error is told)
+                self.close()
             raise
         self._held |= {k for feed in tensors for k in feed} | {x for xs in carried.values() for x in xs}
         self.last_steps = steps
@@ -359,9 +362,11 @@ class Program:
             eng.close()
 
     def __enter__(self) -> Program:
+        self._entered += 1
         return self
 
     def __exit__(self, *exc) -> None:
+        self._entered -= 1
         self.close()
 
 
