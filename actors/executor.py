@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from disco_ray.graph.errors import RunError
+from disco_ray.graph.kernels import CHANGED
 from disco_ray.graph.memgraph import DISK, Loc, MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
@@ -78,6 +79,10 @@ class Executor(GpuResources):
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self._init_run_state()
+        self._deltas = self._delta_saves()
+        # each carried value's bytes as a numpy view, made once (None: not in host memory)
+        self._carry_np = [self._host_view(self.mg.vertex(vid).out, vid) for _, vid, _ in self.carries]
+        self._mirrors = self._state_mirrors()
         # the backend's stream threads run `_work` and report to `_done`
         self.backend.open(self.slots.total, self._work, self._done, self.workspace, self.streams)
         self._reporter = ReportThread(
@@ -94,17 +99,62 @@ class Executor(GpuResources):
         self._skip: frozenset[int] = frozenset()
         self._acc_started: set[str] = set()  # sum-into groups whose first member was launched
         self._acc_first: dict[int, bool] = {}  # sum-into member -> it is its group's first
+        self._changed: dict[int, tuple[int, int]] = {}  # delta-saved writer -> its changed bytes
         self._lock = threading.Lock()
         self._sanitizer: Sanitizer | None = None
         self._check = False
         self._mode: dict[int, Mode] = {}  # vid -> how its work behaves, when not LAUNCH
         self._watched: frozenset[int] = frozenset()  # vids whose completion the transport wants to know
         self._delay: tuple[float, float] | None = None
+        self._inplace = True  # skipped loads complete in `_pump`, not on their lane
         self._rng = random.Random(0)
         self._finished = threading.Event()
         self._error: str | None = None
         self._coordinated = True  # completions and failures go to the coordinator (not in `run_alone`)
         self.trace: list[tuple[int, int, int, int]] = []
+
+    def _delta_saves(self) -> frozenset[int]:
+        """The carried values' last writers whose output is their own state as loaded this run
+        with a few bytes changed (a `CHANGED` op on top of the state's load): `_end_run` saves only
+        those bytes. On a backend that launches asynchronously, the range would cost a sync: none."""
+        if self.backend.async_launch:
+            return frozenset()
+        out = []
+        for (_, vid, _), key in zip(self.carries, self._carry_keys):
+            v = self.mg.vertex(vid)
+            if (
+                self.plans[vid].kind is PlanKind.KERNEL
+                and self.plans[vid].op in CHANGED
+                and v.acc is None
+                and v.ins
+                and v.ins[0].value == key
+                and key in self.loads.states
+                and self._carry_keys.count(key) == 1
+            ):
+                out.append(vid)
+        return frozenset(out)
+
+    def _state_mirrors(self) -> dict[int, list[tuple[tuple[int, int], np.ndarray, str]]]:
+        """Delta-saved writer -> the stable loads of its state ((offset, bytes), a numpy view):
+        ranges that hold the state as this run loaded it. `_end_run` writes the changed bytes
+        there too, so they hold the new version and the next run skips those loads."""
+        out: dict[int, list[tuple[tuple[int, int], np.ndarray, str]]] = {}
+        for (_, vid, _), key, view in zip(self.carries, self._carry_keys, self._carry_np):
+            if vid not in self._deltas or view is None:
+                continue
+            for u in self.loads.stable:
+                loc = self.plans[u].out_loc
+                if self.plans[u].value == key and (mirror := self._host_view(loc, u)) is not None:
+                    out.setdefault(vid, []).append(((loc.offset, loc.nbytes), mirror, key))
+        return out
+
+    def _host_view(self, loc: Loc, vid: int) -> np.ndarray | None:
+        """A numpy view of `loc` when it is in host memory (the cpu backend's arena, the host
+        store), else None."""
+        if loc.device == DISK:
+            return None
+        buf = self._range(loc, vid)
+        return buf.numpy() if buf.device.type == "cpu" else None
 
     # ---- a run ---------------------------------------------------------------------------------
     def begin(
@@ -138,6 +188,7 @@ class Executor(GpuResources):
             ]
             self._acc_started = set()
             self._acc_first = {}
+            self._changed = {}
             if check:
                 if self._sanitizer is None:
                     self._sanitizer = Sanitizer(
@@ -157,6 +208,8 @@ class Executor(GpuResources):
                 self._watched = frozenset(tr.watched())
                 tr.begin_run()
             self._delay = delay
+            # a random delay (tests) goes into every vertex's work, skipped loads too
+            self._inplace = delay is None
             self._rng = random.Random(seed * 7919 + self.gpu)
             # launch ahead is off while the sanitizer runs on a backend that launches
             # asynchronously: its checks run at launch
@@ -192,9 +245,12 @@ class Executor(GpuResources):
                 if self._error is not None:
                     return
                 self.core.dispatch(vids)
-                self._pump()
+                inline = self._pump()
+                finished = self.core.finished
         except RunError as e:
             self._fail(None, e)
+            return
+        self._after_inline(inline, finished)
 
     def run_alone(
         self,
@@ -228,16 +284,63 @@ class Executor(GpuResources):
         keeps count, to name what a dead worker held)."""
         return [r[0] for r in self.trace[n:]]
 
-    def _pump(self) -> None:
-        # caller holds the lock
-        if self._error is None:
-            mode = self._mode
+    def _pump(self) -> list[tuple[int, BaseException | None]]:
+        """Launches what is ready (the caller holds the lock). A load skipped because the arena
+        holds its value moves nothing: it completes here, in this thread, instead of going through
+        its lane's thread (a hand-over per load). Returns those, each with what its sanitizer
+        checks raised, for the caller to finish outside the lock (`_after_inline`)."""
+        inline: list[tuple[int, BaseException | None]] = []
+        mode, skip, inplace = self._mode, self._skip, self._inplace
+        while self._error is None:
+            again = False
             for vid, s, waits in self.slots.take():
+                if inplace and vid in skip and vid not in self._watched:
+                    exc = self._skip_load(vid, s)
+                    inline.append((vid, exc))
+                    if exc is not None:
+                        return inline
+                    again = True
+                    continue
                 key = self.core.groups.get(vid)
                 if key is not None:  # one member at a time (the core's lock): the first writes
                     self._acc_first[vid] = key not in self._acc_started
                     self._acc_started.add(key)
                 self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
+            if not again:
+                break
+        return inline
+
+    def _skip_load(self, vid: int, s: int) -> BaseException | None:
+        """Completes skipped load `vid` (given stream `s`) in place: its sanitizer checks, a trace
+        record of no length, the counters (the caller holds the lock)."""
+        san = self._sanitizer if self._check else None
+        if san is not None:
+            p = self.plans[vid]
+            try:
+                for value, loc, src in p.checks:
+                    san.check_read(vid, value, loc, src, "before it ran")
+                san.begin_write(p.out_loc, vid)
+                san.end_write(p.out_loc, vid)
+            except RunError as e:
+                self.slots.landed(vid, s)
+                return e
+        t = time.time_ns()
+        self.trace.append((vid, s, t, t))
+        self.core.complete(vid)
+        self.slots.landed(vid, s)
+        return None
+
+    def _after_inline(self, inline: list[tuple[int, BaseException | None]], finished: bool) -> None:
+        """Outside the lock, what `_pump` completed in place: a failure, the end, the reports."""
+        for vid, exc in inline:
+            if exc is not None:
+                self._fail(vid, exc)
+                return
+        if finished and inline:
+            self._end_run()
+        if self._coordinated:
+            for vid, _ in inline:
+                self._reporter.completed(vid, vid in self.core.awaited)
 
     @property
     def launched_ahead(self) -> int:
@@ -259,6 +362,8 @@ class Executor(GpuResources):
             self.backend.kernel("add", p.out, [p.out, p.ins[0]], p.attrs)  # sum-into: add the operand
         elif k is PlanKind.KERNEL:
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
+            if vid in self._deltas:  # a carried value's last writer: which bytes the state changes
+                self._changed[vid] = CHANGED[p.op](p.out, p.ins, p.attrs)
         elif k is PlanKind.COPY:
             self.backend.copy(p.out, p.ins[0])
         elif k is PlanKind.SPILL:
@@ -300,12 +405,14 @@ class Executor(GpuResources):
         with self._lock:
             self.core.complete(vid)
             self.slots.landed(vid, s)
-            self._pump()
+            inline = self._pump()
             finished = self.core.finished
         if finished:
             self._end_run()
         if self._coordinated:
             self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
+        if inline:
+            self._after_inline(inline, False)
 
     def _end_run(self) -> None:
         """Every vertex of this GPU is done: saves the carried values as their states and records
@@ -314,9 +421,20 @@ class Executor(GpuResources):
             if self.spill is not None:  # the offloads' writes behind: in the file, in the counters
                 self._read_ahead().end()
                 self.spill.flush()
-            for _, vid, st in self.carries:
-                st.buf.copy_(self._range(self.mg.vertex(vid).out, vid))
+            changed = self._changed
+            for (_, vid, st), view in zip(self.carries, self._carry_np):
+                if view is None:
+                    src = self._range(self.mg.vertex(vid).out, vid)
+                    lo, hi = changed.get(vid, (0, src.numel()))
+                    save(st.buf[lo:hi], src[lo:hi])
+                else:  # a memcpy of numpy views: torch's slicing and copy_ cost 10-20 us each
+                    lo, hi = changed.get(vid, (0, view.size))
+                    np.copyto(st.buf.numpy()[lo:hi], view[lo:hi])  # the rest: the state as loaded
                 st.version += 1
+                if vid in changed and self._error is None:
+                    for where, mirror, key in self._mirrors.get(vid, ()):
+                        np.copyto(mirror[lo:hi], view[lo:hi])
+                        self.loads.kept(where, key, st)
             if self._error is None:
                 self.loads.end(self.arena_slot)
         except BaseException as e:
@@ -436,6 +554,16 @@ class Executor(GpuResources):
         if self.spill is not None:
             self.spill.close()
         # drop every view of the arena, so that the store's release really frees it
+        self._carry_np, self._mirrors = [], {}
         self.views = self.arena = self.arena_slot = None  # type: ignore[assignment]
         self.plans = {}
         self.store.release_arena(self.mg.capacity[self.gpu])
+
+
+def save(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst[:] = src` (uint8, same size): one memcpy when both are in host memory (torch's `copy_`
+    splits a large copy over its thread pool, which waits for cores on a busy machine)."""
+    if src.device.type == "cpu" and dst.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
