@@ -38,13 +38,13 @@ import numpy as np
 import torch
 
 from disco_ray.graph.errors import RunError
-from disco_ray.graph.kernels import CHANGED
-from disco_ray.graph.memgraph import DISK, Loc, MemGraph
+from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .backends.base import Backend, Mode
+from .carries import CarrySaves
 from .options import DEFAULT_WORKER, WorkerConfig
-from .plans import PlanKind, as_tensor, describe
+from .plans import PlanKind, describe
 from .reporter import ReportThread
 from .resources import GpuResources
 from .sanitizer import Sanitizer
@@ -79,10 +79,9 @@ class Executor(GpuResources):
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self._init_run_state()
-        self._deltas = self._delta_saves()
-        # each carried value's bytes as a numpy view, made once (None: not in host memory)
-        self._carry_np = [self._host_view(self.mg.vertex(vid).out, vid) for _, vid, _ in self.carries]
-        self._mirrors = self._state_mirrors()
+        self._saves = CarrySaves(
+            mg, self.plans, self.carries, self._carry_keys, self.loads, self._range, self.backend.async_launch
+        )
         # the backend's stream threads run `_work` and report to `_done`
         self.backend.open(self.slots.total, self._work, self._done, self.workspace, self.streams)
         self._reporter = ReportThread(
@@ -99,7 +98,6 @@ class Executor(GpuResources):
         self._skip: frozenset[int] = frozenset()
         self._acc_started: set[str] = set()  # sum-into groups whose first member was launched
         self._acc_first: dict[int, bool] = {}  # sum-into member -> it is its group's first
-        self._changed: dict[int, tuple[int, int]] = {}  # delta-saved writer -> its changed bytes
         self._lock = threading.Lock()
         self._sanitizer: Sanitizer | None = None
         self._check = False
@@ -112,49 +110,6 @@ class Executor(GpuResources):
         self._error: str | None = None
         self._coordinated = True  # completions and failures go to the coordinator (not in `run_alone`)
         self.trace: list[tuple[int, int, int, int]] = []
-
-    def _delta_saves(self) -> frozenset[int]:
-        """The carried values' last writers whose output is their own state as loaded this run
-        with a few bytes changed (a `CHANGED` op on top of the state's load): `_end_run` saves only
-        those bytes. On a backend that launches asynchronously, the range would cost a sync: none."""
-        if self.backend.async_launch:
-            return frozenset()
-        out = []
-        for (_, vid, _), key in zip(self.carries, self._carry_keys):
-            v = self.mg.vertex(vid)
-            if (
-                self.plans[vid].kind is PlanKind.KERNEL
-                and self.plans[vid].op in CHANGED
-                and v.acc is None
-                and v.ins
-                and v.ins[0].value == key
-                and key in self.loads.states
-                and self._carry_keys.count(key) == 1
-            ):
-                out.append(vid)
-        return frozenset(out)
-
-    def _state_mirrors(self) -> dict[int, list[tuple[tuple[int, int], np.ndarray, str]]]:
-        """Delta-saved writer -> the stable loads of its state ((offset, bytes), a numpy view):
-        ranges that hold the state as this run loaded it. `_end_run` writes the changed bytes
-        there too, so they hold the new version and the next run skips those loads."""
-        out: dict[int, list[tuple[tuple[int, int], np.ndarray, str]]] = {}
-        for (_, vid, _), key, view in zip(self.carries, self._carry_keys, self._carry_np):
-            if vid not in self._deltas or view is None:
-                continue
-            for u in self.loads.stable:
-                loc = self.plans[u].out_loc
-                if self.plans[u].value == key and (mirror := self._host_view(loc, u)) is not None:
-                    out.setdefault(vid, []).append(((loc.offset, loc.nbytes), mirror, key))
-        return out
-
-    def _host_view(self, loc: Loc, vid: int) -> np.ndarray | None:
-        """A numpy view of `loc` when it is in host memory (the cpu backend's arena, the host
-        store), else None."""
-        if loc.device == DISK:
-            return None
-        buf = self._range(loc, vid)
-        return buf.numpy() if buf.device.type == "cpu" else None
 
     # ---- a run ---------------------------------------------------------------------------------
     def begin(
@@ -188,7 +143,7 @@ class Executor(GpuResources):
             ]
             self._acc_started = set()
             self._acc_first = {}
-            self._changed = {}
+            self._saves.begin()
             if check:
                 if self._sanitizer is None:
                     self._sanitizer = Sanitizer(
@@ -208,8 +163,8 @@ class Executor(GpuResources):
                 self._watched = frozenset(tr.watched())
                 tr.begin_run()
             self._delay = delay
-            # a random delay (tests) goes into every vertex's work, skipped loads too
-            self._inplace = delay is None
+            # a random delay (tests) and the sanitizer's checks go into every vertex's work
+            self._inplace = delay is None and not check
             self._rng = random.Random(seed * 7919 + self.gpu)
             # launch ahead is off while the sanitizer runs on a backend that launches
             # asynchronously: its checks run at launch
@@ -284,21 +239,21 @@ class Executor(GpuResources):
         keeps count, to name what a dead worker held)."""
         return [r[0] for r in self.trace[n:]]
 
-    def _pump(self) -> list[tuple[int, BaseException | None]]:
+    def _pump(self) -> list[int]:
         """Launches what is ready (the caller holds the lock). A load skipped because the arena
-        holds its value moves nothing: it completes here, in this thread, instead of going through
-        its lane's thread (a hand-over per load). Returns those, each with what its sanitizer
-        checks raised, for the caller to finish outside the lock (`_after_inline`)."""
-        inline: list[tuple[int, BaseException | None]] = []
-        mode, skip, inplace = self._mode, self._skip, self._inplace
+        holds its value moves nothing: it completes here instead of on its lane's thread (a
+        hand-over per load); returns those, for the caller to finish outside the lock."""
+        inline: list[int] = []
+        mode, skip, inplace, now = self._mode, self._skip, self._inplace, time.time_ns
         while self._error is None:
             again = False
             for vid, s, waits in self.slots.take():
                 if inplace and vid in skip and vid not in self._watched:
-                    exc = self._skip_load(vid, s)
-                    inline.append((vid, exc))
-                    if exc is not None:
-                        return inline
+                    t = now()
+                    self.trace.append((vid, s, t, t))
+                    self.core.complete(vid)
+                    self.slots.landed(vid, s)
+                    inline.append(vid)
                     again = True
                     continue
                 key = self.core.groups.get(vid)
@@ -307,39 +262,15 @@ class Executor(GpuResources):
                     self._acc_started.add(key)
                 self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
             if not again:
-                break
+                return inline
         return inline
 
-    def _skip_load(self, vid: int, s: int) -> BaseException | None:
-        """Completes skipped load `vid` (given stream `s`) in place: its sanitizer checks, a trace
-        record of no length, the counters (the caller holds the lock)."""
-        san = self._sanitizer if self._check else None
-        if san is not None:
-            p = self.plans[vid]
-            try:
-                for value, loc, src in p.checks:
-                    san.check_read(vid, value, loc, src, "before it ran")
-                san.begin_write(p.out_loc, vid)
-                san.end_write(p.out_loc, vid)
-            except RunError as e:
-                self.slots.landed(vid, s)
-                return e
-        t = time.time_ns()
-        self.trace.append((vid, s, t, t))
-        self.core.complete(vid)
-        self.slots.landed(vid, s)
-        return None
-
-    def _after_inline(self, inline: list[tuple[int, BaseException | None]], finished: bool) -> None:
-        """Outside the lock, what `_pump` completed in place: a failure, the end, the reports."""
-        for vid, exc in inline:
-            if exc is not None:
-                self._fail(vid, exc)
-                return
+    def _after_inline(self, inline: list[int], finished: bool) -> None:
+        """Outside the lock, the end of the run and the reports of what `_pump` completed."""
         if finished and inline:
             self._end_run()
         if self._coordinated:
-            for vid, _ in inline:
+            for vid in inline:
                 self._reporter.completed(vid, vid in self.core.awaited)
 
     @property
@@ -362,8 +293,8 @@ class Executor(GpuResources):
             self.backend.kernel("add", p.out, [p.out, p.ins[0]], p.attrs)  # sum-into: add the operand
         elif k is PlanKind.KERNEL:
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
-            if vid in self._deltas:  # a carried value's last writer: which bytes the state changes
-                self._changed[vid] = CHANGED[p.op](p.out, p.ins, p.attrs)
+            if vid in self._saves.deltas:  # a carried value's last writer: the bytes it changed
+                self._saves.wrote(vid, p)
         elif k is PlanKind.COPY:
             self.backend.copy(p.out, p.ins[0])
         elif k is PlanKind.SPILL:
@@ -421,20 +352,7 @@ class Executor(GpuResources):
             if self.spill is not None:  # the offloads' writes behind: in the file, in the counters
                 self._read_ahead().end()
                 self.spill.flush()
-            changed = self._changed
-            for (_, vid, st), view in zip(self.carries, self._carry_np):
-                if view is None:
-                    src = self._range(self.mg.vertex(vid).out, vid)
-                    lo, hi = changed.get(vid, (0, src.numel()))
-                    save(st.buf[lo:hi], src[lo:hi])
-                else:  # a memcpy of numpy views: torch's slicing and copy_ cost 10-20 us each
-                    lo, hi = changed.get(vid, (0, view.size))
-                    np.copyto(st.buf.numpy()[lo:hi], view[lo:hi])  # the rest: the state as loaded
-                st.version += 1
-                if vid in changed and self._error is None:
-                    for where, mirror, key in self._mirrors.get(vid, ()):
-                        np.copyto(mirror[lo:hi], view[lo:hi])
-                        self.loads.kept(where, key, st)
+            self._saves.save(self.carries, self.mg)
             if self._error is None:
                 self.loads.end(self.arena_slot)
         except BaseException as e:
@@ -476,43 +394,6 @@ class Executor(GpuResources):
     def error(self) -> str | None:
         return self._error
 
-    def read_range(self, loc: Loc, reader: int, expect: int, into: torch.Tensor | None = None):
-        """Bytes of `loc` (this GPU's arena, host store or spill file), checked by the sanitizer
-        when it is on.
-
-        Copies into `into` when given; otherwise returns a fresh numpy copy (what a Ray call
-        ships; the only allocation during a run, on the cpu transport).
-        """
-        src = self._range(loc, reader)
-        san = self._sanitizer if self._check else None
-        value = self.mg.vertex(expect).value if expect >= 0 else "?"
-        if san is not None and expect >= 0:
-            san.check_read(reader, value, loc, expect, "before it ran")
-        if into is not None:
-            into.copy_(src)
-            out = None
-        else:
-            out = src.to("cpu", copy=True).numpy()
-        if san is not None and expect >= 0:
-            san.check_read(reader, value, loc, expect, "after it ran")
-        return out
-
-    def _range(self, loc: Loc, vid: int) -> torch.Tensor:
-        """The bytes of `loc`: a view of the arena or host store, a copy of a spill-file range."""
-        if loc.device == DISK and self.spill is not None:  # a kept value the plan left on disk
-            out = torch.empty(loc.nbytes, dtype=torch.uint8)
-            self.spill.read(loc.offset, out, lambda d, s: d.copy_(s))
-            return out
-        return self.views.buf(loc, vid)
-
-    def output_bytes(self, vid: int) -> np.ndarray:
-        """A copy of the bytes of the output held by vertex `vid` of this GPU (checked if `check`)."""
-        return self.read_range(self.mg.vertex(vid).out, vid, vid)
-
-    def output(self, value: str, vid: int) -> torch.Tensor:
-        """A copy of output `value`, held by vertex `vid` of this GPU, as a typed CPU tensor."""
-        return as_tensor(self.output_bytes(vid), self.tg[value])
-
     def statistics(self) -> dict:
         return {
             "gpu": self.gpu,
@@ -531,6 +412,8 @@ class Executor(GpuResources):
             "granule": self.granule,
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
             "loads_skipped": len(self._skip),
+            # of those, loads of a state its last run wrote back into the range (actors/carries.py)
+            "state_loads_skipped": sum(1 for v in self._skip if self.plans[v].value in self.loads.states),
             "store": self.store.statistics(),
             **(
                 {
@@ -554,16 +437,7 @@ class Executor(GpuResources):
         if self.spill is not None:
             self.spill.close()
         # drop every view of the arena, so that the store's release really frees it
-        self._carry_np, self._mirrors = [], {}
+        self._saves.release()
         self.views = self.arena = self.arena_slot = None  # type: ignore[assignment]
         self.plans = {}
         self.store.release_arena(self.mg.capacity[self.gpu])
-
-
-def save(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst[:] = src` (uint8, same size): one memcpy when both are in host memory (torch's `copy_`
-    splits a large copy over its thread pool, which waits for cores on a busy machine)."""
-    if src.device.type == "cpu" and dst.device.type == "cpu":
-        np.copyto(dst.numpy(), src.numpy())
-    else:
-        dst.copy_(src)
