@@ -79,6 +79,7 @@ class Executor(GpuResources):
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self._init_run_state()
+        self._carry_sizes = [(self.tg[value].nbytes, self.tg[value].dtype) for value, _, _ in self.carries]
         self._saves = CarrySaves(
             mg, self.plans, self.carries, self._carry_keys, self.loads, self._range, self.backend.async_launch
         )
@@ -137,9 +138,10 @@ class Executor(GpuResources):
             # loads of values the arena still holds from the last run are skipped (actors/loads.py)
             self._skip = self.loads.begin(inputs, self.arena_slot)
             # the states to save, by id at each run: states move and go between runs (move_states)
+            state = self.store.state
             self.carries = [
-                (value, vid, self.store.state(key, self.tg[value].nbytes, self.tg[value].dtype))
-                for (value, vid, _), key in zip(self.carries, self._carry_keys)
+                (value, vid, state(key, *size))
+                for (value, vid, _), key, size in zip(self.carries, self._carry_keys, self._carry_sizes)
             ]
             self._acc_started = set()
             self._acc_first = {}

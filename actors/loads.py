@@ -71,6 +71,7 @@ class Loads:
             self.release()
             raise
         self.stable = stable_loads(mg, self.gpu, plans, set(loaded))
+        self._state_sizes = [(x, tg[x].nbytes, tg[x].dtype) for x in self.states]
         # (vid, its range, its value, the token when sourced: the same at every run)
         self._stable = [
             (vid, (p.out_loc.offset, p.out_loc.nbytes), p.value, self._fixed_token(p.value))
@@ -108,8 +109,9 @@ class Loads:
                 flat = self.staging[off : off + nb].copy_(flat)
             self.inputs[name] = flat
             self.given[name] = next(_versions)
-        for x in self.states:  # by id at each run: states move and go between runs (move_states)
-            self.states[x] = self.store.state(x, self.tg[x].nbytes, self.tg[x].dtype)
+        state = self.store.state
+        for x, nbytes, dtype in self._state_sizes:  # by id at each run: states move and go (move_states)
+            self.states[x] = state(x, nbytes, dtype)
         self.tokens = tokens = {}
         skip = []
         holds = slot.holds
