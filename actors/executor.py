@@ -105,7 +105,7 @@ class Executor(GpuResources):
         self._mode: dict[int, Mode] = {}  # vid -> how its work behaves, when not LAUNCH
         self._watched: frozenset[int] = frozenset()  # vids whose completion the transport wants to know
         self._delay: tuple[float, float] | None = None
-        self._inplace = True  # skipped loads complete in `_pump`, not on their lane
+        self._inline: frozenset[int] = frozenset()  # skipped loads `_pump` completes, not their lane
         self._rng = random.Random(0)
         self._finished = threading.Event()
         self._error: str | None = None
@@ -159,15 +159,16 @@ class Executor(GpuResources):
                     )
                 self._sanitizer.reset()
             self._check = check
-            lane_of, self._mode = self._lanes()
+            lane_of, self._mode = self._lanes(self.transport)
             tr = self.transport
             if tr is not None:  # the completions it waits for (NCCL: its sends' sources); a new run
                 self._watched = frozenset(tr.watched())
                 tr.begin_run()
             self._delay = delay
             # a random delay (tests) and the sanitizer's checks go into every vertex's work
-            self._inplace = delay is None and not check
-            self._rng = random.Random(seed * 7919 + self.gpu)
+            self._inline = self._skip - self._watched if delay is None and not check else frozenset()
+            if delay is not None:  # only a delay draws from it
+                self._rng = random.Random(seed * 7919 + self.gpu)
             # launch ahead is off while the sanitizer runs on a backend that launches
             # asynchronously: its checks run at launch
             ahead = 0 if check and self.backend.async_launch else self.ahead
@@ -183,17 +184,6 @@ class Executor(GpuResources):
             self._finished.clear()
             if self.core.finished:
                 self._end_run()
-
-    def _lanes(self) -> tuple[dict[int, int], dict[int, Mode]]:
-        """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH)."""
-        tr = self.transport
-        mode_of = (lambda src: Mode.BLOCKING) if tr is None else tr.mode
-        # a table per plan, kept: it only changes with the transport's mode of each peer
-        key = tuple(mode_of(p) for p in self.peers)
-        got = self._lane_tables.get(key)
-        if got is None:
-            got = self._lane_tables[key] = self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
-        return got
 
     def dispatch(self, vids: list[int]) -> None:
         """The coordinator hands over vertices whose remote predecessors are done."""
@@ -246,25 +236,25 @@ class Executor(GpuResources):
         holds its value moves nothing: it completes here instead of on its lane's thread (a
         hand-over per load); returns those, for the caller to finish outside the lock."""
         inline: list[int] = []
-        mode, skip, inplace, now = self._mode, self._skip, self._inplace, time.time_ns
-        while self._error is None:
-            again = False
-            for vid, s, waits in self.slots.take():
-                if inplace and vid in skip and vid not in self._watched:
+        mode, now = self._mode, time.time_ns
+        skip = self._inline
+        took = self.slots.take() if self._error is None else []
+        while took:
+            n = len(inline)
+            for vid, s, waits in took:
+                if vid in skip:
                     t = now()
                     self.trace.append((vid, s, t, t))
                     self.core.complete(vid)
                     self.slots.landed(vid, s)
                     inline.append(vid)
-                    again = True
                     continue
                 key = self.core.groups.get(vid)
                 if key is not None:  # one member at a time (the core's lock): the first writes
                     self._acc_first[vid] = key not in self._acc_started
                     self._acc_started.add(key)
                 self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
-            if not again:
-                return inline
+            took = self.slots.take() if len(inline) > n and self._error is None else []
         return inline
 
     def _after_inline(self, inline: list[int], finished: bool) -> None:

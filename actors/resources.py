@@ -25,6 +25,7 @@ from .sanitizer import Sanitizer, granule_for
 from .tiers.base import ReloadAhead, SpillTier
 from .tiers.spill import ReadAhead, SpillFile
 from .tiers.store import WorkerStore
+from .transports.base import Transport
 from .worker_core import StreamSlots, WorkerCore
 
 
@@ -177,6 +178,17 @@ class GpuResources:
             self.spill.read(loc.offset, out, lambda d, s: d.copy_(s))
             return out
         return self.views.buf(loc, vid)
+
+    def _lanes(self, tr: Transport | None) -> tuple[dict[int, int], dict[int, Mode]]:
+        """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH),
+        with transport `tr` (None: no peers)."""
+        mode_of = (lambda src: Mode.BLOCKING) if tr is None else tr.mode
+        # a table per plan, kept: it only changes with the transport's mode of each peer
+        key = tuple(mode_of(p) for p in self.peers)
+        got = self._lane_tables.get(key)
+        if got is None:
+            got = self._lane_tables[key] = self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
+        return got
 
     def _acc_alias(self) -> dict[int, int]:
         """Sum-into member -> its group's last member (the writer its readers name)."""
