@@ -165,13 +165,15 @@ class Executor(GpuResources):
                 self._watched = frozenset(tr.watched())
                 tr.begin_run()
             self._delay = delay
-            # a random delay (tests) and the sanitizer's checks go into every vertex's work
-            self._inline = self._skip - self._watched if delay is None and not check else frozenset()
             if delay is not None:  # only a delay draws from it
                 self._rng = random.Random(seed * 7919 + self.gpu)
             # launch ahead is off while the sanitizer runs on a backend that launches
             # asynchronously: its checks run at launch
             ahead = 0 if check and self.backend.async_launch else self.ahead
+            # a random delay (tests) and the sanitizer's checks go into every vertex's work; with
+            # launch ahead a kernel may wait on a load launched in the same pass, on its lane
+            inline = delay is None and not check and not ahead
+            self._inline = self._skip - self._watched if inline else frozenset()
             self.slots.start(ahead, lane_of)
             self.trace = []
             if self.spill is not None:

@@ -29,3 +29,14 @@ def test_a_decode_step_keeps_its_cache_blocks_in_the_arena_and_its_tokens(ckpt, 
     assert [s.new_ids for s in g.sequences] == free  # transformers' greedy tokens
     # a step within a block after its first reads every current block from where the last left it
     assert any(n == of > 0 for n, of in kept_loads), kept_loads
+
+
+def test_with_launch_ahead_a_kernel_never_waits_on_a_load_completed_in_place(ckpt, free):  # noqa: F811
+    # launch ahead (ahead=2 on the cpu backend) may queue a kernel behind a load launched in the
+    # same pass: such a load must run on its lane (completed in place, it never finished: a hang)
+    path, _ = ckpt
+    with LlamaModel(
+        path, gpus=1, capacity=capacity(path, 1, "roomy"), block=BLOCK, engine="local", ahead=2
+    ) as m:
+        got = m.generate(PROMPTS, MAX_NEW, steps_per_call=8, stop_at_eos=False, timeout=120)
+    assert got == free
