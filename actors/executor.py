@@ -38,12 +38,13 @@ import numpy as np
 import torch
 
 from disco_ray.graph.errors import RunError
-from disco_ray.graph.memgraph import DISK, Loc, MemGraph
+from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .backends.base import Backend, Mode
+from .carries import CarrySaves
 from .options import DEFAULT_WORKER, WorkerConfig
-from .plans import PlanKind, as_tensor, describe
+from .plans import PlanKind, describe
 from .reporter import ReportThread
 from .resources import GpuResources
 from .sanitizer import Sanitizer
@@ -78,6 +79,10 @@ class Executor(GpuResources):
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self._init_run_state()
+        self._carry_sizes = [(self.tg[value].nbytes, self.tg[value].dtype) for value, _, _ in self.carries]
+        self._saves = CarrySaves(
+            mg, self.plans, self.carries, self._carry_keys, self.loads, self._range, self.backend.async_launch
+        )
         # the backend's stream threads run `_work` and report to `_done`
         self.backend.open(self.slots.total, self._work, self._done, self.workspace, self.streams)
         self._reporter = ReportThread(
@@ -100,6 +105,7 @@ class Executor(GpuResources):
         self._mode: dict[int, Mode] = {}  # vid -> how its work behaves, when not LAUNCH
         self._watched: frozenset[int] = frozenset()  # vids whose completion the transport wants to know
         self._delay: tuple[float, float] | None = None
+        self._inline: frozenset[int] = frozenset()  # skipped loads `_pump` completes, not their lane
         self._rng = random.Random(0)
         self._finished = threading.Event()
         self._error: str | None = None
@@ -132,12 +138,14 @@ class Executor(GpuResources):
             # loads of values the arena still holds from the last run are skipped (actors/loads.py)
             self._skip = self.loads.begin(inputs, self.arena_slot)
             # the states to save, by id at each run: states move and go between runs (move_states)
+            state = self.store.state
             self.carries = [
-                (value, vid, self.store.state(key, self.tg[value].nbytes, self.tg[value].dtype))
-                for (value, vid, _), key in zip(self.carries, self._carry_keys)
+                (value, vid, state(key, *size))
+                for (value, vid, _), key, size in zip(self.carries, self._carry_keys, self._carry_sizes)
             ]
             self._acc_started = set()
             self._acc_first = {}
+            self._saves.begin()
             if check:
                 if self._sanitizer is None:
                     self._sanitizer = Sanitizer(
@@ -151,16 +159,21 @@ class Executor(GpuResources):
                     )
                 self._sanitizer.reset()
             self._check = check
-            lane_of, self._mode = self._lanes()
+            lane_of, self._mode = self._lanes(self.transport)
             tr = self.transport
             if tr is not None:  # the completions it waits for (NCCL: its sends' sources); a new run
                 self._watched = frozenset(tr.watched())
                 tr.begin_run()
             self._delay = delay
-            self._rng = random.Random(seed * 7919 + self.gpu)
+            if delay is not None:  # only a delay draws from it
+                self._rng = random.Random(seed * 7919 + self.gpu)
             # launch ahead is off while the sanitizer runs on a backend that launches
             # asynchronously: its checks run at launch
             ahead = 0 if check and self.backend.async_launch else self.ahead
+            # a random delay (tests) and the sanitizer's checks go into every vertex's work; with
+            # launch ahead a kernel may wait on a load launched in the same pass, on its lane
+            inline = delay is None and not check and not ahead
+            self._inline = self._skip - self._watched if inline else frozenset()
             self.slots.start(ahead, lane_of)
             self.trace = []
             if self.spill is not None:
@@ -174,17 +187,6 @@ class Executor(GpuResources):
             if self.core.finished:
                 self._end_run()
 
-    def _lanes(self) -> tuple[dict[int, int], dict[int, Mode]]:
-        """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH)."""
-        tr = self.transport
-        mode_of = (lambda src: Mode.BLOCKING) if tr is None else tr.mode
-        # a table per plan, kept: it only changes with the transport's mode of each peer
-        key = tuple(mode_of(p) for p in self.peers)
-        got = self._lane_tables.get(key)
-        if got is None:
-            got = self._lane_tables[key] = self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
-        return got
-
     def dispatch(self, vids: list[int]) -> None:
         """The coordinator hands over vertices whose remote predecessors are done."""
         try:
@@ -192,9 +194,12 @@ class Executor(GpuResources):
                 if self._error is not None:
                     return
                 self.core.dispatch(vids)
-                self._pump()
+                inline = self._pump()
+                finished = self.core.finished
         except RunError as e:
             self._fail(None, e)
+            return
+        self._after_inline(inline, finished)
 
     def run_alone(
         self,
@@ -228,16 +233,39 @@ class Executor(GpuResources):
         keeps count, to name what a dead worker held)."""
         return [r[0] for r in self.trace[n:]]
 
-    def _pump(self) -> None:
-        # caller holds the lock
-        if self._error is None:
-            mode = self._mode
-            for vid, s, waits in self.slots.take():
+    def _pump(self) -> list[int]:
+        """Launches what is ready (the caller holds the lock). A load skipped because the arena
+        holds its value moves nothing: it completes here instead of on its lane's thread (a
+        hand-over per load); returns those, for the caller to finish outside the lock."""
+        inline: list[int] = []
+        mode, now = self._mode, time.time_ns
+        skip = self._inline
+        took = self.slots.take() if self._error is None else []
+        while took:
+            n = len(inline)
+            for vid, s, waits in took:
+                if vid in skip:
+                    t = now()
+                    self.trace.append((vid, s, t, t))
+                    self.core.complete(vid)
+                    self.slots.landed(vid, s)
+                    inline.append(vid)
+                    continue
                 key = self.core.groups.get(vid)
                 if key is not None:  # one member at a time (the core's lock): the first writes
                     self._acc_first[vid] = key not in self._acc_started
                     self._acc_started.add(key)
                 self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
+            took = self.slots.take() if len(inline) > n and self._error is None else []
+        return inline
+
+    def _after_inline(self, inline: list[int], finished: bool) -> None:
+        """Outside the lock, the end of the run and the reports of what `_pump` completed."""
+        if finished and inline:
+            self._end_run()
+        if self._coordinated:
+            for vid in inline:
+                self._reporter.completed(vid, vid in self.core.awaited)
 
     @property
     def launched_ahead(self) -> int:
@@ -259,6 +287,8 @@ class Executor(GpuResources):
             self.backend.kernel("add", p.out, [p.out, p.ins[0]], p.attrs)  # sum-into: add the operand
         elif k is PlanKind.KERNEL:
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
+            if vid in self._saves.deltas:  # a carried value's last writer: the bytes it changed
+                self._saves.wrote(vid, p)
         elif k is PlanKind.COPY:
             self.backend.copy(p.out, p.ins[0])
         elif k is PlanKind.SPILL:
@@ -300,12 +330,14 @@ class Executor(GpuResources):
         with self._lock:
             self.core.complete(vid)
             self.slots.landed(vid, s)
-            self._pump()
+            inline = self._pump()
             finished = self.core.finished
         if finished:
             self._end_run()
         if self._coordinated:
             self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
+        if inline:
+            self._after_inline(inline, False)
 
     def _end_run(self) -> None:
         """Every vertex of this GPU is done: saves the carried values as their states and records
@@ -314,9 +346,7 @@ class Executor(GpuResources):
             if self.spill is not None:  # the offloads' writes behind: in the file, in the counters
                 self._read_ahead().end()
                 self.spill.flush()
-            for _, vid, st in self.carries:
-                st.buf.copy_(self._range(self.mg.vertex(vid).out, vid))
-                st.version += 1
+            self._saves.save(self.carries, self.mg)
             if self._error is None:
                 self.loads.end(self.arena_slot)
         except BaseException as e:
@@ -358,43 +388,6 @@ class Executor(GpuResources):
     def error(self) -> str | None:
         return self._error
 
-    def read_range(self, loc: Loc, reader: int, expect: int, into: torch.Tensor | None = None):
-        """Bytes of `loc` (this GPU's arena, host store or spill file), checked by the sanitizer
-        when it is on.
-
-        Copies into `into` when given; otherwise returns a fresh numpy copy (what a Ray call
-        ships; the only allocation during a run, on the cpu transport).
-        """
-        src = self._range(loc, reader)
-        san = self._sanitizer if self._check else None
-        value = self.mg.vertex(expect).value if expect >= 0 else "?"
-        if san is not None and expect >= 0:
-            san.check_read(reader, value, loc, expect, "before it ran")
-        if into is not None:
-            into.copy_(src)
-            out = None
-        else:
-            out = src.to("cpu", copy=True).numpy()
-        if san is not None and expect >= 0:
-            san.check_read(reader, value, loc, expect, "after it ran")
-        return out
-
-    def _range(self, loc: Loc, vid: int) -> torch.Tensor:
-        """The bytes of `loc`: a view of the arena or host store, a copy of a spill-file range."""
-        if loc.device == DISK and self.spill is not None:  # a kept value the plan left on disk
-            out = torch.empty(loc.nbytes, dtype=torch.uint8)
-            self.spill.read(loc.offset, out, lambda d, s: d.copy_(s))
-            return out
-        return self.views.buf(loc, vid)
-
-    def output_bytes(self, vid: int) -> np.ndarray:
-        """A copy of the bytes of the output held by vertex `vid` of this GPU (checked if `check`)."""
-        return self.read_range(self.mg.vertex(vid).out, vid, vid)
-
-    def output(self, value: str, vid: int) -> torch.Tensor:
-        """A copy of output `value`, held by vertex `vid` of this GPU, as a typed CPU tensor."""
-        return as_tensor(self.output_bytes(vid), self.tg[value])
-
     def statistics(self) -> dict:
         return {
             "gpu": self.gpu,
@@ -413,6 +406,8 @@ class Executor(GpuResources):
             "granule": self.granule,
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
             "loads_skipped": len(self._skip),
+            # of those, loads of a state its last run wrote back into the range (actors/carries.py)
+            "state_loads_skipped": sum(1 for v in self._skip if self.plans[v].value in self.loads.states),
             "store": self.store.statistics(),
             **(
                 {
@@ -436,6 +431,7 @@ class Executor(GpuResources):
         if self.spill is not None:
             self.spill.close()
         # drop every view of the arena, so that the store's release really frees it
+        self._saves.release()
         self.views = self.arena = self.arena_slot = None  # type: ignore[assignment]
         self.plans = {}
         self.store.release_arena(self.mg.capacity[self.gpu])

@@ -71,6 +71,13 @@ class Loads:
             self.release()
             raise
         self.stable = stable_loads(mg, self.gpu, plans, set(loaded))
+        self._state_sizes = [(x, tg[x].nbytes, tg[x].dtype) for x in self.states]
+        # (vid, its range, its value, the token when sourced: the same at every run)
+        self._stable = [
+            (vid, (p.out_loc.offset, p.out_loc.nbytes), p.value, self._fixed_token(p.value))
+            for vid in self.stable
+            for p in (plans[vid],)
+        ]
         self.tokens: dict[
             tuple[int, int], tuple
         ] = {}  # (offset, bytes) -> the value a stable load puts there
@@ -102,15 +109,15 @@ class Loads:
                 flat = self.staging[off : off + nb].copy_(flat)
             self.inputs[name] = flat
             self.given[name] = next(_versions)
-        for x in self.states:  # by id at each run: states move and go between runs (move_states)
-            self.states[x] = self.store.state(x, self.tg[x].nbytes, self.tg[x].dtype)
-        self.tokens = {}
+        state = self.store.state
+        for x, nbytes, dtype in self._state_sizes:  # by id at each run: states move and go (move_states)
+            self.states[x] = state(x, nbytes, dtype)
+        self.tokens = tokens = {}
         skip = []
-        for vid in self.stable:
-            p = self.plans[vid]
-            where = (p.out_loc.offset, p.out_loc.nbytes)
-            self.tokens[where] = token = self._token(p.value)
-            if slot.holds.get(where) == token:
+        holds = slot.holds
+        for vid, where, x, fixed in self._stable:
+            tokens[where] = token = fixed or self._token(x)
+            if holds.get(where) == token:
                 skip.append(vid)
         self.store.loads_skipped += len(skip)
         slot.holds = {}  # this run writes the arena: only its own end says what it holds
@@ -126,12 +133,24 @@ class Loads:
         else:
             copy(out, self.inputs[value])
 
+    def _fixed_token(self, x: str) -> tuple | None:
+        """The token of a sourced input (its source, whatever the run), else None."""
+        if x in self.caller or x in self.states:
+            return None
+        return ("source", source_key(self.tg[x]))
+
     def _token(self, x: str) -> tuple:
         """What value `x` is in this run: its source, the version of its state or of its copy."""
         if x in self.given:
             return ("caller", x, self.given[x])
         st = self.states.get(x)
         return ("state", x, st.version) if st is not None else ("source", source_key(self.tg[x]))
+
+    def kept(self, where: tuple[int, int], x: str, state: State) -> None:
+        """The stable load range `where` holds the current version of state `x` (`state`) now:
+        the worker wrote the bytes a run changed into it (`Executor._end_run`)."""
+        if self.states.get(x) is state:
+            self.tokens[where] = ("state", x, state.version)
 
     def end(self, slot: ArenaSlot) -> None:
         """The run succeeded: its stable loads' ranges hold their values now."""

@@ -2,13 +2,17 @@
 the host store with a torch view per vertex operand, each vertex's plan, the input loads and the
 states its carried values are saved to, the spill file and its read-ahead when the plan uses the
 disk, the lanes and stream slots, and the kernel workspace (`actors.executor`: what a run does
-with them; TURNIP section 5: no allocation while a graph runs).
+with them; TURNIP section 5: no allocation while a graph runs); and reading those ranges back
+(`read_range`, checked by a run's sanitizer when it has one).
 """
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from disco_ray.graph.kernels import temp_bytes
-from disco_ray.graph.memgraph import DISK, HOST, MemGraph, MemVertex
+from disco_ray.graph.memgraph import DISK, HOST, Loc, MemGraph, MemVertex
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .backends import make_backend
@@ -16,11 +20,12 @@ from .backends.base import Backend, Mode
 from .lanes import Lanes
 from .loads import Loads
 from .options import DEFAULT_WORKER, WorkerConfig
-from .plans import PlanKind, VertexPlan, Views
-from .sanitizer import granule_for
+from .plans import PlanKind, VertexPlan, Views, as_tensor
+from .sanitizer import Sanitizer, granule_for
 from .tiers.base import ReloadAhead, SpillTier
 from .tiers.spill import ReadAhead, SpillFile
 from .tiers.store import WorkerStore
+from .transports.base import Transport
 from .worker_core import StreamSlots, WorkerCore
 
 
@@ -53,6 +58,8 @@ class GpuResources:
         self._make_loads(config)
         self._make_disk_tier(mine, config)
         self._make_lanes()
+        self._sanitizer: Sanitizer | None = None  # a run's, when it checks (`Executor.begin`)
+        self._check = False
 
     def _make_views(self, mine: list[MemVertex]) -> None:
         """The arena (the store's, for this capacity), the host store, and each vertex's plan."""
@@ -134,6 +141,54 @@ class GpuResources:
             ]
             + [0]
         )
+
+    def read_range(self, loc: Loc, reader: int, expect: int, into: torch.Tensor | None = None):
+        """Bytes of `loc` (this GPU's arena, host store or spill file), checked by the sanitizer
+        when it is on.
+
+        Copies into `into` when given; otherwise returns a fresh numpy copy (what a Ray call
+        ships; the only allocation during a run, on the cpu transport).
+        """
+        src = self._range(loc, reader)
+        san = self._sanitizer if self._check else None
+        value = self.mg.vertex(expect).value if expect >= 0 else "?"
+        if san is not None and expect >= 0:
+            san.check_read(reader, value, loc, expect, "before it ran")
+        if into is not None:
+            into.copy_(src)
+            out = None
+        else:
+            out = src.to("cpu", copy=True).numpy()
+        if san is not None and expect >= 0:
+            san.check_read(reader, value, loc, expect, "after it ran")
+        return out
+
+    def output_bytes(self, vid: int) -> np.ndarray:
+        """A copy of the bytes of the output held by vertex `vid` of this GPU (checked if `check`)."""
+        return self.read_range(self.mg.vertex(vid).out, vid, vid)
+
+    def output(self, value: str, vid: int) -> torch.Tensor:
+        """A copy of output `value`, held by vertex `vid` of this GPU, as a typed CPU tensor."""
+        return as_tensor(self.output_bytes(vid), self.tg[value])
+
+    def _range(self, loc: Loc, vid: int) -> torch.Tensor:
+        """The bytes of `loc`: a view of the arena or host store, a copy of a spill-file range."""
+        if loc.device == DISK and self.spill is not None:  # a kept value the plan left on disk
+            out = torch.empty(loc.nbytes, dtype=torch.uint8)
+            self.spill.read(loc.offset, out, lambda d, s: d.copy_(s))
+            return out
+        return self.views.buf(loc, vid)
+
+    def _lanes(self, tr: Transport | None) -> tuple[dict[int, int], dict[int, Mode]]:
+        """(the lane of each copy and transfer, the mode of each vertex whose work is not LAUNCH),
+        with transport `tr` (None: no peers)."""
+        mode_of = (lambda src: Mode.BLOCKING) if tr is None else tr.mode
+        # a table per plan, kept: it only changes with the transport's mode of each peer
+        key = tuple(mode_of(p) for p in self.peers)
+        got = self._lane_tables.get(key)
+        if got is None:
+            got = self._lane_tables[key] = self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
+        return got
 
     def _acc_alias(self) -> dict[int, int]:
         """Sum-into member -> its group's last member (the writer its readers name)."""

@@ -62,7 +62,7 @@ class WorkerCore:
         """A new run; `ahead`: track launches for launch ahead (`launch`, `pop_queued`)."""
         self.ahead = ahead
         self.left = dict(self._preds0)  # local predecessors not done
-        self.unlaunched = dict(self._preds0)  # local predecessors not launched
+        self.unlaunched = dict(self._preds0) if ahead else {}  # local predecessors not launched
         self.dispatched: set[int] = set()
         self.launched: set[int] = set()
         self.ready: list[int] = []  # heap of ids: dispatched, local predecessors done
@@ -165,17 +165,21 @@ class StreamSlots:
         self.core, self.streams = core, streams
         self.lane_limits = tuple(lane_limits)
         self.total = streams + len(self.lane_limits)
+        self._lanes_given: Mapping[int, int] | None = None  # the lane table `start` last checked
         self.start(0)
 
     def start(self, ahead: int, lane_of: Mapping[int, int] | None = None) -> None:
         """A new run; `lane_of`: vertex -> the lane (a stream index >= S) it runs on."""
         self.ahead = ahead
-        self.lane_of = dict(lane_of or {})
-        for v, lane in self.lane_of.items():
-            if not self.streams <= lane < self.total:
-                raise RunError(
-                    f"vertex {v} was given lane {lane}; lanes are {self.streams}..{self.total - 1}"
-                )
+        if lane_of is None or lane_of is not self._lanes_given:
+            # checked once per table (the executor keeps one per plan), not at every run
+            self.lane_of = dict(lane_of or {})
+            for v, lane in self.lane_of.items():
+                if not self.streams <= lane < self.total:
+                    raise RunError(
+                        f"vertex {v} was given lane {lane}; lanes are {self.streams}..{self.total - 1}"
+                    )
+            self._lanes_given = lane_of
         self.core.start(ahead=ahead > 0)
         self.free = list(range(self.streams - 1, -1, -1))  # nothing in flight; pop() takes stream 0 first
         self.depth = [0] * self.total  # vertices in flight per stream

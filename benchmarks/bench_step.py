@@ -1,7 +1,7 @@
 """The runtime's own cost per decode step: wall time minus the union of its vertices' intervals.
 
     .venv/bin/python benchmarks/bench_step.py [--model tiny|bench] [--engine ray|local]
-        [--gpus 1] [--steps 40] [--prompt 128] [--steps-per-call K] [--dir /tmp/bench_llama]
+        [--gpus 1] [--streams 5] [--steps 40] [--prompt 128] [--steps-per-call K] [--dir /tmp/bench_llama]
         [--json out.json]
 
 One LLaMA checkpoint (`tiny`: 2 layers, hidden 64, made here; `bench`: the 0.49 GB checkpoint
@@ -61,14 +61,14 @@ def union_ns(intervals: list[tuple[int, int]]) -> int:
     return busy
 
 
-def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1) -> dict:
+def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1, streams: int = 5) -> dict:
     from disco_ray.models import LlamaModel
     from disco_ray.models.graphs import capacity_bounds
 
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8)["roomy"][0]
-    with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine) as m:
+    with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine, streams=streams) as m:
         g = m.run_generate(ids, 4, stop_at_eos=False)  # plans, weights into the arena
         key = max(k for k in m._programs if k[0] == "decode")
         mgraph, prog = m._programs[key]
@@ -124,7 +124,9 @@ def step_feeds(m, prog_key: tuple, layout, tok: int, p: int, k: int) -> list[dic
     return feeds
 
 
-def measure_calls(path: Path, engine: str, steps: int, prompt: int, k: int, gpus: int = 1) -> dict:
+def measure_calls(
+    path: Path, engine: str, steps: int, prompt: int, k: int, gpus: int = 1, streams: int = 5
+) -> dict:
     """As `measure`, for the sampling decode step, `k` steps per call: per step = per call / k."""
     from disco_ray.models import LlamaModel
     from disco_ray.models.decode_calls import MIN_STOPS
@@ -135,7 +137,7 @@ def measure_calls(path: Path, engine: str, steps: int, prompt: int, k: int, gpus
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8, batch=1)["roomy"][0]
-    with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine) as m:
+    with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine, streams=streams) as m:
         g = m.run_generate_batch([ids], 4, stop_at_eos=False, steps_per_call=k)  # plans, weights in
         layout = BatchLayout.of([prompt], m.block, 1)
         p = layout.length  # the first index of a cache block: k <= block steps stay in it
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("ray", "local"), default="ray")
     ap.add_argument("--gpus", type=int, default=1, help="workers the model is split over")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--streams", type=int, default=5, help="compute streams per worker")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument(
         "--steps-per-call",
@@ -199,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
 
         path = checkpoint(Path(args.dir or "/tmp/bench_llama"))
     if args.steps_per_call:
-        r = measure_calls(path, args.engine, args.steps, args.prompt, args.steps_per_call, args.gpus)
+        r = measure_calls(
+            path, args.engine, args.steps, args.prompt, args.steps_per_call, args.gpus, args.streams
+        )
     else:
-        r = measure(path, args.engine, args.steps, args.prompt, args.gpus)
+        r = measure(path, args.engine, args.steps, args.prompt, args.gpus, args.streams)
     r.update(model=args.model, engine=args.engine, gpus=args.gpus, prompt=args.prompt, root=str(ROOT))
     for name in ("median", "best"):
         x = r[name]

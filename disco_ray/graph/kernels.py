@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .kernels_llm import CHANGED as CHANGED
 from .kernels_llm import KERNELS as LLM_KERNELS
 from .kernels_llm import TEMPS as LLM_TEMPS
 from .kernels_nn import KERNELS as NN_KERNELS

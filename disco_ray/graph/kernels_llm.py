@@ -15,6 +15,9 @@ Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
 KERNELS: dict[str, Impl] = {}
 TEMPS: dict[str, TempBytes] = {}
+# op -> the byte range [lo, hi) of `out` that may differ from its first input: when such a kernel
+# writes a carried value on top of its loaded state, the worker saves only those bytes
+CHANGED: dict[str, Callable[[torch.Tensor, list[torch.Tensor], Mapping], tuple[int, int]]] = {}
 
 
 def _into(table: dict, name: str):
@@ -148,6 +151,17 @@ def _kv_write(out, ins, attrs):
         new = new[attrs["row"] : attrs["row"] + 1]
     rows = torch.arange(new.shape[0], device=new.device) + (pos - attrs["start"])
     out.index_copy_(0, rows, new)
+
+
+@_into(CHANGED, "kv_write")
+def _kv_write_changed(out, ins, attrs):
+    _, new, pos = ins
+    if pos.numel() != 1:
+        return 0, out.numel() * out.element_size()
+    n = 1 if attrs.get("row") is not None else new.shape[0]
+    row = out[0].numel() * out.element_size()
+    first = int(pos) - attrs["start"]
+    return first * row, (first + n) * row
 
 
 @_into(KERNELS, "linear")
