@@ -90,6 +90,7 @@ class CarrySaves:
             st.version += 1
             if vid in changed:
                 for where, mirror, key in self.mirrors.get(vid, ()):
+                    assert view is not None  # a mirror is made only for a value with a view
                     np.copyto(mirror[lo:hi], view[lo:hi])
                     self.loads.kept(where, key, st)
 
