@@ -329,27 +329,12 @@ def test_an_output_the_plan_leaves_on_disk_is_read_back():
 
 @pytest.mark.ray
 def test_llama_spills_to_disk_and_back_on_the_ray_engine(llama):
-    from disco_ray.driver.pool import loopback_node
-    from tests.ray_fixtures import ray
+    from tests.ray_fixtures import local_ray
 
     w, cap = llama
-    started = not ray.is_initialized()
-    if started:
-        with loopback_node():
-            ray.init(
-                address="local",
-                num_cpus=2,
-                num_gpus=2,
-                include_dashboard=False,
-                logging_level="WARNING",
-                _node_ip_address="127.0.0.1",
-            )
-    try:
+    with local_ray(2):
         res = _check_run(w, cap, 0, "ray", streams=3)
         assert len(res.summary["disk"]["workers"]) == 2
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def test_disk_lanes_on_the_stand_in_cuda_device(monkeypatch, llama):

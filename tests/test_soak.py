@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from disco_ray.models.finetune import LoraTrainer  # noqa: E402
 from disco_ray.models.llama import LlamaModel  # noqa: E402
+from tests.ray_fixtures import local_ray  # noqa: E402
 from tests.test_models import make_checkpoint  # noqa: E402
 from workloads.llm.train import LoraSpec, OptimSpec  # noqa: E402
 
@@ -42,22 +43,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_session():
-    from disco_ray.driver.pool import loopback_node
-
-    started = not ray.is_initialized()
-    if started:
-        with loopback_node():
-            ray.init(
-                address="local",
-                num_cpus=2,
-                num_gpus=2,  # the soak's pool and the fresh one: one worker each
-                include_dashboard=False,
-                logging_level="WARNING",
-                _node_ip_address="127.0.0.1",
-            )
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray(2):  # the soak's pool and the fresh one: one worker each
+        yield
 
 
 def concurrently(model, prompts: list[list[int]], new: int = NEW) -> list:
