@@ -141,10 +141,11 @@ def paper(args) -> int:
     from disco_ray.bench.profiles import a100
     from disco_ray.bench.simulate import simulate
     from planner import build_memgraph
-    from workloads.llm.checkpoint import Checkpoint, LlamaConfig
+    from workloads.llm.checkpoint import Checkpoint
+    from workloads.llm.families import parse_config
     from workloads.llm.train import LoraSpec, OptimSpec, train_graph
 
-    cfg = LlamaConfig.from_dict(
+    cfg = parse_config(
         {
             "model_type": "llama",
             "vocab_size": 32000,

@@ -60,11 +60,12 @@ def partials_graph(n: int, grad_sum: str) -> TaskGraph:
 
 
 def lora_graph(layers: int, seq: int, grad_sum: str, big: bool = False) -> TaskGraph:
-    from workloads.llm.checkpoint import Checkpoint, LlamaConfig
+    from workloads.llm.checkpoint import Checkpoint
+    from workloads.llm.families import parse_config
     from workloads.llm.train import TARGETS, LoraSpec, OptimSpec, train_graph
 
     dims = (32000, 4096, 11008, 32, 32) if big else (4096, 512, 1376, 8, 4)
-    cfg = LlamaConfig.from_dict(
+    cfg = parse_config(
         {
             "model_type": "llama",
             "vocab_size": dims[0],

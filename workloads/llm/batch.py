@@ -30,7 +30,7 @@ import torch
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
-from .checkpoint import Checkpoint, LlamaConfig
+from .checkpoint import Checkpoint, ModelConfig
 from .decode_sample import add_sampling
 from .layer import Attend, rope_tables
 from .model import ModelGraph, _Builder
@@ -125,7 +125,7 @@ def _state(kind: str, row: int, li: int, blk: int, j: int) -> str:
     return f"{kind}c.r{row}.l{li}.b{blk}_g{j}"
 
 
-def state_ids(cfg: LlamaConfig, gpus: int, row: int, blocks: int) -> list[str]:
+def state_ids(cfg: ModelConfig, gpus: int, row: int, blocks: int) -> list[str]:
     """Every KV cache state of batch row `row` over `blocks` blocks, on every GPU."""
     return [
         _state(c, row, li, b, j)
@@ -352,7 +352,7 @@ def _cached_rows_attend(
 
 
 def feed_prefill(
-    mgraph: ModelGraph, cfg: LlamaConfig, layout: BatchLayout, prompts: Sequence[Sequence[int]], micro: int
+    mgraph: ModelGraph, cfg: ModelConfig, layout: BatchLayout, prompts: Sequence[Sequence[int]], micro: int
 ) -> dict[str, torch.Tensor]:
     """The caller inputs of a batch prefill: row r's prompt left-padded (token 0) to the layout's
     length; rows beyond the prompts are padding."""
@@ -382,7 +382,7 @@ def feed_prefill(
 
 
 def feed_decode(
-    mgraph: ModelGraph, cfg: LlamaConfig, layout: BatchLayout, tokens: Sequence[int], p: int, micro: int
+    mgraph: ModelGraph, cfg: ModelConfig, layout: BatchLayout, tokens: Sequence[int], p: int, micro: int
 ) -> dict[str, torch.Tensor]:
     """The caller inputs of a batch decode step: row r's token at cache index p (position p - o_r)."""
     G, R = mgraph.taskgraph.gpus, layout.rows

@@ -17,7 +17,7 @@ import torch
 
 from disco_ray.graph.kernels_sample import as_bits
 
-from .checkpoint import LlamaConfig
+from .checkpoint import ModelConfig
 from .layer import rope_tables
 from .model import ModelGraph
 
@@ -77,7 +77,7 @@ def feed_sampling(
 
 
 def feed_decode_steps(
-    mgraph: ModelGraph, cfg: LlamaConfig, offsets: Sequence[int], tokens: Sequence[int], p: int, k: int
+    mgraph: ModelGraph, cfg: ModelConfig, offsets: Sequence[int], tokens: Sequence[int], p: int, k: int
 ) -> list[dict[str, torch.Tensor]]:
     """`feed_decode`'s inputs of k decode steps at cache indices p..p+k-1 (the rotary rows of
     every step in one table) for rows whose first tokens sit at `offsets` (`BatchLayout.offsets`),

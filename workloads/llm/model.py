@@ -3,7 +3,7 @@
 The graphs follow LlamaForCausalLM: token embedding, decoder layers (RMSNorm, Q/K/V projections,
 rotary embedding, causal grouped-query attention, output projection, SwiGLU MLP, residuals), the
 final RMSNorm and the LM head. The decoder layers are the layer builder's (`workloads.llm.layer`,
-from `LlamaConfig.spec`), tensor-parallel over G GPUs (Megatron-style): each GPU holds heads/G
+from `ModelConfig.spec`), tensor-parallel over G GPUs (Megatron-style): each GPU holds heads/G
 query heads, kv_heads/G key/value heads and ffn/G MLP units, computes partial output and down
 projections, which the row tile's owner GPU sums with the residual and sends back to every GPU;
 between a layer's q/k/v and its attention a graph keeps its keys and values (prefill tiles, the
@@ -37,7 +37,7 @@ import torch
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
-from .checkpoint import Checkpoint, LlamaConfig
+from .checkpoint import Checkpoint, ModelConfig
 from .layer import Attend, Layer, Split, rope_tables
 
 
@@ -59,7 +59,7 @@ class ModelGraph:
     tokens: list[tuple[int, str]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # per micro-batch: its rows' finished flags
 
-    def feed(self, cfg: LlamaConfig, ids: list[int], pos: int = 0) -> dict[str, torch.Tensor]:
+    def feed(self, cfg: ModelConfig, ids: list[int], pos: int = 0) -> dict[str, torch.Tensor]:
         """The caller inputs of one run: token ids (padded to `rows`), positions from `pos`."""
         g = self.taskgraph.gpus
         if len(ids) > self.rows:
