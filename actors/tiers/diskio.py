@@ -8,13 +8,20 @@ reads go in large aligned blocks through O_DIRECT where the file system allows i
 cache neither hides the cost nor fills host memory with the model), buffered where it does not
 (tmpfs, some network file systems). Bounce buffers are made when the graph is loaded, two per
 worker by default, each the size of the largest block: loads on several lanes take turns on them.
+
+A quantized source (`Source.quant`) is read and packed once, when the graph is loaded, into a file
+of the worker's own (`packed_file`): its loads then read the packed bytes, never the float ones.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
+import hashlib
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -129,6 +136,27 @@ class FileReader:
         self._fds.clear()
 
 
+_PACKED: dict[str, str] = {}  # the packed files this process wrote: source key -> path
+
+
+def packed_file(v: Vertex) -> str:
+    """A file of this process's temporary directory holding sourced input `v`'s packed bytes
+    (quantized from its checkpoint block at the first call, then reused)."""
+    assert v.source is not None
+    key = repr((v.source, v.shape, v.dtype))
+    path = _PACKED.get(key)
+    if path is not None and os.path.exists(path):
+        return path
+    if "dir" not in _PACKED:
+        _PACKED["dir"] = tempfile.mkdtemp(prefix="disco-packed-")
+        atexit.register(shutil.rmtree, _PACKED["dir"], True)
+    t = sources.read(v.source, v.shape, v.dtype, f"input {v.id!r}")
+    path = os.path.join(_PACKED["dir"], hashlib.sha1(key.encode()).hexdigest() + ".bin")
+    t.numpy().tofile(path)
+    _PACKED[key] = path
+    return path
+
+
 @dataclass(frozen=True, slots=True)
 class FileBlock:
     """Where a sourced input's block lies in its file: whole rows [offset, offset + nbytes) of
@@ -149,6 +177,11 @@ class FileBlock:
         assert v.source is not None
         src = v.source
         where = f"input {v.id!r}"
+        if src.quant is not None:
+            path = packed_file(v)
+            st = os.stat(path)
+            what = f"{where}: source {src.describe()}"
+            return cls(path, 0, st.st_size, v.shape, "uint8", None, False, what, (st.st_mtime_ns, st.st_size))
         h = sources.header(src.path, where)
         meta = h.get(src.tensor)
         if not isinstance(meta, dict):

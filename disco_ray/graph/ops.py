@@ -7,12 +7,13 @@ registers FORMATS.md's ops and the elementwise and normalisation ops; `ops_llm` 
 ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups); `ops_nn`
 the general ops a torch model maps onto (activations, layer norm, broadcasting arithmetic, shape
 copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
-optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`).
+optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_quant`
+the dequantization of packed weights (`dequant`).
 """
 
 from __future__ import annotations
 
-from . import ops_llm, ops_nn, ops_sample, ops_train
+from . import ops_llm, ops_nn, ops_quant, ops_sample, ops_train
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,
@@ -41,6 +42,7 @@ __all__ = [
     "numel",
     "ops_llm",
     "ops_nn",
+    "ops_quant",
     "ops_sample",
     "ops_train",
     "register",

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import FormatError, NonFiniteError, RunError
+from .quant import Quant
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +49,7 @@ class Source:
     tensor: str  # the tensor's name in the file
     slices: tuple[tuple[int, int] | None, ...] = ()  # per leading dim: [start, stop) or whole
     finite: bool = False  # every value must be finite (checked where a worker reads it)
+    quant: Quant | None = None  # the block is quantized where it is read, and kept packed
 
     def to_dict(self) -> dict:
         d: dict = {"path": self.path, "tensor": self.tensor}
@@ -55,6 +57,8 @@ class Source:
             d["slices"] = [None if s is None else list(s) for s in self.slices]
         if self.finite:
             d["finite"] = True
+        if self.quant is not None:
+            d["quant"] = self.quant.to_dict()
         return d
 
     @classmethod
@@ -62,7 +66,7 @@ class Source:
         """Parses a "source" object; FormatError names `where` (the vertex) and the field."""
         if not isinstance(doc, dict):
             raise FormatError(f'{where}: "source" must be an object with "path" and "tensor"')
-        unknown = set(doc) - {"path", "tensor", "slices", "finite"}
+        unknown = set(doc) - {"path", "tensor", "slices", "finite", "quant"}
         if unknown:
             raise FormatError(f'{where}: "source" has unknown field(s) {sorted(unknown)}')
         path, tensor, raw = doc.get("path"), doc.get("tensor"), doc.get("slices", [])
@@ -91,13 +95,15 @@ class Source:
             if not 0 <= a <= b:
                 raise FormatError(f'{where}: "source.slices[{n}]" [{a}, {b}] is not a range')
             slices.append((a, b))
-        return cls(path, tensor, tuple(slices), finite)
+        quant = Quant.from_dict(doc["quant"], where) if "quant" in doc else None
+        return cls(path, tensor, tuple(slices), finite, quant)
 
     def describe(self) -> str:
+        packed = "" if self.quant is None else f" ({self.quant.name}, group {self.quant.group})"
         if not self.slices:
-            return f"{self.tensor} of {self.path}"
+            return f"{self.tensor} of {self.path}{packed}"
         dims = ", ".join(":" if s is None else f"{s[0]}:{s[1]}" for s in self.slices)
-        return f"{self.tensor}[{dims}] of {self.path}"
+        return f"{self.tensor}[{dims}] of {self.path}{packed}"
 
 
 def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
@@ -134,12 +140,26 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
         raise RunError(f"{what}: cannot read ({e.strerror or e})") from None
     except SafetensorError as e:
         raise RunError(f"{what}: not a readable safetensors file ({e})") from None
+    if src.quant is not None:
+        return _packed(src.quant, t, shape, dtype, what, src.finite)
     if tuple(t.shape) != tuple(shape):
         raise RunError(f"{what}: has shape {list(t.shape)}, the input {list(shape)}")
     out = t.to(torch_dtype(dtype)).contiguous()
     if src.finite:
         check_finite(out, what, t)
     return out
+
+
+def _packed(q: Quant, t: torch.Tensor, shape: tuple[int, ...], dtype: str, what: str, finite: bool):
+    """Block `t` quantized by `q`, checked to be the input's packed `shape` (uint8)."""
+    from .kernels_quant import quantize
+
+    if t.dim() != 2 or dtype != "uint8" or q.packed_shape(tuple(t.shape)) != tuple(shape):
+        got = list(q.packed_shape(tuple(t.shape))) if t.dim() == 2 else f"a {t.dim()}-d block"
+        raise RunError(f"{what}: packs to {got} uint8, the input is {list(shape)} {dtype}")
+    if finite:  # a NaN or infinity would poison its whole group's scale
+        check_finite(t, what)
+    return quantize(t, q)
 
 
 def check_finite(t: torch.Tensor, what: str, stored: torch.Tensor | None = None) -> None:

@@ -47,7 +47,8 @@ class LoraTrainer(Programs):
         grad_sum: how a weight gradient's partials are summed ("sum_into", the default: sum-into
             kernels, each adding one partial as soon as it exists; "add": one n-ary add; "chain").
         capacity, host_capacity, disk_dir, gpus, dtype, block, engine, backend, streams, ahead,
-            weights, pool, check, stall_timeout: as for `disco_ray.models.LlamaModel`.
+            weights, pool, check, stall_timeout, quantize, quant_group: as for
+            `disco_ray.models.LlamaModel` (quantize: LoRA on a frozen quantized base, as QLoRA).
     """
 
     def __init__(
@@ -73,9 +74,11 @@ class LoraTrainer(Programs):
         host_capacity: int | str | Sequence[int | None] | None = None,
         disk_dir: str | None = None,
         stall_timeout: float = STALL_S,
+        quantize: str | None = None,
+        quant_group: int = 64,
         **cluster: object,
     ):
-        self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine)
+        self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine, quantize, quant_group)
         self.config = self.ck.config
         self.gpus, self.block, self.grad_sum = gpus, block, grad_sum
         self.optim = optim or OptimSpec()

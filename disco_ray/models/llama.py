@@ -87,6 +87,9 @@ class LlamaModel(PlannedModel):
             "disk" (each load reads them from the checkpoint files: host memory holds none).
         check: run the sanitizer in every run (slow; for tests).
         stall_timeout: ray engine: a worker silent this many seconds (stopped, hung) ends a run.
+        quantize: "int8" or "int4": the decoder layers' linear weights are read quantized, kept
+            and moved packed, dequantized where used (docs/QUANTIZATION.md); None: as stored.
+        quant_group: elements per scale and zero point of a quantized weight's rows.
         pool: a `RayPool` / `LocalPool` to run on and keep (default: one of its own, closed
             with the model).
     """
@@ -113,6 +116,8 @@ class LlamaModel(PlannedModel):
         host_capacity: int | str | Sequence[int | None] | None = None,
         disk_dir: str | None = None,
         stall_timeout: float = STALL_S,
+        quantize: str | None = None,
+        quant_group: int = 64,
     ):
         if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
             raise UsageError(f"gpus must be a positive integer, got {gpus!r}")
@@ -122,7 +127,7 @@ class LlamaModel(PlannedModel):
         if not isinstance(tile, int) or isinstance(tile, bool) or tile < block or tile % block:
             raise UsageError(f"tile must be a multiple of block {block}, got {tile!r}")
         self.tile = tile
-        self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine)
+        self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine, quantize, quant_group)
         self.config = self.ck.config
         self.gpus, self.block = gpus, block
         cluster = dict(num_cpus=num_cpus, placement=placement, address=address)
@@ -406,6 +411,7 @@ class LlamaModel(PlannedModel):
             "tile": self.tile,
             "capacity": self.capacity,
             "weight_bytes": self.ck.weight_bytes(self.dtype),
+            "quantize": None if self.ck.quant is None else self.ck.quant.to_dict(),
             "plans": list(self.plans),
             "planning_s": round(self.planning_s, 4),
             "load_s": round(self.load_s, 4),

@@ -11,6 +11,7 @@ from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.quant import Quant
 from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.sizes import parse_capacity
 from disco_ray.graph.taskgraph import TaskGraph
@@ -32,16 +33,21 @@ def one_request(method: F) -> F:
     return held  # type: ignore[return-value]
 
 
-def open_checkpoint(path: str, gpus: int, dtype: str | None, engine: str) -> tuple[Checkpoint, str]:
+def open_checkpoint(
+    path: str, gpus: int, dtype: str | None, engine: str, quantize: str | None = None, quant_group: int = 64
+) -> tuple[Checkpoint, str]:
     """The checkpoint at `path`, its config checked to split over `gpus`, and the compute dtype
-    (`dtype`, checked, else the checkpoint's), to run on `engine`: what a model driver runs."""
+    (`dtype`, checked, else the checkpoint's), to run on `engine`: what a model driver runs.
+    `quantize` ("int8", "int4" or None) with `quant_group`: its decoder layers' linear weights
+    are read quantized (docs/QUANTIZATION.md)."""
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+    quant = Quant.named(quantize, quant_group)  # bad values refused before the checkpoint is read
     ck = Checkpoint(path)
     ck.config.check_split(gpus)
     if dtype is not None and dtype not in FLOATS:
         raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
-    return ck, dtype or ck.config.dtype
+    return ck.quantized(quant), dtype or ck.config.dtype
 
 
 def plan_entry(graph: str, tg: TaskGraph, mg: MemGraph, seconds: float, **extra: object) -> dict:

@@ -15,12 +15,14 @@ worker reading a block refuses one holding NaN or infinity, naming the tensor.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
 from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.quant import Quant
 from disco_ray.graph.sources import CONFIG_ONLY, FILE_DTYPES, Source
 
 from .families import FAMILIES, ModelConfig, parse_config
@@ -70,6 +72,14 @@ class Checkpoint:
         self._check()
 
     config_only = False  # True: no files behind it (`from_config`); its sources refuse to be read
+    quant: Quant | None = None  # the decoder layers' projections are quantized where read (`quantized`)
+
+    def quantized(self, quant: Quant | None) -> Checkpoint:
+        """This checkpoint with its decoder layers' linear weights read as `quant` packs them
+        (None: as stored); the embeddings, norms and LM head stay in the compute dtype."""
+        ck = copy.copy(self)
+        ck.quant = quant
+        return ck
 
     @classmethod
     def virtual(cls, config: ModelConfig, dtype: str = "float16") -> Checkpoint:

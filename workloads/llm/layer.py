@@ -23,6 +23,7 @@ from enum import Enum
 
 import torch
 
+from disco_ray.graph.quant import dequantized
 from disco_ray.graph.taskgraph import TaskGraph
 
 ROW_SPLIT = ("q", "k", "v", "gate", "up")  # output rows split over the GPUs
@@ -223,6 +224,9 @@ class Layer:
     def project(self, li: int, role: str, x: str, j: int, id: str) -> str:
         """x times GPU j's block of projection `role`."""
         w = self.weights(li, j)[role]
+        if self.g[w].dtype == "uint8":  # packed (a quantized checkpoint): dequantized just before use
+            cols = self.split.block_shape(self.spec, role, j)[1]
+            w = dequantized(self.g, w, cols, self.g[x].dtype, f"{id}.w")
         if self.spec.layout is Layout.IN_OUT:
             return self.g.matmul(x, w, id=id)
         return self.g.linear(x, w, id=id)

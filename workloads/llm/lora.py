@@ -225,7 +225,11 @@ class LoraLayers(_Builder):
         out = []
         for j in range(self.G):
             dx = (
-                g.matmul(dy[j], self.layer_weights(li, j)[COLUMN[mod]], id=f"{stem}.d{mod}_g{j}")
+                g.matmul(
+                    dy[j],
+                    self.base_weight(li, COLUMN[mod], j, dy[j], f"{stem}.d{mod}_g{j}.w"),
+                    id=f"{stem}.d{mod}_g{j}",
+                )
                 if need_dx
                 else ""
             )
@@ -262,7 +266,11 @@ class LoraLayers(_Builder):
         """dx_j per GPU of a column-split layer (dy whole on every GPU); adapter gradients recorded."""
         g, sc, o = self.g, self.lora.scaling, self.owner(li)
         dxs = [
-            g.matmul(dy[j], self.layer_weights(li, j)[ROW[mod]], id=f"{stem}.d{mod}_g{j}")
+            g.matmul(
+                dy[j],
+                self.base_weight(li, ROW[mod], j, dy[j], f"{stem}.d{mod}_g{j}.w"),
+                id=f"{stem}.d{mod}_g{j}",
+            )
             for j in range(self.G)
         ]
         if not self.targeted(mod):

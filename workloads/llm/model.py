@@ -30,15 +30,18 @@ cache length, never per token, and a step's run-time inputs are the token, p and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.quant import dequantized
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
-from .layer import Attend, Layer, Split, rope_tables
+from .layer import COL_SPLIT, ROW_SPLIT, Attend, Layer, Split, rope_tables
+
+PROJECTIONS = frozenset(ROW_SPLIT + COL_SPLIT)  # the weights a quantized checkpoint packs
 
 
 @dataclass(slots=True)
@@ -104,7 +107,9 @@ class _Builder:
         self.G = gpus
         self.layer = Layer(self.g, self.cfg.spec, self.split, self.layer_weights)
 
-    def weight(self, id: str, name: str, j: int, rows=None, cols=None) -> str:
+    def weight(self, id: str, name: str, j: int, rows=None, cols=None, packed: bool = False) -> str:
+        """The input of block (rows, cols) of tensor `name` on GPU j; `packed`: quantized as the
+        checkpoint says (`Checkpoint.quant`), used through `quant.dequantized`."""
         if id not in self.g:
             _, full, _ = self.ck.tensors[name]
             shape = list(full)
@@ -112,8 +117,18 @@ class _Builder:
                 shape[0] = rows[1] - rows[0]
             if cols is not None:
                 shape[1] = cols[1] - cols[0]
-            self.g.input(id, tuple(shape), self.dtype, gpu=j, source=self.ck.source(name, rows, cols))
+            src, dtype, q = self.ck.source(name, rows, cols), self.dtype, self.ck.quant if packed else None
+            if q is not None:
+                shape, dtype, src = list(q.packed_shape(tuple(shape))), "uint8", replace(src, quant=q)
+            self.g.input(id, tuple(shape), dtype, gpu=j, source=src)
         return id
+
+    def base_weight(self, li: int, role: str, j: int, like: str, id: str) -> str:
+        """Layer li's projection `role` on GPU j as a matmul reads it, in `like`'s dtype (a packed
+        one dequantized by vertex `id`)."""
+        w = self.layer_weights(li, j)[role]
+        cols = self.split.block_shape(self.cfg.spec, role, j)[1]
+        return dequantized(self.g, w, cols, self.g[like].dtype, id)
 
     def embed_table(self, j: int) -> str:
         lo, hi = self.split.vocab[j]
@@ -129,7 +144,13 @@ class _Builder:
         """Layer li's weights on GPU j by role: GPU j's blocks of the checkpoint's tensors."""
         spec, p = self.cfg.spec, f"model.layers.{li}."
         return {
-            role: self.weight(f"l{li}.{role}_g{j}", p + name, j, *self.split.block(spec, role, j))
+            role: self.weight(
+                f"l{li}.{role}_g{j}",
+                p + name,
+                j,
+                *self.split.block(spec, role, j),
+                packed=role in PROJECTIONS,
+            )
             for role, name in spec.weights.items()
         }
 

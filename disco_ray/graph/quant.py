@@ -1,0 +1,102 @@
+"""Weight-only quantization: what a packed weight is, its size, and its use in a graph (pure, no torch).
+
+A linear weight [out, in] is quantized group-wise along its input dimension, min-max asymmetric
+as FlexGen does (Sheng et al., 2023, section 5): each group of `group` consecutive elements of a
+row gets a scale s = (max - min) / (2^bits - 1) and a zero point z = min, each element the code
+q = round((x - z) / s) in 0..2^bits-1, and dequantizes to q * s + z. A row whose length is not a
+multiple of `group` has a shorter last group (its min and max are over the elements it has).
+
+The packed weight is one uint8 tensor [out, width], one packed row per weight row:
+
+    codes (cb bytes) | scales (ng float16) | zeros (ng float16)
+
+with ng = ceil(in / group) groups and cb = 2 * ceil(in * bits / 16) bytes of codes (int8: one
+byte per element; int4: two per byte, element 2i in the low nibble, 2i+1 in the high one; padded
+to an even count so the float16s that follow are aligned). So a planner that sizes a graph input
+by its shape and dtype moves and keeps the packed bytes: with group 64, 1.06 bytes per weight for
+int8 and 0.56 for int4, against 4 (float32) or 2 (float16).
+
+The worker quantizes when it reads a block of the checkpoint (`sources.Source.quant`); the
+`dequant` op (`ops_quant`, kernel in `kernels_quant`) turns a packed weight back into the
+compute dtype on the device that uses it, just before the `linear` or `matmul` that reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import FormatError, UsageError
+
+if TYPE_CHECKING:
+    from .taskgraph import TaskGraph
+
+BITS = (8, 4)  # the code widths: int8 and int4
+NAMES = {"int8": 8, "int4": 4}  # --quantize's values -> bits
+DEFAULT_GROUP = 64  # FlexGen's group size
+
+
+@dataclass(frozen=True, slots=True)
+class Quant:
+    """How a weight is quantized: `bits` per code and `group` elements per scale and zero point."""
+
+    bits: int
+    group: int = DEFAULT_GROUP
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS or isinstance(self.bits, bool):
+            raise UsageError(f"quantization bits must be 8 or 4, got {self.bits!r}")
+        if not isinstance(self.group, int) or isinstance(self.group, bool) or self.group < 1:
+            raise UsageError(f"quantization group must be an integer >= 1, got {self.group!r}")
+
+    @classmethod
+    def named(cls, name: str | None, group: int = DEFAULT_GROUP) -> Quant | None:
+        """The quantization `name` ("int8", "int4"; None or "none": none) with `group`."""
+        if name is None or name == "none":
+            return None
+        if name not in NAMES:
+            raise UsageError(f"quantize must be one of int8, int4 (or none), got {name!r}")
+        return cls(NAMES[name], group)
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def groups(self, cols: int) -> int:
+        """Groups of a row of `cols` elements."""
+        return -(-cols // self.group)
+
+    def code_bytes(self, cols: int) -> int:
+        """Bytes of a row's codes (an even count: the float16 scales after them stay aligned)."""
+        return 2 * (-(-cols * self.bits // 16))
+
+    def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The packed uint8 shape of a weight of `shape` [out, in]."""
+        if len(shape) != 2 or min(shape) < 1:
+            raise UsageError(f"only a 2-d weight [out, in] is quantized, got shape {list(shape)}")
+        rows, cols = shape
+        return rows, self.code_bytes(cols) + 4 * self.groups(cols)
+
+    def to_dict(self) -> dict:
+        return {"bits": self.bits, "group": self.group}
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> Quant:
+        """Parses a source's "quant" object; FormatError names `where` and the field."""
+        if not isinstance(doc, dict) or set(doc) - {"bits", "group"} or "bits" not in doc:
+            raise FormatError(f'{where}: "source.quant" must be {{"bits": 8 or 4, "group": n}}, got {doc!r}')
+        try:
+            return cls(doc["bits"], doc.get("group", DEFAULT_GROUP))
+        except UsageError as e:
+            raise FormatError(f'{where}: "source.quant": {e}') from None
+
+
+def dequantized(g: TaskGraph, w: str, cols: int, dtype: str, id: str) -> str:
+    """Weight input `w` in the compute `dtype`: itself when it is not packed, else a `dequant`
+    vertex `id` on its GPU (one per use, so no dequantized copy outlives the op that reads it)."""
+    v = g[w]
+    src = v.source
+    if src is None or src.quant is None:
+        return w
+    q = src.quant
+    return g.kernel("dequant", w, id=id, bits=q.bits, group=q.group, cols=cols, dtype=dtype)
