@@ -24,7 +24,7 @@ from actors.options import STALL_S
 from disco_ray.driver.placement import add_cluster_args, cluster_kwargs
 from disco_ray.graph.errors import DiscoError, UsageError
 
-from .app import closing_after_error, command, seconds_arg, writable_file
+from .app import closing_after_error, command, positive_int, seconds_arg, writable_file
 
 log = logging.getLogger("disco_ray")
 
@@ -117,6 +117,19 @@ def add_model_run_args(p: argparse.ArgumentParser) -> None:
         help="keep each worker's weight shards in host memory after one read (host), or read them "
         "from the checkpoint at each load (disk: no host copy)",
     )
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        help="read the decoder layers' linear weights quantized (group-wise min-max): stored, "
+        "moved and streamed packed, dequantized where used (docs/QUANTIZATION.md)",
+    )
+    p.add_argument(
+        "--quant-group",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="elements per scale and zero point of a quantized weight's rows (default 64)",
+    )
     add_engine_args(p)
     add_stall_arg(p)
     add_cluster_args(p)
@@ -154,7 +167,7 @@ def model_run_kwargs(args: argparse.Namespace, gpus: int) -> dict:
 
     kw = engine_kwargs(args)
     kw.update(weights=args.weights, host_capacity=host_capacity_of(args, gpus), disk_dir=args.disk)
-    kw.update(stall_timeout=args.stall_timeout)
+    kw.update(stall_timeout=args.stall_timeout, quantize=args.quantize, quant_group=args.quant_group)
     if args.engine == "ray":
         kw.update(cluster_kwargs(args))
     return kw
