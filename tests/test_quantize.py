@@ -80,7 +80,7 @@ def test_source_quant_round_trips_through_json():
     assert src.to_dict()["quant"] == {"bits": 4, "group": 32}
     assert Source.from_dict(src.to_dict(), "x") == src
     for bad in ({"bits": 5}, {"group": 64}, [4], {"bits": 4, "group": 64, "sym": True}):
-        with pytest.raises(FormatError, match="x: .*source.quant"):
+        with pytest.raises(FormatError, match=r"x: .*source\.quant"):
             Source.from_dict({"path": "m", "tensor": "w", "quant": bad}, "x")
 
 

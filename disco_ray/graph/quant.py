@@ -18,18 +18,15 @@ int8 and 0.56 for int4, against 4 (float32) or 2 (float16).
 
 The worker quantizes when it reads a block of the checkpoint (`sources.Source.quant`); the
 `dequant` op (`ops_quant`, kernel in `kernels_quant`) turns a packed weight back into the
-compute dtype on the device that uses it, just before the `linear` or `matmul` that reads it.
+compute dtype on the device that uses it, just before the `linear` or `matmul` that reads it
+(`workloads.llm.packed.dequantized` adds it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .errors import FormatError, UsageError
-
-if TYPE_CHECKING:
-    from .taskgraph import TaskGraph
 
 BITS = (8, 4)  # the code widths: int8 and int4
 NAMES = {"int8": 8, "int4": 4}  # --quantize's values -> bits
@@ -89,14 +86,3 @@ class Quant:
             return cls(doc["bits"], doc.get("group", DEFAULT_GROUP))
         except UsageError as e:
             raise FormatError(f'{where}: "source.quant": {e}') from None
-
-
-def dequantized(g: TaskGraph, w: str, cols: int, dtype: str, id: str) -> str:
-    """Weight input `w` in the compute `dtype`: itself when it is not packed, else a `dequant`
-    vertex `id` on its GPU (one per use, so no dequantized copy outlives the op that reads it)."""
-    v = g[w]
-    src = v.source
-    if src is None or src.quant is None:
-        return w
-    q = src.quant
-    return g.kernel("dequant", w, id=id, bits=q.bits, group=q.group, cols=cols, dtype=dtype)

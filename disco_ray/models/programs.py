@@ -11,8 +11,8 @@ from disco_ray.driver.engine_local import LocalPool
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
-from disco_ray.graph.quant import Quant
 from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.quant import Quant
 from disco_ray.graph.sizes import parse_capacity
 from disco_ray.graph.taskgraph import TaskGraph
 from workloads.llm.checkpoint import Checkpoint

@@ -23,8 +23,9 @@ from enum import Enum
 
 import torch
 
-from disco_ray.graph.quant import dequantized
 from disco_ray.graph.taskgraph import TaskGraph
+
+from .packed import dequantized
 
 ROW_SPLIT = ("q", "k", "v", "gate", "up")  # output rows split over the GPUs
 COL_SPLIT = ("o", "down")  # input columns split over the GPUs

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from disco_ray.graph.errors import UsageError
-from disco_ray.graph.quant import dequantized
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
 from .layer import COL_SPLIT, ROW_SPLIT, Attend, Layer, Split, rope_tables
+from .packed import dequantized
 
 PROJECTIONS = frozenset(ROW_SPLIT + COL_SPLIT)  # the weights a quantized checkpoint packs
 
