@@ -136,6 +136,10 @@ def _weight_bytes_moved(ck: Checkpoint) -> tuple[int, int]:
 def test_plans_move_the_packed_bytes(tiny):
     path, _ = tiny
     ck = Checkpoint(path)
+    tg = decode_graph(ck.quantized(Quant(4, 32)), 1, 1, oracle.BLOCK).taskgraph
+    assert tg["embed_g0"].source.quant == Quant(8, 32)  # the tables: int8 whatever the layers' bits
+    assert tg["head_g0"].source.quant == Quant(8, 32) and tg["l0.q_g0"].source.quant == Quant(4, 32)
+    assert tg["norm_g0"].dtype == tg["l0.attn_norm_g0"].dtype == "float32"
     whole, moved = _weight_bytes_moved(ck)
     assert whole == 4 * sum(t.numel() for n, t in _projections(path).items())
     for name, ratio in (("int8", 3.5), ("int4", 6.0)):
@@ -175,9 +179,9 @@ def test_lora_on_an_int8_base_matches_peft_on_the_dequantized_base(tiny, tmp_pat
     path, _ = tiny
     q = Quant(8, 64)
     ref = transformers.LlamaForCausalLM.from_pretrained(path)
-    with torch.no_grad():  # the reference: the base with each projection as int8 dequantizes it
-        for name, p in ref.named_parameters():
-            if name.startswith("model.layers.") and p.dim() == 2:
+    with torch.no_grad():  # the reference: the base with each matrix as int8 dequantizes it
+        for p in ref.parameters():
+            if p.dim() == 2:
                 p.copy_(dequantize(quantize(p, q), q, p.shape[1]))
     ref.save_pretrained(tmp_path / "deq")
     targets = ["q_proj", "v_proj", "down_proj"]

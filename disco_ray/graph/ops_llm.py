@@ -181,7 +181,8 @@ def _infer_embedding(shapes, dtypes, attrs):
         raise ValueError(f"embedding: ids must be integers [t] or [.., t], got {list(ids)} {dtypes[0]}")
     if len(table) != 2:
         raise ValueError(f"embedding: the table must be [rows, dim], got {list(table)}")
-    return (*ids, table[1]), _same_dtype("embedding", dtypes[1:])
+    # a packed (uint8) table: its packed rows, which `dequant` turns into floats
+    return (*ids, table[1]), _same_dtype("embedding", dtypes[1:], floats=dtypes[1] != "uint8")
 
 
 register(

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.quant import Quant
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
@@ -106,10 +107,14 @@ class _Builder:
         self.g = TaskGraph(gpus)
         self.G = gpus
         self.layer = Layer(self.g, self.cfg.spec, self.split, self.layer_weights)
+        # the embedding table and LM head: int8 whatever the layers' bits (their errors go
+        # straight into the logits, as llama.cpp keeps its output matrix at more bits)
+        q = self.ck.quant
+        self.tables = None if q is None else Quant(8, q.group)
 
-    def weight(self, id: str, name: str, j: int, rows=None, cols=None, packed: bool = False) -> str:
-        """The input of block (rows, cols) of tensor `name` on GPU j; `packed`: quantized as the
-        checkpoint says (`Checkpoint.quant`), used through `quant.dequantized`."""
+    def weight(self, id: str, name: str, j: int, rows=None, cols=None, packed: Quant | None = None) -> str:
+        """The input of block (rows, cols) of tensor `name` on GPU j; `packed`: read quantized
+        so, and used through `packed.dequantized`."""
         if id not in self.g:
             _, full, _ = self.ck.tensors[name]
             shape = list(full)
@@ -117,9 +122,10 @@ class _Builder:
                 shape[0] = rows[1] - rows[0]
             if cols is not None:
                 shape[1] = cols[1] - cols[0]
-            src, dtype, q = self.ck.source(name, rows, cols), self.dtype, self.ck.quant if packed else None
-            if q is not None:
-                shape, dtype, src = list(q.packed_shape(tuple(shape))), "uint8", replace(src, quant=q)
+            src, dtype = self.ck.source(name, rows, cols), self.dtype
+            if packed is not None:
+                shape, dtype = list(packed.packed_shape(tuple(shape))), "uint8"
+                src = replace(src, quant=packed)
             self.g.input(id, tuple(shape), dtype, gpu=j, source=src)
         return id
 
@@ -132,13 +138,26 @@ class _Builder:
 
     def embed_table(self, j: int) -> str:
         lo, hi = self.split.vocab[j]
-        return self.weight(f"embed_g{j}", "model.embed_tokens.weight", j, rows=(lo, hi))
+        return self.weight(f"embed_g{j}", "model.embed_tokens.weight", j, rows=(lo, hi), packed=self.tables)
 
     def head_table(self, j: int) -> str:
         if self.cfg.tie:  # tied: the LM head is the embedding table (one input, one host copy)
             return self.embed_table(j)
         lo, hi = self.split.vocab[j]
-        return self.weight(f"head_g{j}", "lm_head.weight", j, rows=(lo, hi))
+        return self.weight(f"head_g{j}", "lm_head.weight", j, rows=(lo, hi), packed=self.tables)
+
+    def lookup(self, tok: str, j: int, id: str) -> str:
+        """The embedding rows of ids `tok` in GPU j's vocabulary shard (zeros outside it); of a
+        packed table, the packed rows are looked up, then dequantized (`{id}.rows` -> `id`)."""
+        table, start = self.embed_table(j), self.split.vocab[j][0]
+        if self.g[table].dtype != "uint8":
+            return self.g.kernel("embedding", tok, table, id=id, start=start)
+        rows = self.g.kernel("embedding", tok, table, id=f"{id}.rows", start=start)
+        return dequantized(self.g, table, self.cfg.dim, self.dtype, id, rows)
+
+    def head_weight(self, j: int, like: str, id: str) -> str:
+        """GPU j's LM head block as a linear or matmul reads it, in `like`'s dtype."""
+        return dequantized(self.g, self.head_table(j), self.cfg.dim, self.g[like].dtype, id)
 
     def layer_weights(self, li: int, j: int) -> dict[str, str]:
         """Layer li's weights on GPU j by role: GPU j's blocks of the checkpoint's tensors."""
@@ -149,19 +168,13 @@ class _Builder:
                 p + name,
                 j,
                 *self.split.block(spec, role, j),
-                packed=role in PROJECTIONS,
+                packed=self.ck.quant if role in PROJECTIONS else None,
             )
             for role, name in spec.weights.items()
         }
 
     def embed(self, tok: list[str], owner: int, stem: str) -> list[str]:
-        g = self.g
-        parts = [
-            g.kernel(
-                "embedding", tok[j], self.embed_table(j), id=f"{stem}.emb_g{j}", start=self.split.vocab[j][0]
-            )
-            for j in range(self.G)
-        ]
+        parts = [self.lookup(tok[j], j, f"{stem}.emb_g{j}") for j in range(self.G)]
         if self.G == 1:
             return parts
         return self.layer.all_reduce(parts, owner, f"{stem}.h0")
@@ -174,7 +187,7 @@ class _Builder:
         for j in range(self.G):
             norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
             x = g.rmsnorm(hs[j], norm, eps=self.cfg.eps, id=f"{stem}.normf_g{j}")
-            out.append(g.linear(x, self.head_table(j), id=f"{stem}.logits_g{j}"))
+            out.append(g.linear(x, self.head_weight(j, x, f"{stem}.logits_g{j}.w"), id=f"{stem}.logits_g{j}"))
         if keep:
             g.output(*out)
         return out

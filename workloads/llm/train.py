@@ -143,20 +143,11 @@ class _Step(LoraLayers):
     # ---- the phases of a step ---------------------------------------------------------------------
     def forward(self) -> None:
         """Embedding and every layer per sequence and tile, keeping only each layer's input."""
-        g, G, T, sp = self.g, self.G, self.tiles, self.split
+        g, G, T = self.g, self.G, self.tiles
         for s in range(self.batch):
             for t in range(T):
                 tok = [g.input(f"tok_b{s}_t{t}_g{j}", (self.block,), "int64", gpu=j) for j in range(G)]
-                emb = [
-                    g.kernel(
-                        "embedding",
-                        tok[j],
-                        self.embed_table(j),
-                        id=f"b{s}.t{t}.emb_g{j}",
-                        start=sp.vocab[j][0],
-                    )
-                    for j in range(G)
-                ]
+                emb = [self.lookup(tok[j], j, f"b{s}.t{t}.emb_g{j}") for j in range(G)]
                 # the tiles' owner GPUs rotate over tiles and sequences
                 self.saved[0][s][t] = self.reduce(emb, [], (s * T + t) % G, f"b{s}.t{t}.h0")
         for li in range(self.cfg.layers):
@@ -183,7 +174,11 @@ class _Step(LoraLayers):
                 for j in range(G):
                     norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
                     xf = g.rmsnorm(hs[j], norm, eps=cfg.eps, id=f"{stem}.normf_g{j}")
-                    logits.append(g.linear(xf, self.head_table(j), id=f"{stem}.logits_g{j}"))
+                    logits.append(
+                        g.linear(
+                            xf, self.head_weight(j, xf, f"{stem}.logits_g{j}.w"), id=f"{stem}.logits_g{j}"
+                        )
+                    )
                     parts.append(
                         g.kernel(
                             "cross_entropy_parts",
@@ -209,7 +204,9 @@ class _Step(LoraLayers):
                         start=sp.vocab[j][0],
                         scale=inv_n,
                     )
-                    dxf.append(g.matmul(dl, self.head_table(j), id=f"{stem}.dxf_g{j}"))
+                    dxf.append(
+                        g.matmul(dl, self.head_weight(j, dl, f"{stem}.dxf_g{j}.w"), id=f"{stem}.dxf_g{j}")
+                    )
                 dx = self.reduce(dxf, [], w, f"{stem}.dxf")
                 norm = self.weight(f"norm_g{w}", "model.norm.weight", w)
                 dtop[s][t] = g.kernel("rmsnorm_grad", hL, norm, dx, id=f"{stem}.dh", eps=cfg.eps)
