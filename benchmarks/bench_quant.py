@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"weights_bytes": weights, "load": os.getloadavg(), "runs": {}}
     print(f"checkpoint {path}: {weights / 1e9:.2f} GB float32; prompt {args.prompt}, {args.new} new tokens")
     print(f"machine: {torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.1f}")
-    print("| batch | weights | arena MB | decode new tok/s | vs float32 | step ms | MB loaded/step | tokens |")
+    print(
+        "| batch | weights | arena MB | decode new tok/s | vs float32 | step ms | MB loaded/step | tokens |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch in map(int, args.batches.split(",")):
         b = capacity_bounds(path, prompt=args.prompt, new_tokens=args.new, batch=batch)

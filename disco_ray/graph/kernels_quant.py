@@ -64,7 +64,9 @@ def _dequant_into(out: torch.Tensor, packed: torch.Tensor, q: Quant) -> None:
 
 
 def _dequant(out, ins, attrs):
-    _dequant_into(out, ins[0], Quant(attrs["bits"], attrs["group"]))
+    _dequant_into(
+        out, ins[0][attrs["start"] : attrs["start"] + out.shape[0]], Quant(attrs["bits"], attrs["group"])
+    )
 
 
 def _dequant_temps(out, ins, attrs):

@@ -40,7 +40,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
 from .layer import COL_SPLIT, ROW_SPLIT, Attend, Layer, Split, rope_tables
-from .packed import dequantized
+from .packed import dequantized, packed_linear
 
 PROJECTIONS = frozenset(ROW_SPLIT + COL_SPLIT)  # the weights a quantized checkpoint packs
 
@@ -187,7 +187,7 @@ class _Builder:
         for j in range(self.G):
             norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
             x = g.rmsnorm(hs[j], norm, eps=self.cfg.eps, id=f"{stem}.normf_g{j}")
-            out.append(g.linear(x, self.head_weight(j, x, f"{stem}.logits_g{j}.w"), id=f"{stem}.logits_g{j}"))
+            out.append(packed_linear(g, x, self.head_table(j), self.cfg.dim, f"{stem}.logits_g{j}"))
         if keep:
             g.output(*out)
         return out

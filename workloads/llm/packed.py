@@ -2,15 +2,43 @@
 
 from __future__ import annotations
 
+from disco_ray.graph.dtypes import ITEMSIZE
 from disco_ray.graph.taskgraph import TaskGraph
 
 
-def dequantized(g: TaskGraph, w: str, cols: int, dtype: str, id: str, rows: str | None = None) -> str:
-    """Weight input `w` (or `rows`, packed rows of it: an embedding lookup's) in the compute
-    `dtype`: itself when it is not packed, else a `dequant` vertex `id` on its GPU (one per use,
-    so no dequantized copy outlives the op that reads it)."""
+def dequantized(
+    g: TaskGraph,
+    w: str,
+    cols: int,
+    dtype: str,
+    id: str,
+    rows: str | None = None,
+    span: tuple[int, int] | None = None,
+) -> str:
+    """Weight input `w` (or `rows`, packed rows of it: an embedding lookup's; or its rows `span`)
+    in the compute `dtype`: itself when it is not packed, else a `dequant` vertex `id` on its GPU
+    (one per use, so no dequantized copy outlives the op that reads it)."""
     src = g[w].source
     if src is None or src.quant is None:
         return w
     q = src.quant
-    return g.kernel("dequant", rows or w, id=id, bits=q.bits, group=q.group, cols=cols, dtype=dtype)
+    at = {} if span is None else {"start": span[0], "stop": span[1]}
+    return g.kernel("dequant", rows or w, id=id, bits=q.bits, group=q.group, cols=cols, dtype=dtype, **at)
+
+
+def packed_linear(g: TaskGraph, x: str, w: str, cols: int, id: str) -> str:
+    """x @ w^T for a weight input `w` [n, cols]; a packed one in row blocks, each dequantized just
+    before its linear and the logits joined, so that no float copy of a large matrix (an LM head)
+    needs the arena at once: each block's float bytes about the packed whole's."""
+    v = g[w]
+    if v.source is None or v.source.quant is None:
+        return g.linear(x, w, id=id)
+    n, blocks = v.shape[0], -(-ITEMSIZE[g[x].dtype] * cols // v.shape[1])
+    step = -(-n // blocks)
+    parts = [
+        g.linear(
+            x, dequantized(g, w, cols, g[x].dtype, f"{id}.w{k}", span=(a, min(n, a + step))), id=f"{id}.p{k}"
+        )
+        for k, a in enumerate(range(0, n, step))
+    ]
+    return parts[0] if len(parts) == 1 else g.kernel("concat", *parts, id=id, axis=-1)

@@ -37,6 +37,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 from .checkpoint import Checkpoint
 from .layer import rope_tables
 from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, module_dims
+from .packed import packed_linear
 
 IGNORE = -100  # transformers' ignored label
 __all__ = ["TARGETS", "LoraSpec", "OptimSpec", "Param", "TrainGraph", "module_dims", "train_graph"]
@@ -174,11 +175,7 @@ class _Step(LoraLayers):
                 for j in range(G):
                     norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
                     xf = g.rmsnorm(hs[j], norm, eps=cfg.eps, id=f"{stem}.normf_g{j}")
-                    logits.append(
-                        g.linear(
-                            xf, self.head_weight(j, xf, f"{stem}.logits_g{j}.w"), id=f"{stem}.logits_g{j}"
-                        )
-                    )
+                    logits.append(packed_linear(g, xf, self.head_table(j), cfg.dim, f"{stem}.logits_g{j}"))
                     parts.append(
                         g.kernel(
                             "cross_entropy_parts",
