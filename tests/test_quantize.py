@@ -15,6 +15,7 @@ from disco_ray.graph.quant import Quant
 from disco_ray.graph.sources import Source
 from disco_ray.models import LlamaModel
 from disco_ray.models.finetune import LoraTrainer
+from disco_ray.models.graphs import capacity_bounds
 from planner import build_memgraph, min_capacity, roomy_capacity
 from tests import family_oracle as oracle
 from workloads.llm.checkpoint import Checkpoint
@@ -151,6 +152,16 @@ def test_plans_move_the_packed_bytes(tiny):
         )
         assert packed == want and whole / packed >= ratio, (name, whole, packed)
         assert packed_moved >= packed and moved / packed_moved >= ratio * 0.9, (name, moved, packed_moved)
+
+
+def test_the_least_capacity_of_a_quantized_model_runs(tiny):
+    # its bounds are the quantized graphs': a dequantized weight and its packed form at once
+    path, hf = tiny
+    kw = dict(prompt=len(oracle.PROMPT), new_tokens=4, block=oracle.BLOCK)
+    low = capacity_bounds(path, quantize="int8", **kw)["min"]
+    assert low != capacity_bounds(path, **kw)["min"]
+    with LlamaModel(path, capacity=low, block=oracle.BLOCK, engine="local", quantize="int8") as m:
+        assert m.generate(oracle.PROMPT, 4, stop_at_eos=False) == oracle.greedy(hf, oracle.PROMPT, 4)
 
 
 def _projections(path) -> dict[str, torch.Tensor]:

@@ -52,15 +52,20 @@ def _dequant_into(out: torch.Tensor, packed: torch.Tensor, q: Quant) -> None:
     ng, cb = q.groups(cols), q.code_bytes(cols)
     sz = packed[:, cb:].view(torch.float16).view(rows, 2, ng).float()
     codes = packed[:, :cb]
-    full = torch.empty(rows, ng * q.group, dtype=torch.float32, device=packed.device)
+    # whole groups into a float32 output: dequantized in place, no temporary
+    direct = ng * q.group == cols and out.dtype == torch.float32 and out.is_contiguous()
+    full = out if direct else torch.empty(rows, ng * q.group, dtype=torch.float32, device=packed.device)
     if q.bits == 8:
         full[:, :cols] = codes[:, :cols]
-    else:  # unpack two codes per byte into the even and odd columns
-        pairs = torch.stack((codes & 15, codes >> 4), dim=2).view(rows, 2 * cb)
-        full[:, :cols] = pairs[:, :cols]
+    else:  # element 2i in the low nibble, 2i+1 in the high one
+        full[:, 0:cols:2] = codes[:, : (cols + 1) // 2] & 15
+        full[:, 1:cols:2] = codes[:, : cols // 2] >> 4
     g = full.view(rows, ng, q.group)
+    if not direct and ng * q.group != cols:
+        full[:, cols:] = 0  # the last group's missing elements: any finite value, dropped below
     g.mul_(sz[:, 0, :, None]).add_(sz[:, 1, :, None])
-    out.copy_(full[:, :cols])
+    if not direct:
+        out.copy_(full[:, :cols])
 
 
 def _dequant(out, ins, attrs):

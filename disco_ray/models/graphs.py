@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from disco_ray.graph.memgraph import MemGraph, MKind
+from disco_ray.graph.quant import Quant
 from planner import min_capacity
 from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
 from workloads.llm.checkpoint import Checkpoint
@@ -66,6 +67,8 @@ def capacity_bounds(
     batch: int | None = None,
     micro: int = 1,
     stops: int = STOPS,
+    quantize: str | None = None,
+    quant_group: int = 64,
 ) -> dict[str, list[int]]:
     """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
     prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
@@ -74,10 +77,11 @@ def capacity_bounds(
     `batch`: the graphs of `run_generate_batch` for that many prompts of at most `prompt` tokens
     (rows rounded up to a power of two, `micro` micro-batches; the fewer rows after compaction
     need no more), instead of the single-sequence ones; its decode steps sample on the device with
-    `stops` stop ids per row (`run_generate_batch` rounds a request's up to a power of two >= 4)."""
+    `stops` stop ids per row (`run_generate_batch` rounds a request's up to a power of two >= 4).
+    `quantize`, `quant_group`: the graphs of a model run with them (packed weights)."""
     from planner import roomy_capacity
 
-    ck = Checkpoint(path)
+    ck = Checkpoint(path).quantized(Quant.named(quantize, quant_group))
     blocks = math.ceil(prompt / block)
     tile = tile or 4 * block
     last = prompt + new_tokens - 2  # the position the last decode step feeds
