@@ -105,6 +105,15 @@ def test_int8_logits_and_greedy_tokens(tiny):
         assert m.generate(oracle.PROMPT, 6, stop_at_eos=False) == oracle.greedy(hf, oracle.PROMPT, 6)
 
 
+def test_two_gpus_split_the_packed_shards(tiny):
+    # o and down are split by input columns (32 and 48 per GPU): each row one short group of 64
+    path, hf = tiny
+    cap = oracle.capacity(path, 2, "tight", len(oracle.PROMPT), 5)
+    with LlamaModel(path, gpus=2, capacity=cap, block=oracle.BLOCK, engine="local", quantize="int8") as m:
+        assert m.generate(oracle.PROMPT, 5, stop_at_eos=False) == oracle.greedy(hf, oracle.PROMPT, 5)
+        assert sum(p["bytes_reloaded"] for p in m.plans) > 0
+
+
 def test_int4_top1_agreement_and_tight_equals_roomy(tiny):
     path, hf = tiny
     with torch.no_grad():
