@@ -8,7 +8,7 @@ import torch
 
 from actors.tiers.diskio import FileBlock
 from disco_ray.cli.app import main
-from disco_ray.graph.errors import FormatError, UsageError
+from disco_ray.graph.errors import FormatError, RunError, UsageError
 from disco_ray.graph.kernels_quant import dequantize, quantize
 from disco_ray.graph.memgraph import MKind
 from disco_ray.graph.quant import Quant
@@ -74,6 +74,17 @@ def test_packed_sizes():
     for bad in (dict(bits=3), dict(bits=8, group=0), dict(bits=True)):
         with pytest.raises(UsageError):
             Quant(**bad)
+
+
+def test_a_block_beyond_float16_is_refused_naming_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from disco_ray.graph import sources
+
+    save_file({"w": torch.tensor([[-1e5, 1.0], [1.0, 2.0]])}, tmp_path / "m.safetensors")
+    src = Source(str(tmp_path / "m.safetensors"), "w", (), True, Quant(8, 2))
+    with pytest.raises(RunError, match=r"l0\.q: source w of .*int8, group 2.*cannot be quantized"):
+        sources.read(src, (2, 6), "uint8", "l0.q")
 
 
 def test_source_quant_round_trips_through_json():

@@ -26,6 +26,8 @@ def quantize(w: torch.Tensor, q: Quant) -> torch.Tensor:
     scale = ((hi - lo) / top).half()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: codes 0
     zero = lo.half()
+    if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+        raise ValueError("values beyond float16's range (65504): a scale or zero point overflows")
     codes = ((x - zero.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, top)
     codes = codes.to(torch.uint8).view(rows, ng * q.group)[:, :cols]
     cb = q.code_bytes(cols)

@@ -159,7 +159,10 @@ def _packed(q: Quant, t: torch.Tensor, shape: tuple[int, ...], dtype: str, what:
         raise RunError(f"{what}: packs to {got} uint8, the input is {list(shape)} {dtype}")
     if finite:  # a NaN or infinity would poison its whole group's scale
         check_finite(t, what)
-    return quantize(t, q)
+    try:
+        return quantize(t, q)
+    except ValueError as e:
+        raise RunError(f"{what}: cannot be quantized: {e}") from None
 
 
 def check_finite(t: torch.Tensor, what: str, stored: torch.Tensor | None = None) -> None:
