@@ -29,7 +29,17 @@ from disco_ray.graph.errors import UsageError
 from .model import _Builder
 
 # every family's linear modules: LLaMA's, then Phi-3's fused ones
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
 COLUMN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}  # rows split
 ROW = {"o_proj": "o", "down_proj": "down"}  # input columns split
 ROLES = COLUMN | ROW  # module -> the layer builder's name of its weight
@@ -153,7 +163,9 @@ class LoraLayers(_Builder):
         self.lora, self.optim, self.grad_sum = lora, optim, grad_sum
         self.modules = self.cfg.spec.weights.modules()  # the family's modules -> roles
         # a part (LLaMA's module name) -> the family's module holding it
-        self.module_of = {part: m for m, roles in self.modules.items() for part in ROLES if ROLES[part] in roles}
+        self.module_of = {
+            part: m for m, roles in self.modules.items() for part in ROLES if ROLES[part] in roles
+        }
         self.params: list[Param] = []
         self.grads: dict[str, list[str]] = {}  # state id -> gradient partials on its GPU
         self._param_ids: dict[tuple[str, int], str] = {}  # (state, gpu) -> parameter value there

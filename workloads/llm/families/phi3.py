@@ -28,7 +28,9 @@ def _features(cfg: dict, where: str) -> dict:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rtype = rope.get("rope_type", rope.get("type", "default"))
     if rtype != "default":  # transformers' Phi-3 knows default and longrope only
-        raise UsageError(f"{where}: rope_scaling type {rtype!r} is not supported for model_type 'phi3' (only default)")
+        raise UsageError(
+            f"{where}: rope_scaling type {rtype!r} is not supported for model_type 'phi3' (only default)"
+        )
     max_pos = read(cfg, where, "max_position_embeddings", default=2048)
     window = read(cfg, where, "sliding_window", default=None)
     dropout = []
@@ -38,7 +40,10 @@ def _features(cfg: dict, where: str) -> dict:
             raise UsageError(f"{where}: {name!r} must be in [0, 1), got {p!r}")
         if p:
             dropout.append((name, float(p)))
-    return {"window_limit": window if window is not None and window < max_pos else None, "dropout": tuple(dropout)}
+    return {
+        "window_limit": window if window is not None and window < max_pos else None,
+        "dropout": tuple(dropout),
+    }
 
 
 PHI3 = Family(
