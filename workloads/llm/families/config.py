@@ -42,7 +42,8 @@ class ModelConfig:
     weights: LayerWeights = field(default_factory=LayerWeights)
     # a sliding_window the layers do not build (Phi-3's): longer sequences are refused (within it attention is full)
     window_limit: int | None = None
-    dropout: tuple[tuple[str, float], ...] = ()  # nonzero dropout fields: none at inference; training refuses them
+    # nonzero dropout fields (name, p): none at inference; training refuses them
+    dropout: tuple[tuple[str, float], ...] = ()
 
     @property
     def spec(self) -> LayerSpec:
