@@ -205,3 +205,20 @@ def test_a_new_adapter_takes_phi3_s_default_modules_with_b_zero(phi3):
         assert tr.lora.targets == ("qkv_proj", "gate_up_proj", "down_proj")
     assert a0["base_model.model.model.layers.1.mlp.gate_up_proj.lora_B.weight"].shape == (192, 16)
     assert all(float(v.abs().sum()) == 0 for k, v in a0.items() if "lora_B" in k)
+
+
+def test_finetune_s_command_adapts_phi3_s_modules_by_default(phi3, tmp_path):
+    import numpy as np
+
+    from tests.conftest import run_cli
+
+    np.save(tmp_path / "tokens.npy", torch.randint(0, 128, (1, 6)).numpy())
+    common = ("--data", tmp_path / "tokens.npy", "--steps", "1", "--lr", "0.01", "--capacity", "4MiB",
+              "--engine", "local", "--block", str(oracle.BLOCK), "--lora-rank", "2")  # fmt: skip
+    r = run_cli("finetune", phi3[0], *common, "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert doc["target_modules"] == ["qkv_proj", "gate_up_proj", "down_proj"]
+    bad = run_cli("finetune", phi3[0], *common, "--out", tmp_path / "o2", "--lora-targets", "q_proj")
+    assert bad.returncode == 2 and "not modules of model_type 'phi3'" in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "o2").exists()
