@@ -14,8 +14,15 @@ from disco_ray.graph.errors import UsageError
 from .base import Family
 from .config import ModelConfig
 from .llama import LLAMA
+from .mistral import MISTRAL
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        LLAMA,
+        MISTRAL,
+    )
+}
 
 __all__ = ["FAMILIES", "Family", "ModelConfig", "family_of", "parse_config"]
 

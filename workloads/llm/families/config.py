@@ -40,6 +40,8 @@ class ModelConfig:
     scale: float | None = None  # attention's softmax scale (None: head_dim ** -0.5)
     # a layer's checkpoint tensors by role (its family's)
     weights: LayerWeights = field(default_factory=LayerWeights)
+    # per layer, its sliding attention window (None: full attention); empty: every layer full
+    windows: tuple[int | None, ...] = ()
 
     @property
     def spec(self) -> LayerSpec:
@@ -58,6 +60,7 @@ class ModelConfig:
             self.rope,
             act=self.act,
             weights=self.weights,
+            windows=self.windows,
         )
 
     def check_split(self, gpus: int) -> None:
