@@ -336,15 +336,8 @@ def _cached_rows_attend(
                     g.input(_state(kind, row, li, n, j), (block, kvw), b.dtype, gpu=j, state=True)
                     for n in range(first, blocks)
                 ]
-                w = g.kernel(
-                    "kv_write",
-                    cache[-1],
-                    new,
-                    pos[j],
-                    id=f"{stem}.{kind}w{i}_g{j}",
-                    start=cur * block,
-                    row=i,
-                )
+                wid, at = f"{stem}.{kind}w{i}_g{j}", cur * block
+                w = g.kernel("kv_write", cache[-1], new, pos[j], id=wid, start=at, row=i)
                 g.save_state(w, cache[-1])
                 kept += [*cache[:-1], w]
         attrs = b.layer.attention_attrs(li) | {"start": first * block}

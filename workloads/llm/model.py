@@ -250,6 +250,23 @@ def first_block(spec: LayerSpec, li: int, blocks: int, block: int) -> int:
     return spec.first_key(li, (blocks - 1) * block) // block
 
 
+def behind_window(cfg: ModelConfig, gpus: int, p: int, block: int, first: bool) -> list[str]:
+    """The KV cache states that the decode step at position p and every later one never read
+    (blocks wholly behind each layer's window) and the step before read (all such blocks at a
+    generation's `first` step): what the workers may drop before it runs."""
+    spec, now = cfg.spec, p // block + 1
+    return [
+        f"{c}c.l{li}.b{n}_g{j}"
+        for li in range(cfg.layers)
+        for n in range(
+            0 if first else first_block(spec, li, (p - 1) // block + 1, block),
+            first_block(spec, li, now, block),
+        )
+        for c in "kv"
+        for j in range(gpus)
+    ]
+
+
 def _cached_attend(b: _Builder, li: int, stem: str, pos: list[str], blocks: int, block: int) -> Attend:
     """The attention of one token at run-time position pos over layer li's KV cache blocks
     first..blocks-1 (states; `first_block`), its key and value written into the last one."""
