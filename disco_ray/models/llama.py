@@ -190,8 +190,7 @@ class LlamaModel(PlannedModel):
         gen: Generation | None = None,
         timeout: float | None = None,
     ) -> tuple[torch.Tensor, int, float]:
-        """Runs graph `key` on tokens `ids` from position `pos`: (its logits, the prompt row of
-        their first row, seconds)."""
+        """Runs graph `key` on `ids` from position `pos`: (logits, the prompt row of their first row, seconds)."""
         mgraph, prog = self._program(key)
         feed = mgraph.feed(self.config, ids, pos)
         t = time.perf_counter()

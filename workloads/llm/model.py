@@ -23,7 +23,9 @@ kept by the workers across runs (`TaskGraph` states, `actors.tiers.store`):
 - a decode step for position p uses the graph of `blocks` = p // block + 1: the full blocks
   0..blocks-2 are state inputs read as they are, the last block is read, gets the new key and
   value row written at p (`kv_write`, with p a run-time input: no host sync on a GPU), and is
-  carried back; attention (`attention_at`) masks positions > p on the device.
+  carried back; attention (`attention_at`) masks positions > p on the device. A layer with a
+  sliding window reads only the blocks from `first_block` on (those reaching into the window of
+  the bucket's first position); prefill tiles alike skip the key tiles wholly before theirs.
 So one plan serves `block` consecutive tokens: the driver plans a decode graph per bucket of
 cache length, never per token, and a step's run-time inputs are the token, p and p's rotary row.
 """
