@@ -122,7 +122,8 @@ def _infer_attention_at(shapes, dtypes, attrs):
         raise ValueError(
             f"attention_at: pos must be an integer tensor of shape [1], got {list(pos)} {dtypes[1]}"
         )
-    _int_attr("attention_at", attrs, "start")
+    if "start" in attrs:
+        _int_attr("attention_at", attrs, "start")
     _window("attention_at", attrs)
     _check_kv("attention_at", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
     return q, _same_dtype("attention_at", [dtypes[0], *dtypes[2:]])
@@ -150,7 +151,8 @@ def _infer_attention_span(shapes, dtypes, attrs):
             f"attention_span: span must be integers [{q[0]}, 2] (a key range per query row), "
             f"got {list(span)} {dtypes[1]}"
         )
-    _int_attr("attention_span", attrs, "start")
+    if "start" in attrs:
+        _int_attr("attention_span", attrs, "start")
     _window("attention_span", attrs)
     _check_kv("attention_span", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
     m = len(kv) // 2 // groups  # key tiles per group: the same shapes in every group
