@@ -41,7 +41,7 @@ def test_the_window_is_read_for_every_layer(mistral):
     assert [cfg.spec.first_key(li, 9) for li in range(cfg.layers)] == [5, 5]
 
 
-@pytest.mark.parametrize("gpus, mode", [(1, "roomy"), (2, "tight")])
+@pytest.mark.parametrize("gpus, mode", [(1, "roomy"), (1, "tight"), (2, "roomy"), (2, "tight")])
 def test_generate_equals_transformers(mistral, gpus, mode):
     oracle.check_generate(*mistral, gpus, mode)
 
