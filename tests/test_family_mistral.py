@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -17,7 +18,7 @@ from disco_ray.models import LlamaModel  # noqa: E402
 from tests import family_oracle as oracle  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
-from workloads.llm.model import decode_graph  # noqa: E402
+from workloads.llm.model import decode_graph, prefill_graph  # noqa: E402
 
 WINDOW = 5
 ARCH = "MistralForCausalLM"
@@ -53,6 +54,23 @@ def test_the_ray_engine_generates_the_same_tokens(mistral, pool):  # noqa: F811
 
 def test_a_ragged_batch_equals_each_prompts_own_decoding(mistral):
     oracle.check_batch(*mistral, 2, "tight")
+
+
+def test_prefill_tiles_read_only_the_key_tiles_in_their_window(mistral):
+    """Tiles of one block: the third (rows 8..11) reads key tiles 1 and 2 (its first row's window
+    starts at 4), and the logits are still transformers'."""
+    path, hf = mistral
+    tg = prefill_graph(Checkpoint(path), 1, 3, oracle.BLOCK, tile=oracle.BLOCK).taskgraph
+    assert len(tg["l0.t2.attn_g0"].inputs) == 1 + 2 * 2 and len(tg["l0.t1.attn_g0"].inputs) == 1 + 2 * 2
+    with (
+        LlamaModel(
+            path, gpus=2, capacity=1 << 26, block=oracle.BLOCK, tile=oracle.BLOCK, engine="local"
+        ) as m,
+        torch.no_grad(),
+    ):
+        assert oracle.rel_err(m.prefill(oracle.PROMPT), hf(torch.tensor([oracle.PROMPT])).logits[0]) <= 1e-4
+        for row, p in zip(m.prefill_batch(oracle.PROMPTS), oracle.PROMPTS):
+            assert oracle.rel_err(row, hf(torch.tensor([p])).logits[0, -1]) <= 1e-4
 
 
 def _state_bytes(path: str, gpus: int, blocks: int) -> int:
