@@ -113,6 +113,25 @@ def test_lora_on_every_linear_layer_equals_peft(mistral, adapter, gpus, mode):
     oracle.check_finetune(mistral[0], ARCH, TARGETS, adapter, gpus, mode)
 
 
+def test_lora_gradients_over_long_sequences_equal_peft(mistral, adapter):
+    """SGD (its update is the gradient) on 17 tokens: tiles 2 and 3 hold labelled rows and skip
+    key tile 0 (behind their window), forward, recomputation and backward."""
+    from disco_ray.models.finetune import LoraTrainer
+    from workloads.llm.train import OptimSpec
+
+    data = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    want_losses, want_w = oracle.peft_train(mistral[0], ARCH, adapter, data, steps=2, lr=0.5, optim="sgd")
+    with LoraTrainer(
+        mistral[0], gpus=2, capacity=1 << 26, init_adapter=adapter, optim=OptimSpec(name="sgd", lr=0.5),
+        block=oracle.BLOCK, engine="local",
+    ) as tr:  # fmt: skip
+        losses = tr.train(data, steps=2)
+        got = tr.adapter()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
+    for k, w in want_w.items():
+        torch.testing.assert_close(got[k], w, rtol=2e-4, atol=2e-5, msg=k)
+
+
 def _edited(path: str, tmp_path, **edit) -> str:
     out = tmp_path / "edited"
     out.mkdir()
