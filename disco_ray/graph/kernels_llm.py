@@ -80,6 +80,13 @@ def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
     out.unflatten(-1, (h, -1)).copy_(o[0].transpose(0, 1))
 
 
+def seen(keys: torch.Tensor, rows: torch.Tensor, window: int) -> torch.Tensor:
+    """Which key positions `keys` a query at position `rows` sees (broadcast): those <= it, and
+    within its sliding window (> it - window) when window > 0."""
+    mask = keys <= rows
+    return mask & (keys > rows - window) if window else mask
+
+
 @_into(KERNELS, "attention")
 def _attention(out, ins, attrs):
     q, kv = ins[0], ins[1:]
@@ -88,7 +95,8 @@ def _attention(out, ins, attrs):
     kvh = attrs["kv_heads"] or h
     t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
     mask = None
-    if attrs["causal"] and attrs["offset"] == s - t and q.is_cuda:
+    window = attrs.get("window", 0)  # .get: vertices saved before the attribute existed
+    if attrs["causal"] and attrs["offset"] == s - t and q.is_cuda and not window:
         # a query tile ending at the last key: the fused causal kernels (importing the bias
         # module costs ~2 s once, which the cpu backend, with no fused kernel to gain, skips)
         from torch.nn.attention.bias import causal_lower_right
@@ -96,7 +104,7 @@ def _attention(out, ins, attrs):
         mask = causal_lower_right(t, s)
     elif attrs["causal"]:
         rows = torch.arange(t, device=q.device).unsqueeze(1) + attrs["offset"]
-        mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
+        mask = seen(torch.arange(s, device=q.device).unsqueeze(0), rows, window)
     _sdpa(out, q, kv[:m], kv[m:], h, kvh, attrs["scale"], mask)
 
 
@@ -108,7 +116,8 @@ def _attention_at(out, ins, attrs):
     h = attrs["heads"]
     t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
     rows = torch.arange(t, device=q.device).unsqueeze(1) + pos
-    mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
+    keys = torch.arange(s, device=q.device).unsqueeze(0) + attrs.get("start", 0)
+    mask = seen(keys, rows, attrs.get("window", 0))
     _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask)
 
 
@@ -129,10 +138,10 @@ def _attention_span(out, ins, attrs):
 
     k, v = stacked(kv[: groups * m]), stacked(kv[groups * m :])
     s, d = k.shape[2], k.shape[3]
-    keys = torch.arange(s, device=q.device).unsqueeze(0)
+    keys = torch.arange(s, device=q.device).unsqueeze(0) + attrs.get("start", 0)
     lo, hi = span[:, :1], span[:, 1:]
     # a row sees its span and always its own last key: a row with an empty span (padding) stays finite
-    mask = ((keys >= lo) & (keys <= hi)) | (keys == hi)  # [groups*t, s]
+    mask = ((keys >= lo) & seen(keys, hi, attrs.get("window", 0))) | (keys == hi)  # [groups*t, s]
     mask = mask.view(groups, 1, 1, t, s).expand(groups, 1, per, t, s).reshape(groups, 1, per * t, s)
     # query head kv_head * per + i uses key/value head kv_head (transformers' repeat_kv)
     qh = q.view(groups, t, kvh, per, d).permute(0, 2, 3, 1, 4).reshape(groups, kvh, per * t, d)

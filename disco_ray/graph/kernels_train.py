@@ -55,13 +55,18 @@ def _scores(qg, k, scale: float, mask) -> torch.Tensor:
     return s if mask is None else s.masked_fill_(~mask, float("-inf"))
 
 
-def _mask(t: int, tj: int, g: int, q_pos, k_pos: int, causal: bool, device):
-    """[g*t, t_j]: key position k_pos + c visible to query position q_pos + r (None: all visible)."""
-    if not causal:
+def _mask(t: int, tj: int, g: int, q_pos, k_pos: int, attrs: Mapping, device):
+    """[g*t, t_j]: key position k_pos + c visible to query position q_pos + r, within the sliding
+    window when attrs has one (None: all visible)."""
+    if not attrs["causal"]:
         return None
     rows = torch.arange(t, device=device) + q_pos
     keys = torch.arange(tj, device=device) + k_pos
-    return (keys.unsqueeze(0) <= rows.unsqueeze(1)).repeat(g, 1)
+    mask = keys.unsqueeze(0) <= rows.unsqueeze(1)
+    window = attrs.get("window", 0)  # .get: vertices saved before the attribute existed
+    if window:
+        mask &= keys.unsqueeze(0) > rows.unsqueeze(1) - window
+    return mask.repeat(g, 1)
 
 
 def _stats(stats: torch.Tensor, kvh: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +100,7 @@ def _attention_stats(out, ins, attrs):
     qg = _grouped(q, kvh, h)
     lse, pos = None, 0
     for k in kv[:m]:
-        mask = _mask(t, k.shape[0], h // kvh, attrs["offset"], pos, attrs["causal"], q.device)
+        mask = _mask(t, k.shape[0], h // kvh, attrs["offset"], pos, attrs, q.device)
         part = _scores(qg, _heads(k, kvh), attrs["scale"], mask).logsumexp(-1)
         lse = part if lse is None else torch.logaddexp(lse, part)
         pos += k.shape[0]
@@ -113,7 +118,7 @@ def _attention_grad_q(out, ins, attrs):
     dq = torch.zeros_like(qg)
     pos = 0
     for k, v in zip(kv[:m], kv[m:]):
-        mask = _mask(t, k.shape[0], h // kvh, attrs["offset"], pos, attrs["causal"], q.device)
+        mask = _mask(t, k.shape[0], h // kvh, attrs["offset"], pos, attrs, q.device)
         kh = _heads(k, kvh)
         _, ds = _probs_and_dscores(qg, dog, lse, dsum, kh, _heads(v, kvh), attrs["scale"], mask)
         dq.baddbmm_(ds, kh)
@@ -128,7 +133,7 @@ def _attention_grad_kv(out, ins, attrs):
     t, tj = q.shape[0], k.shape[0]
     qg, dog = _grouped(q, kvh, h), _grouped(do, kvh, h)
     lse, dsum = _stats(stats, kvh, h)
-    mask = _mask(t, tj, h // kvh, attrs["q_offset"], attrs["k_offset"], attrs["causal"], q.device)
+    mask = _mask(t, tj, h // kvh, attrs["q_offset"], attrs["k_offset"], attrs, q.device)
     p, ds = _probs_and_dscores(qg, dog, lse, dsum, _heads(k, kvh), _heads(v, kvh), attrs["scale"], mask)
     width = k.shape[1]
     dk = torch.matmul(ds.transpose(1, 2), qg).mul_(attrs["scale"])

@@ -81,6 +81,7 @@ ATTR_TYPES: dict[object, tuple[Callable[[Any], bool], str]] = {
     "offset": (_is_int, "an integer"),
     "q_offset": (_is_int, "an integer"),
     "k_offset": (_is_int, "an integer"),
+    "window": (lambda x: _is_int(x) and x >= 0, "an integer >= 0"),
     "heads": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
     "rows": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
     "kv_heads": (lambda x: x is None or (_is_int(x) and x >= 1), "null or an integer >= 1"),

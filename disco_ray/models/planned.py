@@ -16,7 +16,7 @@ from disco_ray.graph.sizes import format_size
 from planner import build_memgraph, min_capacity
 from workloads.llm.batch import BatchLayout
 from workloads.llm.checkpoint import Checkpoint
-from workloads.llm.model import ModelGraph
+from workloads.llm.model import ModelGraph, behind_window
 
 from .graphs import bytes_moved, model_graph
 from .programs import Programs, plan_entry
@@ -113,6 +113,13 @@ class PlannedModel(Programs):
             self.plans.append(plan_entry("/".join(str(k) for k in key), tg, mg, dt, capacity=caps))
             planned = self._plans[(key, tuple(self._caps()))] = (mgraph, mg)
         return planned
+
+    def drop_behind(self, p: int, first: bool) -> None:
+        """Before the decode step at position p (the generation's `first`): the workers drop the
+        KV cache blocks that no step from p on reads (`behind_window`)."""
+        gone = behind_window(self.ck.config, self.gpus, p, self.block, first)
+        if gone:
+            self.pool.move_states({}, gone)  # type: ignore[attr-defined]
 
     def choose_micro(self, kind: str, rows: int, blocks: int, extra: tuple = ()) -> int:
         """The micro-batches of a batch step (`kind` "batch_prefill" or "batch_decode", `rows`

@@ -105,6 +105,18 @@ class LayerSpec:
     order: Order = Order.BY_STEP
     # the vertex ids of the MLP's gate and up projections, and of their product
     mlp_ids: tuple[str, str, str] = ("gate", "up", "mul")
+    # per layer, its sliding attention window (None: full attention); empty: every layer full
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, li: int | None) -> int | None:
+        """Layer li's sliding attention window: a query at position p sees keys in (p - window, p]
+        (None: every earlier key)."""
+        return self.windows[li] if li is not None and self.windows else None
+
+    def first_key(self, li: int | None, pos: int) -> int:
+        """The first key position a query of layer li at position `pos` sees."""
+        w = self.window(li)
+        return 0 if w is None else max(0, pos - w + 1)
 
     @property
     def kv(self) -> int:
@@ -262,16 +274,20 @@ class Layer:
     def act(self, x: str, id: str) -> str:
         return self.g.kernel(self.spec.act.value, x, id=id)
 
-    def attention_attrs(self) -> dict:
-        """The attention ops' heads, key/value heads (unless multi-head) and scale on one GPU."""
+    def attention_attrs(self, li: int | None = None) -> dict:
+        """The attention ops' heads, key/value heads (unless multi-head) and scale on one GPU, and
+        layer li's sliding window when it has one."""
         kv = {} if self.spec.kv_heads is None else {"kv_heads": self.split.kv_heads}
-        return {"heads": self.split.heads, **kv, "scale": self.spec.scale}
+        w = self.spec.window(li)
+        return {"heads": self.split.heads, **kv, "scale": self.spec.scale, **({"window": w} if w else {})}
 
-    def attention(self, q: str, ks: list[str], vs: list[str], id: str, offset: int) -> str:
-        """Causal attention of a query tile whose first row is at position `offset` over key and
-        value tiles from position 0."""
+    def attention(
+        self, q: str, ks: list[str], vs: list[str], id: str, offset: int, li: int | None = None
+    ) -> str:
+        """Causal attention (layer li's) of a query tile whose first row is `offset` rows after
+        the first key tile's first row."""
         return self.g.kernel(
-            "attention", q, *ks, *vs, id=id, **self.attention_attrs(), offset=offset, causal=True
+            "attention", q, *ks, *vs, id=id, **self.attention_attrs(li), offset=offset, causal=True
         )
 
     def qkv(

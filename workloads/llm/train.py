@@ -250,16 +250,24 @@ class _Step(LoraLayers):
             stem = f"{phase}.b{s}.t{t}.l{li}"
             w, keep = self.layer_forward(li, self.saved[li][s][t], t, stem)
             att = []
+            n0 = self.first_tile(li, t)
             for j in range(G):
                 ks[j].append(keep["kr"][j])
                 vs[j].append(keep["v"][j])
                 att.append(
-                    self.layer.attention(keep["qr"][j], ks[j], vs[j], f"{stem}.attn_g{j}", t * self.block)
+                    self.layer.attention(
+                        keep["qr"][j], ks[j][n0:], vs[j][n0:], f"{stem}.attn_g{j}", (t - n0) * self.block, li
+                    )
                 )
             out = self.layer_rest(li, keep, att, w, stem, full)
             keep["w"] = w
             tiles.append((out, keep))
         return tiles
+
+    def first_tile(self, li: int, t: int) -> int:
+        """The first key tile that layer li's query tile t reads: those before lie wholly outside
+        the window of its first row."""
+        return self.layer.spec.first_key(li, t * self.block) // self.block
 
     def mlp_attention_backward(self, li: int, s: int, keeps: list[dict], dh2: list[str]):
         """Per query tile, last first: the MLP's backward, the second norm's, the output
@@ -288,24 +296,27 @@ class _Step(LoraLayers):
             dy1 = self.layer.broadcast(dh1s[t], f"{stem}.dh1b")
             dO = self.row_backward(li, "o_proj", dy1, keep["att"], keep, stem)
             for j in range(G):
-                dqr[t][j] = self.attention_backward(keeps, t, j, dO[j], dkv, stem)
+                dqr[t][j] = self.attention_backward(li, keeps, t, j, dO[j], dkv, stem)
         return dkv, dqr, dh1s
 
-    def attention_backward(self, keeps: list[dict], t: int, j: int, dO: str, dkv: list, stem: str) -> str:
+    def attention_backward(
+        self, li: int, keeps: list[dict], t: int, j: int, dO: str, dkv: list, stem: str
+    ) -> str:
         """Query tile t's attention backward on GPU j, given dO, the gradient of its output:
-        appends the dk|dv partial of each key tile n <= t to dkv[n][j]; returns the gradient of
-        the rotated q."""
-        g, b, attrs = self.g, self.block, self.layer.attention_attrs()
+        appends the dk|dv partial of each key tile n0 <= n <= t (`first_tile`) to dkv[n][j];
+        returns the gradient of the rotated q."""
+        g, b, attrs = self.g, self.block, self.layer.attention_attrs(li)
+        n0 = self.first_tile(li, t)
         qr, att = keeps[t]["qr"][j], keeps[t]["att"][j]
-        kk = [keeps[n]["kr"][j] for n in range(t + 1)]
-        vv = [keeps[n]["v"][j] for n in range(t + 1)]
-        tile = dict(offset=t * b, causal=True, **attrs)
+        kk = [keeps[n]["kr"][j] for n in range(n0, t + 1)]
+        vv = [keeps[n]["v"][j] for n in range(n0, t + 1)]
+        tile = dict(offset=(t - n0) * b, causal=True, **attrs)
         st = g.kernel("attention_stats", qr, *kk, *vv, att, dO, id=f"{stem}.stats_g{j}", **tile)
         dq = g.kernel("attention_grad_q", qr, st, dO, *kk, *vv, id=f"{stem}.dq_g{j}", **tile)
-        for n in range(t + 1):
+        for i, n in enumerate(range(n0, t + 1)):
             pair = dict(q_offset=t * b, k_offset=n * b, causal=True, **attrs)
             dkv[n][j].append(
-                g.kernel("attention_grad_kv", qr, st, dO, kk[n], vv[n], id=f"{stem}.dkv{n}_g{j}", **pair)
+                g.kernel("attention_grad_kv", qr, st, dO, kk[i], vv[i], id=f"{stem}.dkv{n}_g{j}", **pair)
             )
         return dq
 

@@ -14,10 +14,17 @@ from disco_ray.graph.errors import UsageError
 from .base import Family
 from .config import ModelConfig
 from .llama import LLAMA
+from .mistral import MISTRAL
 from .phi3 import PHI3
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
-FAMILIES[PHI3.model_type] = PHI3
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        LLAMA,
+        MISTRAL,
+        PHI3,
+    )
+}
 
 __all__ = ["FAMILIES", "Family", "ModelConfig", "family_of", "parse_config"]
 

@@ -44,6 +44,8 @@ class ModelConfig:
     window_limit: int | None = None
     # nonzero dropout fields (name, p): none at inference; training refuses them
     dropout: tuple[tuple[str, float], ...] = ()
+    # per layer, its sliding attention window (None: full attention); empty: every layer full
+    windows: tuple[int | None, ...] = ()
 
     @property
     def spec(self) -> LayerSpec:
@@ -62,6 +64,7 @@ class ModelConfig:
             self.rope,
             act=self.act,
             weights=self.weights,
+            windows=self.windows,
         )
 
     def check_split(self, gpus: int) -> None:
