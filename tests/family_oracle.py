@@ -129,7 +129,8 @@ def peft_train(base: str, arch: str, adapter_path: str, data: torch.Tensor, step
 
     model = getattr(transformers, arch).from_pretrained(base)
     pm = peft.PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=lr)
+    # weight_decay 0: OptimSpec's default (torch's AdamW decays by 0.01 unless told)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     losses = []
     for _ in range(steps):
         loss = pm(input_ids=data, labels=data).loss

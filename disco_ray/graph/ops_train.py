@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .ops_llm import _check_kv, _heads, _int_attr, attention_pairs
+from .ops_llm import ATTENTION, _check_kv, _heads, _int_attr, attention_pairs
 from .opspec import REQUIRED, OpSpec, Shape, _same_dtype, elementwise, no_flops, numel, register
 
 INTS = ("int32", "int64")
@@ -233,18 +233,16 @@ def _infer_slice(shapes, dtypes, attrs):
     return tuple(out), dtypes[0]
 
 
-ATTENTION = {"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True, "kv_heads": None}
-
 register(
     OpSpec(
         "rmsnorm_grad",
         3,
         3,
         _infer_rmsnorm_grad,
-        attrs={"eps": 1e-6},
+        attrs={"eps": 1e-6, "offset": 0.0},
         flops=elementwise(8),
-        doc="dx of y = rmsnorm(x) * w for x [.., d], w [d] (frozen), dy [.., d]: "
-        "r * (dy*w - x * r^2 * mean(dy*w*x)) with r = 1/sqrt(mean(x^2) + eps), in float32",
+        doc="dx of y = rmsnorm(x) * (w + offset) for x [.., d], w [d] (frozen), dy [.., d]: r * (dy*w' - "
+        "x * r^2 * mean(dy*w'*x)), w' = w + offset, r = 1/sqrt(mean(x^2) + eps), in float32",
     )
 )
 register(
@@ -290,14 +288,7 @@ register(
         5,
         5,
         _infer_attention_grad_kv,
-        attrs={
-            "heads": REQUIRED,
-            "scale": REQUIRED,
-            "kv_heads": None,
-            "q_offset": 0,
-            "k_offset": 0,
-            "causal": True,
-        },
+        attrs={k: v for k, v in ATTENTION.items() if k != "offset"} | {"q_offset": 0, "k_offset": 0},
         flops=_flops_attention_grad_kv,
         doc="one query tile's part of dk and dv of one key tile: operands q, stats, do, k_j, v_j "
         "[t_j, kv_heads*d]; result [t_j, 2*kv_heads*d] = [scale * dS^T q | P^T do], summed over the "

@@ -13,9 +13,16 @@ from disco_ray.graph.errors import UsageError
 
 from .base import Family
 from .config import ModelConfig
+from .gemma2 import GEMMA2
 from .llama import LLAMA
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        LLAMA,
+        GEMMA2,
+    )
+}
 
 __all__ = ["FAMILIES", "Family", "ModelConfig", "family_of", "parse_config"]
 
