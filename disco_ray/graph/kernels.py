@@ -171,7 +171,8 @@ def _temps(name: str):
 def _rmsnorm_temps(out, ins, attrs):
     # F.rms_norm's result, plus what its unfused form makes (a float32 copy, its square, the
     # normalized product): fused on CUDA it needs only the first
-    return _nbytes(out) + 3 * ins[0].numel() * 4
+    # with a weight offset (Gemma) the product with (offset + w) in float32 is one more
+    return _nbytes(out) + (4 if attrs.get("offset") else 3) * ins[0].numel() * 4
 
 
 # the op set as this package defines it: ops registered later (one's own, actors.testops) are

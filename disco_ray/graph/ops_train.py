@@ -288,7 +288,15 @@ register(
         5,
         5,
         _infer_attention_grad_kv,
-        attrs={k: v for k, v in ATTENTION.items() if k != "offset"} | {"q_offset": 0, "k_offset": 0},
+        attrs={
+            "heads": REQUIRED,
+            "scale": REQUIRED,
+            "kv_heads": None,
+            "q_offset": 0,
+            "k_offset": 0,
+            "causal": True,
+            "softcap": None,
+        },
         flops=_flops_attention_grad_kv,
         doc="one query tile's part of dk and dv of one key tile: operands q, stats, do, k_j, v_j "
         "[t_j, kv_heads*d]; result [t_j, 2*kv_heads*d] = [scale * dS^T q | P^T do], summed over the "
