@@ -78,7 +78,7 @@ class LayerWeights:
     mlp_post_norm: str = ""
 
     def items(self) -> list[tuple[str, str]]:
-        """(role, name) of every weight the layer has (a name ""  is a weight it has not), in `ROLES` order."""
+        """(role, name) of every weight the layer has (a name "": one it has not), in `ROLES` order."""
         return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name)]
 
 
