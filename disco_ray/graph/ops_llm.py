@@ -57,6 +57,11 @@ def _heads(name: str, q, attrs) -> tuple[int, int, int]:
         raise ValueError(f"{name}: kv_heads {kvh} must divide heads {h}")
     if isinstance(attrs.get("scale"), bool) or not isinstance(attrs.get("scale"), (int, float)):
         raise ValueError(f"{name}: attribute scale must be a number, got {attrs.get('scale')!r}")
+    cap = attrs.get("softcap")
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf
+    ):
+        raise ValueError(f"{name}: attribute softcap must be null or a positive finite number, got {cap!r}")
     return h, kvh, q[1] // h
 
 
@@ -72,6 +77,19 @@ def _check_kv(name: str, kv, width: int, what: str) -> None:
         k, v = kv[j], kv[m + j]
         if len(k) != 2 or k[1] != width or v != k:
             raise ValueError(f"{name}: key/value tile {j} {list(k)}/{list(v)} does not match {what}")
+
+
+# attention's attributes (and its backward's); softcap: the scores soft-capped to
+# cap * tanh(s / cap) before the mask (Gemma 2; None: not capped)
+ATTENTION = {
+    "heads": REQUIRED,
+    "scale": REQUIRED,
+    "offset": 0,
+    "causal": True,
+    "kv_heads": None,
+    "window": 0,
+    "softcap": None,
+}
 
 
 def _infer_attention(shapes, dtypes, attrs):
@@ -235,20 +253,14 @@ register(
         3,
         None,
         _infer_attention,
-        attrs={
-            "heads": REQUIRED,
-            "scale": REQUIRED,
-            "offset": 0,
-            "causal": True,
-            "kv_heads": None,
-            "window": 0,
-        },
+        attrs=ATTENTION,
         flops=_flops_attention,
         doc="one query tile of multi-head attention: operands q [t, heads*d], key tiles k_1..k_m, then "
         "value tiles v_1..v_m (each [t_j, kv_heads*d], keys in order); softmax(q k^T * scale + mask) v "
         "per head, where query row r may see key rows <= offset + r when causal; kv_heads < heads "
         "is grouped-query attention (None: kv_heads = heads); window w > 0 (causal): row r sees only key "
-        "rows > offset + r - w (sliding-window attention)",
+        "rows > offset + r - w (sliding-window attention); softcap: the scores soft-capped to "
+        "softcap * tanh(s / softcap) before the mask (Gemma 2; None: not capped)",
     )
 )
 register(
@@ -257,12 +269,19 @@ register(
         4,
         None,
         _infer_attention_at,
-        attrs={"heads": REQUIRED, "scale": REQUIRED, "kv_heads": None, "start": 0, "window": 0},
+        attrs={
+            "heads": REQUIRED,
+            "scale": REQUIRED,
+            "kv_heads": None,
+            "start": 0,
+            "window": 0,
+            "softcap": None,
+        },
         flops=_flops_attention_at,
         doc="attention of q [t, heads*d] at run-time position pos (int [1]) over cached key tiles k_1..k_m "
         "then value tiles v_1..v_m ([t_j, kv_heads*d], positions start.. in order): query row r sees keys "
         "at positions <= pos + r, and > pos + r - window when window > 0 (a decode step's attention over "
-        "its KV cache, from its first block in the window; no host sync)",
+        "its KV cache, from its first block in the window; no host sync); softcap as attention's",
     )
 )
 register(
@@ -278,6 +297,7 @@ register(
             "groups": 1,
             "start": 0,
             "window": 0,
+            "softcap": None,
         },
         flops=_flops_attention_span,
         doc="attention of q [groups*t, heads*d] where each group of t query rows has key tiles of its own: "
@@ -286,7 +306,7 @@ register(
         "index start); query row r sees its group's keys at indices span[r,0]..span[r,1] (and > "
         "span[r,1] - window when window > 0) and always the one at span[r,1] (a "
         "padding row sees itself: finite, never NaN). Ragged batches: left padding and causality as "
-        "run-time data",
+        "run-time data; softcap as attention's",
     )
 )
 register(
@@ -319,9 +339,10 @@ register(
         2,
         2,
         _infer_embedding,
-        attrs={"start": 0},
+        attrs={"start": 0, "scale": 1.0},
         flops=no_flops,
         doc="rows of table [r, d] for ids [t] or [.., t] (int): row id - start, zeros for ids outside "
-        "start..start+r-1 (a vocabulary shard: the shards' lookups sum to the whole table's)",
+        "start..start+r-1 (a vocabulary shard: the shards' lookups sum to the whole table's), times "
+        "scale (Gemma's sqrt(hidden_size), rounded to the table's dtype)",
     )
 )

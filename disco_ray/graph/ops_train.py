@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .ops_llm import _check_kv, _heads, _int_attr, _window, window_pairs
+from .ops_llm import ATTENTION, _check_kv, _heads, _int_attr, _window, window_pairs
 from .opspec import REQUIRED, OpSpec, Shape, _same_dtype, elementwise, no_flops, numel, register
 
 INTS = ("int32", "int64")
@@ -238,18 +238,16 @@ def _infer_slice(shapes, dtypes, attrs):
     return tuple(out), dtypes[0]
 
 
-ATTENTION = {"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True, "kv_heads": None, "window": 0}
-
 register(
     OpSpec(
         "rmsnorm_grad",
         3,
         3,
         _infer_rmsnorm_grad,
-        attrs={"eps": 1e-6},
+        attrs={"eps": 1e-6, "offset": 0.0},
         flops=elementwise(8),
-        doc="dx of y = rmsnorm(x) * w for x [.., d], w [d] (frozen), dy [.., d]: "
-        "r * (dy*w - x * r^2 * mean(dy*w*x)) with r = 1/sqrt(mean(x^2) + eps), in float32",
+        doc="dx of y = rmsnorm(x) * (w + offset) for x [.., d], w [d] (frozen), dy [.., d]: r * (dy*w' - "
+        "x * r^2 * mean(dy*w'*x)), w' = w + offset, r = 1/sqrt(mean(x^2) + eps), in float32",
     )
 )
 register(

@@ -33,6 +33,12 @@ class Activation(Enum):
     """The gated MLP's activation, act(x W_gate) * (x W_up); its value is the op's name."""
 
     SILU = "silu"
+    GELU_TANH = "gelu_tanh"  # GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
+
+    @property
+    def grad(self) -> str:
+        """The op of its backward: dh * act'(a) from a and dh."""
+        return f"{self.value}_grad"
 
 
 class Layout(Enum):
@@ -67,10 +73,13 @@ class LayerWeights:
     gate: str = "mlp.gate_proj.weight"
     up: str = "mlp.up_proj.weight"
     down: str = "mlp.down_proj.weight"
+    # norms of the attention's and the MLP's output before the residual add (Gemma 2; "": none)
+    attn_post_norm: str = ""
+    mlp_post_norm: str = ""
 
     def items(self) -> list[tuple[str, str]]:
-        """(role, name) of every weight, in `ROLES` order."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+        """(role, name) of every weight the layer has (a name "": one it has not), in `ROLES` order."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name)]
 
     def modules(self) -> dict[str, tuple[str, ...]]:
         """The linear modules (PEFT's names, e.g. "q_proj" or Phi-3's "qkv_proj") -> the roles
@@ -108,6 +117,10 @@ class LayerSpec:
     # per layer, its sliding attention window (None: full attention); empty: every layer full
     windows: tuple[int | None, ...] = ()
 
+    # Gemma 2: norms scaled by (norm_offset + w); attention scores soft-capped (None: not)
+    norm_offset: float = 0.0
+    softcap: float | None = None
+
     def window(self, li: int | None) -> int | None:
         """Layer li's sliding attention window: a query at position p sees keys in (p - window, p]
         (None: every earlier key)."""
@@ -129,6 +142,8 @@ class LayerSpec:
         return {
             "attn_norm": (self.dim,),
             "mlp_norm": (self.dim,),
+            "attn_post_norm": (self.dim,),
+            "mlp_post_norm": (self.dim,),
             "q": (q, self.dim),
             "k": (kv, self.dim),
             "v": (kv, self.dim),
@@ -259,7 +274,12 @@ class Layer:
 
     # ---- one step on one GPU -----------------------------------------------------------------
     def norm(self, li: int, role: str, x: str, j: int, id: str) -> str:
-        return self.g.rmsnorm(x, self.weights(li, j)[role], eps=self.spec.eps, id=id)
+        return self.g.rmsnorm(x, self.weights(li, j)[role], id=id, **self.norm_attrs())
+
+    def norm_attrs(self) -> dict:
+        """The attributes of every RMSNorm (and its backward): eps, and the weight's offset if any."""
+        off = self.spec.norm_offset
+        return {"eps": self.spec.eps, **({"offset": off} if off else {})}
 
     def project(self, li: int, role: str, x: str, j: int, id: str) -> str:
         """x times GPU j's block of projection `role`."""
@@ -279,7 +299,14 @@ class Layer:
         layer li's sliding window when it has one."""
         kv = {} if self.spec.kv_heads is None else {"kv_heads": self.split.kv_heads}
         w = self.spec.window(li)
-        return {"heads": self.split.heads, **kv, "scale": self.spec.scale, **({"window": w} if w else {})}
+        cap = {} if self.spec.softcap is None else {"softcap": self.spec.softcap}
+        return {
+            "heads": self.split.heads,
+            **kv,
+            "scale": self.spec.scale,
+            **({"window": w} if w else {}),
+            **cap,
+        }
 
     def attention(
         self, q: str, ks: list[str], vs: list[str], id: str, offset: int, li: int | None = None
@@ -329,14 +356,28 @@ class Layer:
         return [x if j == w else self.g.transfer(x, j, id=f"{stem}_to{j}") for j in range(self.G)]
 
     def all_reduce(
-        self, parts: list[str], owner: int, stem: str, residual: str | None = None, broadcast: bool = True
+        self,
+        parts: list[str],
+        owner: int,
+        stem: str,
+        residual: str | None = None,
+        broadcast: bool = True,
+        norm: tuple[int, str] | None = None,
     ) -> list[str]:
         """The sum of one partial per GPU (and `residual`) on `owner`, then sent back to every GPU
-        (only `[sum]` when not `broadcast`)."""
+        (only `[sum]` when not `broadcast`); `norm` (layer, role): the parts' sum normed before the
+        residual is added (a norm is not linear: it waits for every GPU's part)."""
         g = self.g
         moved = [p if j == owner else g.transfer(p, owner, id=f"{stem}_p{j}") for j, p in enumerate(parts)]
+        if norm is not None:
+            part = moved[0] if len(moved) == 1 else g.add(*moved, id=f"{stem}.sum", gpu=owner)
+            moved = [self.norm(norm[0], norm[1], part, owner, f"{stem}.post")]
         total = g.add(*([residual] if residual else []), *moved, id=stem, gpu=owner)
         return self.broadcast(total, stem) if broadcast else [total]
+
+    def post_norm(self, li: int, role: str) -> tuple[int, str] | None:
+        """(li, role) when the layer norms its block's output before the residual add, else None."""
+        return (li, role) if getattr(self.spec.weights, role) else None
 
     # ---- the two blocks of a layer -----------------------------------------------------------
     def attention_block(
@@ -365,10 +406,12 @@ class Layer:
             parts = [a and self.project(li, "o", a, j, f"{stem}.o_g{j}") for j, a in enumerate(att)]
         if not need_q:
             return []
-        return self.all_reduce(parts, owner, f"{stem}.h1", residual=h[owner])
+        post = self.post_norm(li, "attn_post_norm")
+        return self.all_reduce(parts, owner, f"{stem}.h1", residual=h[owner], norm=post)
 
     def mlp_block(self, li: int, h1: list[str], owner: int, stem: str, last: bool) -> list[str]:
         """The MLP on every GPU summed with the residual h1[owner] on `owner`: the layer's output
         per GPU, or on `owner` only when `last`."""
         parts = [self.mlp(li, h1[j], j, stem) for j in range(self.G)]
-        return self.all_reduce(parts, owner, f"{stem}.h2", residual=h1[owner], broadcast=not last)
+        post = self.post_norm(li, "mlp_post_norm")
+        return self.all_reduce(parts, owner, f"{stem}.h2", residual=h1[owner], broadcast=not last, norm=post)

@@ -273,6 +273,35 @@ class LoraLayers(_Builder):
         b = self.param(self.state(li, mod, "B", o), o)
         return g.linear(u, b, id=f"{stem}.{mod}.l", scale=self.lora.scaling)
 
+    def residual(
+        self, li, role, parts: list[str], lora, h: str, w: int, stem: str, keep: dict, need_out: bool = True
+    ) -> str:
+        """h plus a block's output (its GPUs' `parts` and its adapter's term `lora`) on GPU w ("" when
+        not `need_out`); with a post norm `role` (Gemma 2) the output is summed first, kept as
+        keep[role] for the backward, then normed."""
+        extra = [lora] if lora else []
+        if self.layer.post_norm(li, role) is None:
+            return self.reduce(parts, [h, *extra], w, stem) if need_out else ""
+        out = keep[role] = self.reduce(parts, extra, w, f"{stem}.sum")
+        if not need_out:
+            return ""
+        return self.g.add(h, self.layer.norm(li, role, out, w, f"{stem}.post"), id=stem, gpu=w)
+
+    def post_grad(self, li, role: str, keep: dict, dy: str, id: str) -> str:
+        """The gradient of a block's output before its post norm `role`, from dy after it (on the
+        tile's owner); dy itself when the layer has no such norm."""
+        if self.layer.post_norm(li, role) is None:
+            return dy
+        x = keep[role]
+        w = self.layer_weights(li, self.g[x].gpu)[role]
+        return self.g.kernel("rmsnorm_grad", x, w, dy, id=id, **self.layer.norm_attrs())
+
+    def logits_grad(self, y: str, dy: str, id: str) -> str:
+        """The gradient of the logits before the family's soft-cap, from y (capped) and dy (dy
+        itself when the family does not cap them)."""
+        cap = self.cfg.final_softcap
+        return dy if cap is None else self.g.kernel("softcap_grad", y, dy, id=id, cap=cap)
+
     def reduce(self, parts: list[str], extra: list[str], w: int, stem: str) -> str:
         """Sum on GPU w of one partial per GPU and `extra` values (any GPUs)."""
         g = self.g

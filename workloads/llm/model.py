@@ -135,12 +135,24 @@ class _Builder:
             for role, name in spec.weights.items()
         }
 
+    def logits(self, x: str, j: int, id: str) -> str:
+        """GPU j's columns of the logits of normed rows x, soft-capped if the family caps them."""
+        y = self.g.linear(x, self.head_table(j), id=id)
+        cap = self.cfg.final_softcap
+        return y if cap is None else self.g.kernel("softcap", y, id=f"{id}.cap", cap=cap)
+
+    def embed_attrs(self, j: int) -> dict:
+        """GPU j's embedding lookup's attributes: its first vocabulary row, and the scale of the
+        family's embeddings (Gemma's sqrt(hidden_size), rounded to the dtype as transformers does)."""
+        if not self.cfg.embed_scale:
+            return {"start": self.split.vocab[j][0]}
+        scale = float(torch.tensor(self.cfg.dim**0.5).to(getattr(torch, self.dtype)))
+        return {"start": self.split.vocab[j][0], "scale": scale}
+
     def embed(self, tok: list[str], owner: int, stem: str) -> list[str]:
         g = self.g
         parts = [
-            g.kernel(
-                "embedding", tok[j], self.embed_table(j), id=f"{stem}.emb_g{j}", start=self.split.vocab[j][0]
-            )
+            g.kernel("embedding", tok[j], self.embed_table(j), id=f"{stem}.emb_g{j}", **self.embed_attrs(j))
             for j in range(self.G)
         ]
         if self.G == 1:
@@ -154,8 +166,8 @@ class _Builder:
         out = []
         for j in range(self.G):
             norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
-            x = g.rmsnorm(hs[j], norm, eps=self.cfg.eps, id=f"{stem}.normf_g{j}")
-            out.append(g.linear(x, self.head_table(j), id=f"{stem}.logits_g{j}"))
+            x = g.rmsnorm(hs[j], norm, id=f"{stem}.normf_g{j}", **self.layer.norm_attrs())
+            out.append(self.logits(x, j, f"{stem}.logits_g{j}"))
         if keep:
             g.output(*out)
         return out

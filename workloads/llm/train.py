@@ -124,26 +124,27 @@ class _Step(LoraLayers):
         keep["att"] = att
         o_parts = [lay.project(li, "o", att[j], j, f"{stem}.o_g{j}") for j in range(self.G)]
         lo = self.row_lora(li, "o_proj", att, stem, keep)
-        h1 = self.reduce(o_parts, [keep["h"], *([lo] if lo else [])], w, f"{stem}.h1")
+        h1 = self.residual(li, "attn_post_norm", o_parts, lo, keep["h"], w, f"{stem}.h1", keep)
         keep["h1"] = h1
         h1s = lay.broadcast(h1, f"{stem}.h1b")
         x2 = [lay.norm(li, "mlp_norm", h1s[j], j, f"{stem}.norm2_g{j}") for j in range(self.G)]
         keep["x2"] = x2
         gt = self.col_forward(li, "gate_proj", x2, stem, keep)
         up = self.col_forward(li, "up_proj", x2, stem, keep)
-        a = [lay.act(gt[j], f"{stem}.silu_g{j}") for j in range(self.G)]
+        a = [lay.act(gt[j], f"{stem}.{lay.spec.act.value}_g{j}") for j in range(self.G)]
         m = [g.mul(a[j], up[j], id=f"{stem}.m_g{j}") for j in range(self.G)]
         keep |= {"gate": gt, "up": up, "a": a, "m": m}
-        ld = self.row_lora(li, "down_proj", m, stem, keep, need_out=full)
-        if not full:
+        post = lay.post_norm(li, "mlp_post_norm") is not None  # its backward reads the MLP's output
+        ld = self.row_lora(li, "down_proj", m, stem, keep, need_out=full or post)
+        if not (full or post):
             return ""
         d_parts = [lay.project(li, "down", m[j], j, f"{stem}.down_g{j}") for j in range(self.G)]
-        return self.reduce(d_parts, [h1, *([ld] if ld else [])], w, f"{stem}.h2")
+        return self.residual(li, "mlp_post_norm", d_parts, ld, h1, w, f"{stem}.h2", keep, full)
 
     # ---- the phases of a step ---------------------------------------------------------------------
     def forward(self) -> None:
         """Embedding and every layer per sequence and tile, keeping only each layer's input."""
-        g, G, T, sp = self.g, self.G, self.tiles, self.split
+        g, G, T = self.g, self.G, self.tiles
         for s in range(self.batch):
             for t in range(T):
                 tok = [g.input(f"tok_b{s}_t{t}_g{j}", (self.block,), "int64", gpu=j) for j in range(G)]
@@ -153,7 +154,7 @@ class _Step(LoraLayers):
                         tok[j],
                         self.embed_table(j),
                         id=f"b{s}.t{t}.emb_g{j}",
-                        start=sp.vocab[j][0],
+                        **self.embed_attrs(j),
                     )
                     for j in range(G)
                 ]
@@ -182,8 +183,8 @@ class _Step(LoraLayers):
                 logits, parts = [], []
                 for j in range(G):
                     norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
-                    xf = g.rmsnorm(hs[j], norm, eps=cfg.eps, id=f"{stem}.normf_g{j}")
-                    logits.append(g.linear(xf, self.head_table(j), id=f"{stem}.logits_g{j}"))
+                    xf = g.rmsnorm(hs[j], norm, id=f"{stem}.normf_g{j}", **self.layer.norm_attrs())
+                    logits.append(self.logits(xf, j, f"{stem}.logits_g{j}"))
                     parts.append(
                         g.kernel(
                             "cross_entropy_parts",
@@ -209,10 +210,13 @@ class _Step(LoraLayers):
                         start=sp.vocab[j][0],
                         scale=inv_n,
                     )
+                    dl = self.logits_grad(logits[j], dl, f"{stem}.dcap_g{j}")
                     dxf.append(g.matmul(dl, self.head_table(j), id=f"{stem}.dxf_g{j}"))
                 dx = self.reduce(dxf, [], w, f"{stem}.dxf")
                 norm = self.weight(f"norm_g{w}", "model.norm.weight", w)
-                dtop[s][t] = g.kernel("rmsnorm_grad", hL, norm, dx, id=f"{stem}.dh", eps=cfg.eps)
+                dtop[s][t] = g.kernel(
+                    "rmsnorm_grad", hL, norm, dx, id=f"{stem}.dh", **self.layer.norm_attrs()
+                )
         moved = [x if g[x].gpu == 0 else g.transfer(x, 0, id=f"{x}_to0") for x in losses]
         total = moved[0] if len(moved) == 1 else self.sum_grads(moved, "loss", 0)
         if total != "loss":
@@ -281,19 +285,25 @@ class _Step(LoraLayers):
         for t in reversed(range(T)):
             stem = f"g.b{s}.t{t}.l{li}"
             keep, w = keeps[t], keeps[t]["w"]
-            dys = self.layer.broadcast(dh2[t], f"{stem}.dh2")
+            dys = self.layer.broadcast(
+                self.post_grad(li, "mlp_post_norm", keep, dh2[t], f"{stem}.dp2"), f"{stem}.dh2"
+            )
             dm = self.row_backward(li, "down_proj", dys, keep["m"], keep, stem)
             da = [g.mul(dm[j], keep["up"][j], id=f"{stem}.da_g{j}") for j in range(G)]
             dup = [g.mul(dm[j], keep["a"][j], id=f"{stem}.dup_g{j}") for j in range(G)]
-            dgt = [g.kernel("silu_grad", keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
+            dgt = [g.kernel(cfg.act.grad, keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
             dx2g = self.col_backward(li, "gate_proj", dgt, keep["x2"], keep, stem, True)
             dx2u = self.col_backward(li, "up_proj", dup, keep["x2"], keep, stem, True)
             dx2 = [g.add(dx2g[j], dx2u[j], id=f"{stem}.dx2_g{j}") for j in range(G)]
             dx2w = self.reduce(dx2, [], w, f"{stem}.dx2")
             mlp_norm = self.layer_weights(li, w)["mlp_norm"]
-            dn2 = g.kernel("rmsnorm_grad", keep["h1"], mlp_norm, dx2w, id=f"{stem}.dn2", eps=cfg.eps)
+            dn2 = g.kernel(
+                "rmsnorm_grad", keep["h1"], mlp_norm, dx2w, id=f"{stem}.dn2", **self.layer.norm_attrs()
+            )
             dh1s[t] = g.add(dh2[t], dn2, id=f"{stem}.dh1", gpu=w)
-            dy1 = self.layer.broadcast(dh1s[t], f"{stem}.dh1b")
+            dy1 = self.layer.broadcast(
+                self.post_grad(li, "attn_post_norm", keep, dh1s[t], f"{stem}.dp1"), f"{stem}.dh1b"
+            )
             dO = self.row_backward(li, "o_proj", dy1, keep["att"], keep, stem)
             for j in range(G):
                 dqr[t][j] = self.attention_backward(li, keeps, t, j, dO[j], dkv, stem)
@@ -347,7 +357,9 @@ class _Step(LoraLayers):
         dx1 = [g.add(dxq[j], dxk[j], dxv[j], id=f"{stem}.dx1_g{j}") for j in range(G)]
         dx1w = self.reduce(dx1, [], w, f"{stem}.dx1")
         attn_norm = self.layer_weights(li, w)["attn_norm"]
-        dn1 = g.kernel("rmsnorm_grad", keep["h"], attn_norm, dx1w, id=f"{stem}.dn1", eps=cfg.eps)
+        dn1 = g.kernel(
+            "rmsnorm_grad", keep["h"], attn_norm, dx1w, id=f"{stem}.dn1", **self.layer.norm_attrs()
+        )
         return g.add(dh1, dn1, id=f"{stem}.dh", gpu=w)
 
     def optimize(self) -> None:

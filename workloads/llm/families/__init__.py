@@ -13,6 +13,7 @@ from disco_ray.graph.errors import UsageError
 
 from .base import Family
 from .config import ModelConfig
+from .gemma2 import GEMMA2
 from .llama import LLAMA
 from .mistral import MISTRAL
 from .phi3 import PHI3
@@ -23,6 +24,7 @@ FAMILIES: dict[str, Family] = {
         LLAMA,
         MISTRAL,
         PHI3,
+        GEMMA2,
     )
 }
 

@@ -17,7 +17,11 @@ from disco_ray.graph.errors import UsageError
 from ..layer import Activation, LayerWeights
 from .config import ModelConfig, common
 
-ACTIVATIONS = {"silu": Activation.SILU}  # config hidden_act -> the MLP's activation
+# config hidden_act -> the MLP's activation
+ACTIVATIONS = {
+    "silu": Activation.SILU,
+    "gelu_pytorch_tanh": Activation.GELU_TANH,
+}
 
 
 def _no_features(cfg: dict, where: str) -> dict:

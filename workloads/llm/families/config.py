@@ -46,6 +46,12 @@ class ModelConfig:
     dropout: tuple[tuple[str, float], ...] = ()
     # per layer, its sliding attention window (None: full attention); empty: every layer full
     windows: tuple[int | None, ...] = ()
+    # Gemma 2: norms scaled by (norm_offset + w), embeddings by sqrt(dim), attention scores and
+    # final logits soft-capped (None: not)
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     @property
     def spec(self) -> LayerSpec:
@@ -65,6 +71,8 @@ class ModelConfig:
             act=self.act,
             weights=self.weights,
             windows=self.windows,
+            norm_offset=self.norm_offset,
+            softcap=self.attn_softcap,
         )
 
     def check_split(self, gpus: int) -> None:
