@@ -7,11 +7,13 @@ registers FORMATS.md's ops and the elementwise and normalisation ops; `ops_llm` 
 ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups); `ops_nn`
 the general ops a torch model maps onto (activations, layer norm, broadcasting arithmetic, shape
 copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
-optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`).
+optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_headnorm`
+the per-head RMSNorm of queries and keys and its backward.
 """
 
 from __future__ import annotations
 
+from . import ops_headnorm as ops_headnorm  # the per-head RMSNorm (Qwen3)
 from . import ops_llm, ops_nn, ops_sample, ops_train
 from .ops_llm import attention_pairs
 from .opspec import (

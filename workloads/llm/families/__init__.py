@@ -14,8 +14,17 @@ from disco_ray.graph.errors import UsageError
 from .base import Family
 from .config import ModelConfig
 from .llama import LLAMA
+from .qwen2 import QWEN2
+from .qwen3 import QWEN3
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        LLAMA,
+        QWEN2,
+        QWEN3,
+    )
+}
 
 __all__ = ["FAMILIES", "Family", "ModelConfig", "family_of", "parse_config"]
 
