@@ -286,11 +286,11 @@ class Layer:
             return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
         q = ""
         if need_q:
-            q = self.head_norm(
-                li, "q_norm", self.project(li, "q", x, j, f"{stem}.q_g{j}"), j, f"{stem}.qn_g{j}"
-            )
+            q = self.project(li, "q", x, j, f"{stem}.q_g{j}")
+            q = self.head_norm(li, "q_norm", q, j, f"{stem}.qn_g{j}")
             q = self.rope(q, cos, sin, f"{stem}.qr_g{j}")
-        k = self.head_norm(li, "k_norm", self.project(li, "k", x, j, f"{stem}.k_g{j}"), j, f"{stem}.kn_g{j}")
+        k = self.project(li, "k", x, j, f"{stem}.k_g{j}")
+        k = self.head_norm(li, "k_norm", k, j, f"{stem}.kn_g{j}")
         v = self.project(li, "v", x, j, f"{stem}.v_g{j}")
         return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
 
