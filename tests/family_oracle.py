@@ -129,8 +129,7 @@ def peft_train(base: str, arch: str, adapter_path: str, data: torch.Tensor, step
 
     model = getattr(transformers, arch).from_pretrained(base)
     pm = peft.PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
-    # no weight decay, as check_finetune's OptimSpec (torch's AdamW default is 0.01)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=lr)
     losses = []
     for _ in range(steps):
         loss = pm(input_ids=data, labels=data).loss
