@@ -7,7 +7,8 @@ key/value heads and ffn/G MLP units, computes partial output and down projection
 tile's owner GPU sums with the residual and sends back to every GPU (`Layer.all_reduce`).
 
 `LayerSpec` describes a layer: its sizes, norm epsilon, rotary embedding, attention scale,
-activation and the name of each weight. A model family is a `LayerSpec` (from its config.json)
+activation and the name of each weight (optional ones too: the q/k/v projections' biases, the
+per-head RMSNorm of queries and keys). A model family is a `LayerSpec` (from its config.json)
 plus what its layer adds; `Layer` adds a layer's vertices to a TaskGraph, and is what the
 synthetic workload (`workloads.llama`) and the checkpoint models (`workloads.llm.model`,
 `workloads.llm.train`) build their layers with.
