@@ -142,3 +142,13 @@ def test_a_qwen2_checkpoint_without_its_biases_is_refused(models, tmp_path):
     save_file(weights, path / "model.safetensors")
     with pytest.raises(UsageError, match=r"no tensor 'model\.layers\.1\.self_attn\.v_proj\.bias'"):
         Checkpoint(path)
+
+
+def test_attention_dropout_is_read_at_inference_and_refused_by_training(models, tmp_path):
+    """transformers drops attention weights only when training: inference is unchanged, and a
+    training graph (which has no dropout) refuses the field by name."""
+    from workloads.llm.train import LoraSpec, OptimSpec, train_graph
+
+    ck = Checkpoint(_edited(models, "qwen3", tmp_path, attention_dropout=0.1))
+    with pytest.raises(UsageError, match=r"attention_dropout 0\.1: training with dropout is not built"):
+        train_graph(ck, 1, 1, 8, 4, LoraSpec(rank=4, alpha=8), OptimSpec())

@@ -80,6 +80,16 @@ class LayerWeights:
         """(role, name) of every weight the layer has, in field order (`ROLES` first)."""
         return [(f.name, n) for f in fields(self) if (n := getattr(self, f.name)) is not None]
 
+    def modules(self) -> dict[str, tuple[str, ...]]:
+        """The linear modules (PEFT's names, e.g. "q_proj" or Phi-3's "qkv_proj") -> the roles
+        each one's weight holds, in `ROLES` order (several: a fused projection)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for role, name in self.items():
+            if role in ROW_SPLIT or role in COL_SPLIT:
+                mod = name.split(".")[-2]
+                out[mod] = (*out.get(mod, ()), role)
+        return out
+
 
 ROLES = tuple(r for r, _ in LayerWeights().items())  # the weights every layer has, by what they do
 BIASES = {"q_bias": "q", "k_bias": "k", "v_bias": "v"}  # a bias -> its projection
@@ -130,6 +140,22 @@ class LayerSpec:
             "k_norm": (self.head_dim,),
         }[role]
 
+    def offset(self, role: str) -> int:
+        """The first row of weight `role` in its checkpoint tensor: roles that name one tensor (a
+        fused projection: Phi-3's qkv_proj, gate_up_proj) are stacked by rows in `ROLES` order."""
+        name = getattr(self.weights, role)
+        return sum(self.whole(r)[0] for r, n in self.weights.items()[: ROLES.index(role)] if n == name)
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """A layer's checkpoint tensors (names after the layer's prefix) with their shapes."""
+        out: dict[str, tuple[int, ...]] = {}
+        for role, name in self.weights.items():
+            shape = self.whole(role)
+            if name in out:  # a fused projection: this role's rows follow the previous roles'
+                shape = (out[name][0] + shape[0], *shape[1:])
+            out[name] = shape
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Split:
@@ -169,9 +195,13 @@ class Split:
     def block(
         self, spec: LayerSpec, role: str, j: int
     ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all)."""
+        """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all), in the
+        checkpoint tensor that holds it (offset by `LayerSpec.offset` in a fused one); a bias's
+        rows are its projection's."""
         if role in ROW_SPLIT or role in BIASES:
-            return self.shard(BIASES.get(role, role), j, spec.head_dim), None
+            lo, hi = self.shard(BIASES.get(role, role), j, spec.head_dim)
+            at = spec.offset(role) if role in ROW_SPLIT else 0  # the role's rows within a fused tensor
+            return (at + lo, at + hi), None
         if role in COL_SPLIT:
             return None, self.shard(role, j, spec.head_dim)
         return None, None

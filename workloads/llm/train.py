@@ -36,7 +36,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
 from .layer import rope_tables
-from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, module_dims
+from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, check_trainable, module_dims
 
 IGNORE = -100  # transformers' ignored label
 __all__ = ["TARGETS", "LoraSpec", "OptimSpec", "Param", "TrainGraph", "module_dims", "train_graph"]
@@ -385,6 +385,7 @@ def train_graph(
     optim.check()
     if seq < 2:
         raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
+    check_trainable(ck.config, seq, str(ck.path / "config.json"))
     b = _Step(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
     b.forward()
     b.backward(b.loss())

@@ -14,17 +14,14 @@ from disco_ray.graph.errors import UsageError
 from .base import Family
 from .config import ModelConfig
 from .llama import LLAMA
+from .phi3 import PHI3
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
 
-FAMILIES: dict[str, Family] = {
-    f.model_type: f
-    for f in (
-        LLAMA,
-        QWEN2,
-        QWEN3,
-    )
-}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
+FAMILIES[PHI3.model_type] = PHI3
+FAMILIES[QWEN2.model_type] = QWEN2
+FAMILIES[QWEN3.model_type] = QWEN3
 
 __all__ = ["FAMILIES", "Family", "ModelConfig", "family_of", "parse_config"]
 

@@ -3,14 +3,14 @@
 projections and before the rotary embedding.
 
 Refused: `attention_bias` true (biases on q, k, v and o; o's would need adding once after the
-GPUs' partial sums) and sliding-window layers (as Qwen2's).
+GPUs' partial sums) and sliding-window layers (as Qwen2's); `attention_dropout` as Qwen2's.
 """
 
 from __future__ import annotations
 
 from ..layer import LayerWeights
 from .base import Family
-from .qwen2 import full_attention_only
+from .qwen2 import features
 
 QK_NORMED = LayerWeights(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
 
@@ -19,5 +19,5 @@ QWEN3 = Family(
     "Qwen3ForCausalLM",
     weights=QK_NORMED,
     requires={"attention_bias": (False,)},
-    features=full_attention_only,
+    features=features,
 )
