@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from . import ops
 from .kernels_act import KERNELS as ACT_KERNELS
 from .kernels_act import TEMPS as ACT_TEMPS
+from .kernels_headnorm import KERNELS as HEADNORM_KERNELS
+from .kernels_headnorm import TEMPS as HEADNORM_TEMPS
 from .kernels_llm import CHANGED as CHANGED
 from .kernels_llm import KERNELS as LLM_KERNELS
 from .kernels_llm import TEMPS as LLM_TEMPS
@@ -25,9 +27,17 @@ from .kernels_train import KERNELS as TRAIN_KERNELS
 
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # the op families' kernels live beside them: kernels_llm (transformer ops), kernels_nn (general
-# ops), kernels_train (training ops), kernels_sample (token choice); this module has those of the base op set (`ops`)
-# kernels_act: the activations and soft-capping of families beyond LLaMA
-IMPLS: dict[str, Impl] = {**LLM_KERNELS, **NN_KERNELS, **TRAIN_KERNELS, **SAMPLE_KERNELS, **ACT_KERNELS}
+# ops), kernels_train (training ops), kernels_sample (token choice), kernels_act (the activations
+# and soft-capping of families beyond LLaMA), kernels_headnorm (per-head RMSNorm); this module has
+# those of the base op set (`ops`)
+IMPLS: dict[str, Impl] = {
+    **LLM_KERNELS,
+    **NN_KERNELS,
+    **TRAIN_KERNELS,
+    **SAMPLE_KERNELS,
+    **ACT_KERNELS,
+    **HEADNORM_KERNELS,
+}
 
 
 def impl(name: str):
@@ -143,7 +153,7 @@ def _reduce_sum(out, ins, attrs):
 # Ops not listed write `out` in place (out= variants, copy_) and allocate nothing; an op added
 # elsewhere without an entry is assumed to need one output-sized temporary.
 TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
-TEMPS: dict[str, TempBytes] = {**LLM_TEMPS, **NN_TEMPS, **SAMPLE_TEMPS, **ACT_TEMPS}
+TEMPS: dict[str, TempBytes] = {**LLM_TEMPS, **NN_TEMPS, **SAMPLE_TEMPS, **ACT_TEMPS, **HEADNORM_TEMPS}
 IN_PLACE = frozenset({"matmul", "add", "mul", "scale", "softmax", "silu", "transpose", "concat", "linear"})
 
 

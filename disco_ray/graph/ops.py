@@ -8,12 +8,13 @@ ops (rotary embedding, attention, KV cache writes, linear layers, embedding look
 the general ops a torch model maps onto (activations, layer norm, broadcasting arithmetic, shape
 copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
 optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
-activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward).
+activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
+`ops_headnorm` the per-head RMSNorm of queries and keys and its backward.
 """
 
 from __future__ import annotations
 
-from . import ops_act, ops_llm, ops_nn, ops_sample, ops_train
+from . import ops_act, ops_headnorm, ops_llm, ops_nn, ops_sample, ops_train
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,
@@ -41,6 +42,7 @@ __all__ = [
     "get",
     "numel",
     "ops_act",
+    "ops_headnorm",
     "ops_llm",
     "ops_nn",
     "ops_sample",

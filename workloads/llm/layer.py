@@ -7,7 +7,8 @@ key/value heads and ffn/G MLP units, computes partial output and down projection
 tile's owner GPU sums with the residual and sends back to every GPU (`Layer.all_reduce`).
 
 `LayerSpec` describes a layer: its sizes, norm epsilon, rotary embedding, attention scale,
-activation and the name of each weight. A model family is a `LayerSpec` (from its config.json)
+activation and the name of each weight (optional ones too: the q/k/v projections' biases, the
+per-head RMSNorm of queries and keys). A model family is a `LayerSpec` (from its config.json)
 plus what its layer adds; `Layer` adds a layer's vertices to a TaskGraph, and is what the
 synthetic workload (`workloads.llama`) and the checkpoint models (`workloads.llm.model`,
 `workloads.llm.train`) build their layers with.
@@ -73,13 +74,20 @@ class LayerWeights:
     gate: str = "mlp.gate_proj.weight"
     up: str = "mlp.up_proj.weight"
     down: str = "mlp.down_proj.weight"
-    # norms of the attention's and the MLP's output before the residual add (Gemma 2; "": none)
-    attn_post_norm: str = ""
-    mlp_post_norm: str = ""
+    # optional weights (None: the layer has none): the norms of the attention's and the MLP's
+    # output before the residual add (Gemma 2); the q/k/v projections' biases (Qwen2), split like
+    # their projection's output rows; the per-head RMSNorm weights of q and k (Qwen3)
+    attn_post_norm: str | None = None
+    mlp_post_norm: str | None = None
+    q_bias: str | None = None
+    k_bias: str | None = None
+    v_bias: str | None = None
+    q_norm: str | None = None
+    k_norm: str | None = None
 
     def items(self) -> list[tuple[str, str]]:
-        """(role, name) of every weight the layer has (a name "": one it has not), in `ROLES` order."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name)]
+        """(role, name) of every weight the layer has, in field order (`ROLES` first)."""
+        return [(f.name, n) for f in fields(self) if (n := getattr(self, f.name)) is not None]
 
     def modules(self) -> dict[str, tuple[str, ...]]:
         """The linear modules (PEFT's names, e.g. "q_proj" or Phi-3's "qkv_proj") -> the roles
@@ -92,7 +100,8 @@ class LayerWeights:
         return out
 
 
-ROLES = tuple(f.name for f in fields(LayerWeights))  # a layer's weights, by what they do
+ROLES = tuple(r for r, _ in LayerWeights().items())  # the weights every layer has, by what they do
+BIASES = {"q_bias": "q", "k_bias": "k", "v_bias": "v"}  # a bias -> its projection
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +160,11 @@ class LayerSpec:
             "gate": (self.ffn, self.dim),
             "up": (self.ffn, self.dim),
             "down": (self.dim, self.ffn),
+            "q_bias": (q,),
+            "k_bias": (kv,),
+            "v_bias": (kv,),
+            "q_norm": (self.head_dim,),
+            "k_norm": (self.head_dim,),
         }[role]
 
     def offset(self, role: str) -> int:
@@ -209,10 +223,11 @@ class Split:
         self, spec: LayerSpec, role: str, j: int
     ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all), in the
-        checkpoint tensor that holds it (offset by `LayerSpec.offset` in a fused one)."""
-        if role in ROW_SPLIT:
-            lo, hi = self.shard(role, j, spec.head_dim)
-            at = spec.offset(role)  # the role's rows within a fused tensor (0 unless fused)
+        checkpoint tensor that holds it (offset by `LayerSpec.offset` in a fused one); a bias's
+        rows are its projection's."""
+        if role in ROW_SPLIT or role in BIASES:
+            lo, hi = self.shard(BIASES.get(role, role), j, spec.head_dim)
+            at = spec.offset(role) if role in ROW_SPLIT else 0  # the role's rows within a fused tensor
             return (at + lo, at + hi), None
         if role in COL_SPLIT:
             return None, self.shard(role, j, spec.head_dim)
@@ -282,11 +297,24 @@ class Layer:
         return {"eps": self.spec.eps, **({"offset": off} if off else {})}
 
     def project(self, li: int, role: str, x: str, j: int, id: str) -> str:
-        """x times GPU j's block of projection `role`."""
-        w = self.weights(li, j)[role]
+        """x times GPU j's block of projection `role` (plus its bias, when the layer has one)."""
+        ws = self.weights(li, j)
+        w, b = ws[role], ws.get(f"{role}_bias")
         if self.spec.layout is Layout.IN_OUT:
-            return self.g.matmul(x, w, id=id)
-        return self.g.linear(x, w, id=id)
+            y = self.g.matmul(x, w, id=id)
+            return y if b is None else self.g.add(y, b, id=f"{id}.b")
+        return self.g.linear(x, w, b, id=id)
+
+    def head_norm(self, li: int, role: str, x: str, j: int, id: str) -> str:
+        """x with each head RMS-normalized by weight `role` ("q_norm", "k_norm"); x itself when
+        the layer has no such weight."""
+        w = self.weights(li, j).get(role)
+        return x if w is None else self.g.kernel("head_rmsnorm", x, w, id=id, eps=self.spec.eps)
+
+    def head_norm_grad(self, li: int, role: str, x: str, dy: str, j: int, id: str) -> str:
+        """The gradient of `head_norm`'s input x given its output's, dy (dy itself when none)."""
+        w = self.weights(li, j).get(role)
+        return dy if w is None else self.g.kernel("head_rmsnorm_grad", x, w, dy, id=id, eps=self.spec.eps)
 
     def rope(self, x: str, cos: str, sin: str, id: str) -> str:
         return self.g.kernel("rope", x, cos, sin, id=id)
@@ -326,12 +354,17 @@ class Layer:
             q, k, v = (
                 self.project(li, r, x, j, f"{stem}.{r}_g{j}") if r != "q" or need_q else "" for r in "qkv"
             )
+            q = q and self.head_norm(li, "q_norm", q, j, f"{stem}.qn_g{j}")
+            k = self.head_norm(li, "k_norm", k, j, f"{stem}.kn_g{j}")
             q = q and self.rope(q, cos, sin, f"{stem}.qr_g{j}")
             return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
         q = ""
         if need_q:
-            q = self.rope(self.project(li, "q", x, j, f"{stem}.q_g{j}"), cos, sin, f"{stem}.qr_g{j}")
+            q = self.project(li, "q", x, j, f"{stem}.q_g{j}")
+            q = self.head_norm(li, "q_norm", q, j, f"{stem}.qn_g{j}")
+            q = self.rope(q, cos, sin, f"{stem}.qr_g{j}")
         k = self.project(li, "k", x, j, f"{stem}.k_g{j}")
+        k = self.head_norm(li, "k_norm", k, j, f"{stem}.kn_g{j}")
         v = self.project(li, "v", x, j, f"{stem}.v_g{j}")
         return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
 

@@ -111,6 +111,9 @@ class _Step(LoraLayers):
         q = self.col_forward(li, "q_proj", x1, stem, keep)
         k = self.col_forward(li, "k_proj", x1, stem, keep)
         v = self.col_forward(li, "v_proj", x1, stem, keep)
+        keep["q"], keep["k"] = q, k  # before the per-head norms (when the layer has them)
+        q = [lay.head_norm(li, "q_norm", q[j], j, f"{stem}.qn_g{j}") for j in range(self.G)]
+        k = [lay.head_norm(li, "k_norm", k[j], j, f"{stem}.kn_g{j}") for j in range(self.G)]
         cos, sin = self.cos[t], self.sin[t]
         keep["qr"] = [lay.rope(q[j], cos[j], sin[j], f"{stem}.qr_g{j}") for j in range(self.G)]
         keep["kr"] = [lay.rope(k[j], cos[j], sin[j], f"{stem}.kr_g{j}") for j in range(self.G)]
@@ -346,8 +349,10 @@ class _Step(LoraLayers):
             acc = self.sum_grads(dkv[j], f"{stem}.dkv_g{j}", j)
             dkr = g.kernel("slice", acc, id=f"{stem}.dkr_g{j}", axis=1, start=0, stop=kvw)
             dv.append(g.kernel("slice", acc, id=f"{stem}.dv_g{j}", axis=1, start=kvw, stop=2 * kvw))
-            dk.append(g.kernel("rope", dkr, cos[j], sin[j], id=f"{stem}.dk_g{j}", inverse=True))
-            dq.append(g.kernel("rope", dqr[j], cos[j], sin[j], id=f"{stem}.dqp_g{j}", inverse=True))
+            dkn = g.kernel("rope", dkr, cos[j], sin[j], id=f"{stem}.dk_g{j}", inverse=True)
+            dqn = g.kernel("rope", dqr[j], cos[j], sin[j], id=f"{stem}.dqp_g{j}", inverse=True)
+            dk.append(self.layer.head_norm_grad(li, "k_norm", keep["k"][j], dkn, j, f"{stem}.dkn_g{j}"))
+            dq.append(self.layer.head_norm_grad(li, "q_norm", keep["q"][j], dqn, j, f"{stem}.dqn_g{j}"))
         need = li > 0
         dxq = self.col_backward(li, "q_proj", dq, keep["x1"], keep, stem, need)
         dxk = self.col_backward(li, "k_proj", dk, keep["x1"], keep, stem, need)

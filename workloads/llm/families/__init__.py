@@ -17,6 +17,8 @@ from .gemma2 import GEMMA2
 from .llama import LLAMA
 from .mistral import MISTRAL
 from .phi3 import PHI3
+from .qwen2 import QWEN2
+from .qwen3 import QWEN3
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
@@ -25,6 +27,8 @@ FAMILIES: dict[str, Family] = {
         MISTRAL,
         PHI3,
         GEMMA2,
+        QWEN2,
+        QWEN3,
     )
 }
 
