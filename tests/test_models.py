@@ -175,7 +175,7 @@ def _config(path) -> dict:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (dict(model_type="mistral"), "model_type 'mistral'"),
+        (dict(model_type="falcon"), "model_type 'falcon'"),
         (
             dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
             "rope_scaling type 'yarn'",

@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .kernels_act import KERNELS as ACT_KERNELS
+from .kernels_act import TEMPS as ACT_TEMPS
+from .kernels_headnorm import KERNELS as HEADNORM_KERNELS
+from .kernels_headnorm import TEMPS as HEADNORM_TEMPS
 from .kernels_llm import CHANGED as CHANGED
 from .kernels_llm import KERNELS as LLM_KERNELS
 from .kernels_llm import TEMPS as LLM_TEMPS
@@ -25,8 +29,18 @@ from .kernels_train import KERNELS as TRAIN_KERNELS
 
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # the op families' kernels live beside them: kernels_llm (transformer ops), kernels_nn (general
-# ops), kernels_train (training ops), kernels_sample (token choice), kernels_quant (dequantization); this module has those of the base op set (`ops`)
-IMPLS: dict[str, Impl] = {**LLM_KERNELS, **NN_KERNELS, **TRAIN_KERNELS, **SAMPLE_KERNELS, **QUANT_KERNELS}
+# ops), kernels_train (training ops), kernels_sample (token choice), kernels_act (the activations
+# and soft-capping of families beyond LLaMA), kernels_headnorm (per-head RMSNorm), kernels_quant
+# (dequantization); this module has those of the base op set (`ops`)
+IMPLS: dict[str, Impl] = {
+    **LLM_KERNELS,
+    **NN_KERNELS,
+    **TRAIN_KERNELS,
+    **SAMPLE_KERNELS,
+    **ACT_KERNELS,
+    **HEADNORM_KERNELS,
+    **QUANT_KERNELS,
+}
 
 
 def impl(name: str):
@@ -117,6 +131,11 @@ def _rmsnorm(out, ins, attrs):
     # one fused kernel on CUDA (few host calls: a kernel's host time counts when tiles are small);
     # low-precision inputs are normalized in float32, as LLaMA does
     w = ins[1] if len(ins) == 2 else None
+    offset = attrs.get("offset", 0.0)  # .get: vertices saved before the attribute existed
+    if w is not None and offset:  # Gemma: normalized in float32, times (offset + w) in float32
+        x = ins[0]
+        out.copy_(F.rms_norm(x.float(), x.shape[-1:], None, attrs["eps"]) * (w.float() + offset))
+        return
     out.copy_(F.rms_norm(ins[0], ins[0].shape[-1:], w, attrs["eps"]))
 
 
@@ -137,7 +156,14 @@ def _reduce_sum(out, ins, attrs):
 # Ops not listed write `out` in place (out= variants, copy_) and allocate nothing; an op added
 # elsewhere without an entry is assumed to need one output-sized temporary.
 TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
-TEMPS: dict[str, TempBytes] = {**LLM_TEMPS, **NN_TEMPS, **SAMPLE_TEMPS, **QUANT_TEMPS}
+TEMPS: dict[str, TempBytes] = {
+    **LLM_TEMPS,
+    **NN_TEMPS,
+    **SAMPLE_TEMPS,
+    **ACT_TEMPS,
+    **HEADNORM_TEMPS,
+    **QUANT_TEMPS,
+}
 IN_PLACE = frozenset({"matmul", "add", "mul", "scale", "softmax", "silu", "transpose", "concat", "linear"})
 
 
@@ -165,7 +191,8 @@ def _temps(name: str):
 def _rmsnorm_temps(out, ins, attrs):
     # F.rms_norm's result, plus what its unfused form makes (a float32 copy, its square, the
     # normalized product): fused on CUDA it needs only the first
-    return _nbytes(out) + 3 * ins[0].numel() * 4
+    # with a weight offset (Gemma) the product with (offset + w) in float32 is one more
+    return _nbytes(out) + (4 if attrs.get("offset") else 3) * ins[0].numel() * 4
 
 
 # the op set as this package defines it: ops registered later (one's own, actors.testops) are

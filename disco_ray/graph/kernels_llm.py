@@ -53,9 +53,10 @@ def _rope(out, ins, attrs):
     ov.addcmul_(rot, sin.unsqueeze(-2))
 
 
-def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
+def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask, softcap: float | None = None) -> None:
     """softmax(q k^T * scale + mask) v per head, written into out [t, h*d]; k/v tiles [t_j, kvh*d]
-    (grouped-query attention when kvh < h: each key/value head serves h/kvh query heads)."""
+    (grouped-query attention when kvh < h: each key/value head serves h/kvh query heads); with
+    `softcap` the scores are capped to softcap * tanh(s / softcap) before the mask."""
     from torch.nn.functional import scaled_dot_product_attention
 
     def heads(x, n):  # [rows, n*d] -> [1, n, rows, d], the layout the fused kernels take
@@ -64,11 +65,14 @@ def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
     k = heads(ks[0] if len(ks) == 1 else torch.cat(ks, dim=0), kvh)
     v = heads(vs[0] if len(vs) == 1 else torch.cat(vs, dim=0), kvh)
     t, g = q.shape[0], h // kvh
-    if g > 1 and t * g <= 64:
+    if (g > 1 and t * g <= 64) or softcap is not None:
         # a few query rows (a decode step): each key/value head's group of query heads in one
-        # product, instead of copying keys and values per query head for the fused kernel
+        # product, instead of copying keys and values per query head for the fused kernel; and
+        # capped scores, which no fused kernel computes
         qg = q.unflatten(-1, (kvh, g, -1)).permute(1, 2, 0, 3).reshape(kvh, g * t, -1)
         sc = torch.matmul(qg, k[0].transpose(-1, -2)).mul_(scale)
+        if softcap is not None:
+            sc.div_(softcap).tanh_().mul_(softcap)
         if mask is not None:
             sc.masked_fill_(~mask.repeat(g, 1), float("-inf"))
         o = torch.matmul(sc.softmax(-1), v[0])  # [kvh, g*t, d]
@@ -80,6 +84,13 @@ def _sdpa(out, q, ks, vs, h: int, kvh: int, scale: float, mask) -> None:
     out.unflatten(-1, (h, -1)).copy_(o[0].transpose(0, 1))
 
 
+def seen(keys: torch.Tensor, rows: torch.Tensor, window: int) -> torch.Tensor:
+    """Which key positions `keys` a query at position `rows` sees (broadcast): those <= it, and
+    within its sliding window (> it - window) when window > 0."""
+    mask = keys <= rows
+    return mask & (keys > rows - window) if window else mask
+
+
 @_into(KERNELS, "attention")
 def _attention(out, ins, attrs):
     q, kv = ins[0], ins[1:]
@@ -88,7 +99,14 @@ def _attention(out, ins, attrs):
     kvh = attrs["kv_heads"] or h
     t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
     mask = None
-    if attrs["causal"] and attrs["offset"] == s - t and q.is_cuda:
+    window = attrs.get("window", 0)  # .get: vertices saved before the attribute existed
+    if (
+        attrs["causal"]
+        and attrs["offset"] == s - t
+        and q.is_cuda
+        and not window
+        and attrs.get("softcap") is None
+    ):
         # a query tile ending at the last key: the fused causal kernels (importing the bias
         # module costs ~2 s once, which the cpu backend, with no fused kernel to gain, skips)
         from torch.nn.attention.bias import causal_lower_right
@@ -96,8 +114,8 @@ def _attention(out, ins, attrs):
         mask = causal_lower_right(t, s)
     elif attrs["causal"]:
         rows = torch.arange(t, device=q.device).unsqueeze(1) + attrs["offset"]
-        mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
-    _sdpa(out, q, kv[:m], kv[m:], h, kvh, attrs["scale"], mask)
+        mask = seen(torch.arange(s, device=q.device).unsqueeze(0), rows, window)
+    _sdpa(out, q, kv[:m], kv[m:], h, kvh, attrs["scale"], mask, attrs.get("softcap"))
 
 
 @_into(KERNELS, "attention_at")
@@ -108,8 +126,9 @@ def _attention_at(out, ins, attrs):
     h = attrs["heads"]
     t, s = q.shape[0], sum(k.shape[0] for k in kv[:m])
     rows = torch.arange(t, device=q.device).unsqueeze(1) + pos
-    mask = torch.arange(s, device=q.device).unsqueeze(0) <= rows
-    _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask)
+    keys = torch.arange(s, device=q.device).unsqueeze(0) + attrs.get("start", 0)
+    mask = seen(keys, rows, attrs.get("window", 0))
+    _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask, attrs.get("softcap"))
 
 
 @_into(KERNELS, "attention_span")
@@ -129,14 +148,16 @@ def _attention_span(out, ins, attrs):
 
     k, v = stacked(kv[: groups * m]), stacked(kv[groups * m :])
     s, d = k.shape[2], k.shape[3]
-    keys = torch.arange(s, device=q.device).unsqueeze(0)
+    keys = torch.arange(s, device=q.device).unsqueeze(0) + attrs.get("start", 0)
     lo, hi = span[:, :1], span[:, 1:]
     # a row sees its span and always its own last key: a row with an empty span (padding) stays finite
-    mask = ((keys >= lo) & (keys <= hi)) | (keys == hi)  # [groups*t, s]
+    mask = ((keys >= lo) & seen(keys, hi, attrs.get("window", 0))) | (keys == hi)  # [groups*t, s]
     mask = mask.view(groups, 1, 1, t, s).expand(groups, 1, per, t, s).reshape(groups, 1, per * t, s)
     # query head kv_head * per + i uses key/value head kv_head (transformers' repeat_kv)
     qh = q.view(groups, t, kvh, per, d).permute(0, 2, 3, 1, 4).reshape(groups, kvh, per * t, d)
     sc = torch.matmul(qh, k.transpose(-1, -2)).mul_(attrs["scale"])
+    if attrs.get("softcap") is not None:
+        sc.div_(attrs["softcap"]).tanh_().mul_(attrs["softcap"])
     sc.masked_fill_(~mask, float("-inf"))
     o = torch.matmul(sc.softmax(-1), v)  # [groups, kvh, per*t, d]
     out.view(groups, t, kvh, per, d).copy_(o.view(groups, kvh, per, t, d).permute(0, 3, 1, 2, 4))
@@ -183,6 +204,8 @@ def _embedding(out, ins, attrs):
     flat = out.view(-1, table.shape[1])  # ids [.., t]: one lookup of every id, rows in order
     torch.index_select(table, 0, local.clamp(0, rows - 1), out=flat)
     flat.mul_(inside.unsqueeze(1).to(out.dtype))
+    if attrs.get("scale", 1.0) != 1.0:  # .get: vertices saved before the attribute existed
+        flat.mul_(attrs["scale"])
 
 
 # ---- temporaries (see `kernels.TEMPS`) --------------------------------------------------------
@@ -206,6 +229,8 @@ def _attention_temps(q: torch.Tensor, kv: list[torch.Tensor], attrs: Mapping, ma
     if kvh != h:
         kv_bytes += 2 * s * h * d * esz  # grouped heads repeated to every query head
     mask = t * s + 16 * (t + s) if masked else 0  # a boolean mask made from two aranges
+    if attrs.get("softcap") is not None:  # the grouped product's mask, repeated per query head
+        mask += t * s * (h // kvh)
     o = t * h * d * esz + t * h * 4  # SDPA's output and its log-sum-exp
     # the math fallback (masks the fused kernels refuse) materializes scores and probabilities
     scores = 2 * t * s * h * max(esz, 4)

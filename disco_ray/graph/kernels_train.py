@@ -19,7 +19,7 @@ Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 def _rmsnorm_grad(out, ins, attrs):
     # y = x * r * w, r = (mean(x^2) + eps)^-1/2  =>  dx = r * g - r^3 * x * mean(g * x), g = dy * w
     x, w, dy = (t.float() for t in ins)
-    g = dy * w
+    g = dy * (w + attrs["offset"]) if attrs.get("offset") else dy * w
     r = torch.rsqrt(x.square().mean(-1, keepdim=True) + attrs["eps"])
     out.copy_(r * (g - x * r.square() * (g * x).mean(-1, keepdim=True)))
 
@@ -49,19 +49,27 @@ def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.float().unflatten(1, (n, -1)).transpose(0, 1)
 
 
-def _scores(qg, k, scale: float, mask) -> torch.Tensor:
-    """Masked scaled scores [kvh, g*t, t_j] of grouped queries against one key tile [kvh, t_j, d]."""
+def _scores(qg, k, scale: float, mask, cap: float | None = None) -> torch.Tensor:
+    """Masked scaled scores [kvh, g*t, t_j] of grouped queries against one key tile [kvh, t_j, d],
+    soft-capped to cap * tanh(s / cap) before the mask when `cap`."""
     s = torch.matmul(qg, k.transpose(1, 2)).mul_(scale)
+    if cap is not None:
+        s.div_(cap).tanh_().mul_(cap)
     return s if mask is None else s.masked_fill_(~mask, float("-inf"))
 
 
-def _mask(t: int, tj: int, g: int, q_pos, k_pos: int, causal: bool, device):
-    """[g*t, t_j]: key position k_pos + c visible to query position q_pos + r (None: all visible)."""
-    if not causal:
+def _mask(t: int, tj: int, g: int, q_pos, k_pos: int, attrs: Mapping, device):
+    """[g*t, t_j]: key position k_pos + c visible to query position q_pos + r, within the sliding
+    window when attrs has one (None: all visible)."""
+    if not attrs["causal"]:
         return None
     rows = torch.arange(t, device=device) + q_pos
     keys = torch.arange(tj, device=device) + k_pos
-    return (keys.unsqueeze(0) <= rows.unsqueeze(1)).repeat(g, 1)
+    mask = keys.unsqueeze(0) <= rows.unsqueeze(1)
+    window = attrs.get("window", 0)  # .get: vertices saved before the attribute existed
+    if window:
+        mask &= keys.unsqueeze(0) > rows.unsqueeze(1) - window
+    return mask.repeat(g, 1)
 
 
 def _stats(stats: torch.Tensor, kvh: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,11 +83,16 @@ def _stats(stats: torch.Tensor, kvh: int, h: int) -> tuple[torch.Tensor, torch.T
     return lse.masked_fill(lse == float("-inf"), float("inf")), grouped(stats[:, h:])
 
 
-def _probs_and_dscores(qg, dog, lse, dsum, k, v, scale, mask):
-    # P = exp(S - lse) (the forward's softmax, recomputed); dS = P * (dO V^T - D), D = rowsum(dO * O)
-    p = _scores(qg, k, scale, mask).sub_(lse).exp_()
+def _probs_and_dscores(qg, dog, lse, dsum, k, v, scale, mask, cap=None):
+    # P = exp(S - lse) (the forward's softmax, recomputed); dS = P * (dO V^T - D), D = rowsum(dO * O);
+    # capped scores S = cap * tanh(s / cap): dS times 1 - (S / cap)^2, taken before the mask's -inf
+    s = _scores(qg, k, scale, None, cap)
+    dcap = None if cap is None else (s / cap).square_().neg_().add_(1.0)
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    p = s.sub_(lse).exp_()
     ds = torch.matmul(dog, v.transpose(1, 2)).sub_(dsum).mul_(p)
-    return p, ds
+    return p, ds if dcap is None else ds.mul_(dcap)
 
 
 def _attention_dims(attrs) -> tuple[int, int]:
@@ -95,8 +108,8 @@ def _attention_stats(out, ins, attrs):
     qg = _grouped(q, kvh, h)
     lse, pos = None, 0
     for k in kv[:m]:
-        mask = _mask(t, k.shape[0], h // kvh, attrs["offset"], pos, attrs["causal"], q.device)
-        part = _scores(qg, _heads(k, kvh), attrs["scale"], mask).logsumexp(-1)
+        mask = _mask(t, k.shape[0], h // kvh, attrs["offset"], pos, attrs, q.device)
+        part = _scores(qg, _heads(k, kvh), attrs["scale"], mask, attrs.get("softcap")).logsumexp(-1)
         lse = part if lse is None else torch.logaddexp(lse, part)
         pos += k.shape[0]
     out[:, :h].copy_(_ungrouped(lse, t))
@@ -113,9 +126,10 @@ def _attention_grad_q(out, ins, attrs):
     dq = torch.zeros_like(qg)
     pos = 0
     for k, v in zip(kv[:m], kv[m:]):
-        mask = _mask(t, k.shape[0], h // kvh, attrs["offset"], pos, attrs["causal"], q.device)
+        mask = _mask(t, k.shape[0], h // kvh, attrs["offset"], pos, attrs, q.device)
         kh = _heads(k, kvh)
-        _, ds = _probs_and_dscores(qg, dog, lse, dsum, kh, _heads(v, kvh), attrs["scale"], mask)
+        vh, cap = _heads(v, kvh), attrs.get("softcap")
+        _, ds = _probs_and_dscores(qg, dog, lse, dsum, kh, vh, attrs["scale"], mask, cap)
         dq.baddbmm_(ds, kh)
         pos += k.shape[0]
     out.copy_(_ungrouped(dq.mul_(attrs["scale"]), t).flatten(1))
@@ -128,8 +142,9 @@ def _attention_grad_kv(out, ins, attrs):
     t, tj = q.shape[0], k.shape[0]
     qg, dog = _grouped(q, kvh, h), _grouped(do, kvh, h)
     lse, dsum = _stats(stats, kvh, h)
-    mask = _mask(t, tj, h // kvh, attrs["q_offset"], attrs["k_offset"], attrs["causal"], q.device)
-    p, ds = _probs_and_dscores(qg, dog, lse, dsum, _heads(k, kvh), _heads(v, kvh), attrs["scale"], mask)
+    mask = _mask(t, tj, h // kvh, attrs["q_offset"], attrs["k_offset"], attrs, q.device)
+    kh, vh, cap = _heads(k, kvh), _heads(v, kvh), attrs.get("softcap")
+    p, ds = _probs_and_dscores(qg, dog, lse, dsum, kh, vh, attrs["scale"], mask, cap)
     width = k.shape[1]
     dk = torch.matmul(ds.transpose(1, 2), qg).mul_(attrs["scale"])
     out[:, :width].unflatten(1, (kvh, -1)).copy_(dk.transpose(0, 1))

@@ -7,13 +7,15 @@ registers FORMATS.md's ops and the elementwise and normalisation ops; `ops_llm` 
 ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups); `ops_nn`
 the general ops a torch model maps onto (activations, layer norm, broadcasting arithmetic, shape
 copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
-optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_quant`
-the dequantization of packed weights (`dequant`).
+optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
+activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
+`ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_quant` the
+dequantization of packed weights (`dequant`).
 """
 
 from __future__ import annotations
 
-from . import ops_llm, ops_nn, ops_quant, ops_sample, ops_train
+from . import ops_act, ops_headnorm, ops_llm, ops_nn, ops_quant, ops_sample, ops_train
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,
@@ -40,6 +42,8 @@ __all__ = [
     "attention_pairs",
     "get",
     "numel",
+    "ops_act",
+    "ops_headnorm",
     "ops_llm",
     "ops_nn",
     "ops_quant",
@@ -168,9 +172,10 @@ register(
         1,
         2,
         _infer_rmsnorm,
-        attrs={"eps": 1e-6},
+        attrs={"eps": 1e-6, "offset": 0.0},
         flops=elementwise(4),
-        doc="x / sqrt(mean(x^2, last dim) + eps) [* w]",
+        doc="x / sqrt(mean(x^2, last dim) + eps) [* (w + offset)]; offset 1: Gemma's norm, scaled by "
+        "1 + w in float32",
     )
 )
 register(OpSpec("transpose", 1, 1, _infer_transpose, flops=no_flops, doc="swap the last two dims"))

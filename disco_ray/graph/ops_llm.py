@@ -57,7 +57,18 @@ def _heads(name: str, q, attrs) -> tuple[int, int, int]:
         raise ValueError(f"{name}: kv_heads {kvh} must divide heads {h}")
     if isinstance(attrs.get("scale"), bool) or not isinstance(attrs.get("scale"), (int, float)):
         raise ValueError(f"{name}: attribute scale must be a number, got {attrs.get('scale')!r}")
+    cap = attrs.get("softcap")
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf
+    ):
+        raise ValueError(f"{name}: attribute softcap must be null or a positive finite number, got {cap!r}")
     return h, kvh, q[1] // h
+
+
+def _window(name: str, attrs) -> int:
+    """The sliding window of an attention op: a query at position p sees keys in (p - window, p]
+    (transformers' sliding_window); 0: every earlier key."""
+    return _int_attr(name, attrs, "window") if "window" in attrs else 0
 
 
 def _check_kv(name: str, kv, width: int, what: str) -> None:
@@ -68,12 +79,26 @@ def _check_kv(name: str, kv, width: int, what: str) -> None:
             raise ValueError(f"{name}: key/value tile {j} {list(k)}/{list(v)} does not match {what}")
 
 
+# attention's attributes (and its backward's); softcap: the scores soft-capped to
+# cap * tanh(s / cap) before the mask (Gemma 2; None: not capped)
+ATTENTION = {
+    "heads": REQUIRED,
+    "scale": REQUIRED,
+    "offset": 0,
+    "causal": True,
+    "kv_heads": None,
+    "window": 0,
+    "softcap": None,
+}
+
+
 def _infer_attention(shapes, dtypes, attrs):
     if len(shapes) % 2 == 0:
         raise ValueError(f"attention takes q and pairs of key/value tiles, got {len(shapes)} operands")
     q, kv = shapes[0], shapes[1:]
     _, kvh, d = _heads("attention", q, attrs)
     _int_attr("attention", attrs, "offset", -(1 << 62))
+    _window("attention", attrs)
     _check_kv("attention", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
     return q, _same_dtype("attention", dtypes)
 
@@ -88,11 +113,19 @@ def attention_pairs(t: int, keys: int, offset: int, causal: bool) -> int:
     return (hi - lo) * a + (lo + hi - 1) * (hi - lo) // 2 + (t - hi) * keys
 
 
+def window_pairs(t: int, keys: int, offset: int, causal: bool, window: int) -> int:
+    """`attention_pairs` within a sliding window (0: none): the keys <= offset + r less those
+    <= offset + r - window."""
+    pairs = attention_pairs(t, keys, offset, causal)
+    return pairs - attention_pairs(t, keys, offset - window, True) if causal and window else pairs
+
+
 def _flops_attention(shapes, out, attrs):
     q = shapes[0]
     keys = sum(s[0] for s in shapes[1 : 1 + len(shapes) // 2])
     d = q[1] // attrs["heads"]
-    pairs = attention_pairs(q[0], keys, attrs["offset"], attrs["causal"]) * attrs["heads"]
+    pairs = window_pairs(q[0], keys, attrs["offset"], attrs["causal"], attrs.get("window", 0))
+    pairs *= attrs["heads"]
     return pairs * (4.0 * d + 5.0)  # q k^T and p v (2 flops per multiply-add each), softmax
 
 
@@ -107,6 +140,9 @@ def _infer_attention_at(shapes, dtypes, attrs):
         raise ValueError(
             f"attention_at: pos must be an integer tensor of shape [1], got {list(pos)} {dtypes[1]}"
         )
+    if "start" in attrs:
+        _int_attr("attention_at", attrs, "start")
+    _window("attention_at", attrs)
     _check_kv("attention_at", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
     return q, _same_dtype("attention_at", [dtypes[0], *dtypes[2:]])
 
@@ -133,6 +169,9 @@ def _infer_attention_span(shapes, dtypes, attrs):
             f"attention_span: span must be integers [{q[0]}, 2] (a key range per query row), "
             f"got {list(span)} {dtypes[1]}"
         )
+    if "start" in attrs:
+        _int_attr("attention_span", attrs, "start")
+    _window("attention_span", attrs)
     _check_kv("attention_span", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
     m = len(kv) // 2 // groups  # key tiles per group: the same shapes in every group
     if any(kv[g * m + j] != kv[j] for g in range(groups) for j in range(m)):
@@ -215,12 +254,14 @@ register(
         3,
         None,
         _infer_attention,
-        attrs={"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True, "kv_heads": None},
+        attrs=ATTENTION,
         flops=_flops_attention,
         doc="one query tile of multi-head attention: operands q [t, heads*d], key tiles k_1..k_m, then "
         "value tiles v_1..v_m (each [t_j, kv_heads*d], keys in order); softmax(q k^T * scale + mask) v "
         "per head, where query row r may see key rows <= offset + r when causal; kv_heads < heads "
-        "is grouped-query attention (None: kv_heads = heads)",
+        "is grouped-query attention (None: kv_heads = heads); window w > 0 (causal): row r sees only key "
+        "rows > offset + r - w (sliding-window attention); softcap: the scores soft-capped to "
+        "softcap * tanh(s / softcap) before the mask (Gemma 2; None: not capped)",
     )
 )
 register(
@@ -229,11 +270,19 @@ register(
         4,
         None,
         _infer_attention_at,
-        attrs={"heads": REQUIRED, "scale": REQUIRED, "kv_heads": None},
+        attrs={
+            "heads": REQUIRED,
+            "scale": REQUIRED,
+            "kv_heads": None,
+            "start": 0,
+            "window": 0,
+            "softcap": None,
+        },
         flops=_flops_attention_at,
         doc="attention of q [t, heads*d] at run-time position pos (int [1]) over cached key tiles k_1..k_m "
-        "then value tiles v_1..v_m ([t_j, kv_heads*d], positions 0.. in order): query row r sees keys "
-        "at positions <= pos + r (a decode step's attention over its KV cache; no host sync)",
+        "then value tiles v_1..v_m ([t_j, kv_heads*d], positions start.. in order): query row r sees keys "
+        "at positions <= pos + r, and > pos + r - window when window > 0 (a decode step's attention over "
+        "its KV cache, from its first block in the window; no host sync); softcap as attention's",
     )
 )
 register(
@@ -242,14 +291,23 @@ register(
         4,
         None,
         _infer_attention_span,
-        attrs={"heads": REQUIRED, "scale": REQUIRED, "kv_heads": None, "groups": 1},
+        attrs={
+            "heads": REQUIRED,
+            "scale": REQUIRED,
+            "kv_heads": None,
+            "groups": 1,
+            "start": 0,
+            "window": 0,
+            "softcap": None,
+        },
         flops=_flops_attention_span,
         doc="attention of q [groups*t, heads*d] where each group of t query rows has key tiles of its own: "
         "operands q, span (int [groups*t, 2]), the key tiles k_{1,1}..k_{1,m}, .., k_{groups,m}, then the "
-        "value tiles in the same order ([t_j, kv_heads*d], the same shapes in every group); query row r "
-        "sees its group's keys at indices span[r,0]..span[r,1] and always the one at span[r,1] (a "
+        "value tiles in the same order ([t_j, kv_heads*d], the same shapes in every group, the first at "
+        "index start); query row r sees its group's keys at indices span[r,0]..span[r,1] (and > "
+        "span[r,1] - window when window > 0) and always the one at span[r,1] (a "
         "padding row sees itself: finite, never NaN). Ragged batches: left padding and causality as "
-        "run-time data",
+        "run-time data; softcap as attention's",
     )
 )
 register(
@@ -282,9 +340,10 @@ register(
         2,
         2,
         _infer_embedding,
-        attrs={"start": 0},
+        attrs={"start": 0, "scale": 1.0},
         flops=no_flops,
         doc="rows of table [r, d] for ids [t] or [.., t] (int): row id - start, zeros for ids outside "
-        "start..start+r-1 (a vocabulary shard: the shards' lookups sum to the whole table's)",
+        "start..start+r-1 (a vocabulary shard: the shards' lookups sum to the whole table's), times "
+        "scale (Gemma's sqrt(hidden_size), rounded to the table's dtype)",
     )
 )

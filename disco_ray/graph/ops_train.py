@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .ops_llm import _check_kv, _heads, _int_attr, attention_pairs
+from .ops_llm import ATTENTION, _check_kv, _heads, _int_attr, _window, window_pairs
 from .opspec import REQUIRED, OpSpec, Shape, _same_dtype, elementwise, no_flops, numel, register
 
 INTS = ("int32", "int64")
@@ -61,6 +61,7 @@ def _infer_silu_grad(shapes, dtypes, attrs):
 def _attn_attrs(name: str, q, attrs) -> tuple[int, int, int]:
     h, kvh, d = _heads(name, q, attrs)
     _bool(name, attrs, "causal")
+    _window(name, attrs)
     return h, kvh, d
 
 
@@ -77,6 +78,10 @@ def _infer_attention_stats(shapes, dtypes, attrs):
     return (q[0], 2 * h), _same_dtype(name, dtypes)
 
 
+def _pairs(t: int, keys: int, offset: int, attrs) -> int:
+    return window_pairs(t, keys, offset, attrs["causal"], attrs.get("window", 0))
+
+
 def _keys(kv) -> int:
     return sum(s[0] for s in kv[: len(kv) // 2])
 
@@ -84,7 +89,7 @@ def _keys(kv) -> int:
 def _flops_attention_stats(shapes, out, attrs):
     q = shapes[0]
     h, d = attrs["heads"], q[1] // attrs["heads"]
-    pairs = attention_pairs(q[0], _keys(shapes[1:-2]), attrs["offset"], attrs["causal"]) * h
+    pairs = _pairs(q[0], _keys(shapes[1:-2]), attrs["offset"], attrs) * h
     return pairs * (2.0 * d + 3.0) + 2.0 * numel(q)  # q k^T, exp and sum; rowsum(do * o)
 
 
@@ -113,7 +118,7 @@ def _infer_attention_grad_q(shapes, dtypes, attrs):
 def _flops_attention_grad_q(shapes, out, attrs):
     q = shapes[0]
     h, d = attrs["heads"], q[1] // attrs["heads"]
-    pairs = attention_pairs(q[0], _keys(shapes[3:]), attrs["offset"], attrs["causal"]) * h
+    pairs = _pairs(q[0], _keys(shapes[3:]), attrs["offset"], attrs) * h
     return pairs * (6.0 * d + 4.0)  # q k^T, do v^T, ds k (2 flops per multiply-add each), p and ds
 
 
@@ -132,7 +137,7 @@ def _flops_attention_grad_kv(shapes, out, attrs):
     q, k = shapes[0], shapes[3]
     h, d = attrs["heads"], q[1] // attrs["heads"]
     offset = attrs["q_offset"] - attrs["k_offset"]
-    pairs = attention_pairs(q[0], k[0], offset, attrs["causal"]) * h
+    pairs = _pairs(q[0], k[0], offset, attrs) * h
     return pairs * (8.0 * d + 4.0)  # q k^T, do v^T, p^T do, ds^T q; p and ds
 
 
@@ -233,18 +238,16 @@ def _infer_slice(shapes, dtypes, attrs):
     return tuple(out), dtypes[0]
 
 
-ATTENTION = {"heads": REQUIRED, "scale": REQUIRED, "offset": 0, "causal": True, "kv_heads": None}
-
 register(
     OpSpec(
         "rmsnorm_grad",
         3,
         3,
         _infer_rmsnorm_grad,
-        attrs={"eps": 1e-6},
+        attrs={"eps": 1e-6, "offset": 0.0},
         flops=elementwise(8),
-        doc="dx of y = rmsnorm(x) * w for x [.., d], w [d] (frozen), dy [.., d]: "
-        "r * (dy*w - x * r^2 * mean(dy*w*x)) with r = 1/sqrt(mean(x^2) + eps), in float32",
+        doc="dx of y = rmsnorm(x) * (w + offset) for x [.., d], w [d] (frozen), dy [.., d]: r * (dy*w' - "
+        "x * r^2 * mean(dy*w'*x)), w' = w + offset, r = 1/sqrt(mean(x^2) + eps), in float32",
     )
 )
 register(
@@ -290,19 +293,13 @@ register(
         5,
         5,
         _infer_attention_grad_kv,
-        attrs={
-            "heads": REQUIRED,
-            "scale": REQUIRED,
-            "kv_heads": None,
-            "q_offset": 0,
-            "k_offset": 0,
-            "causal": True,
-        },
+        attrs={k: v for k, v in ATTENTION.items() if k != "offset"} | {"q_offset": 0, "k_offset": 0},
         flops=_flops_attention_grad_kv,
         doc="one query tile's part of dk and dv of one key tile: operands q, stats, do, k_j, v_j "
         "[t_j, kv_heads*d]; result [t_j, 2*kv_heads*d] = [scale * dS^T q | P^T do], summed over the "
         "query heads of each key/value head; q's row 0 at position q_offset, k_j's at k_offset, keys "
-        "at positions <= the query's when causal (the caller sums the query tiles' parts)",
+        "at positions <= the query's when causal, and > the query's - window when window > 0 (the "
+        "caller sums the query tiles' parts)",
     )
 )
 register(

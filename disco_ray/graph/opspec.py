@@ -79,8 +79,11 @@ ATTR_TYPES: dict[object, tuple[Callable[[Any], bool], str]] = {
     "start": (_is_int, "an integer"),
     "stop": (_is_int, "an integer"),
     "offset": (_is_int, "an integer"),
+    ("rmsnorm", "offset"): (_is_real, "a finite number"),  # the norm's weight offset (Gemma: 1)
+    ("rmsnorm_grad", "offset"): (_is_real, "a finite number"),
     "q_offset": (_is_int, "an integer"),
     "k_offset": (_is_int, "an integer"),
+    "window": (lambda x: _is_int(x) and x >= 0, "an integer >= 0"),
     "heads": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
     "rows": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
     "kv_heads": (lambda x: x is None or (_is_int(x) and x >= 1), "null or an integer >= 1"),

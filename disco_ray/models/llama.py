@@ -195,8 +195,7 @@ class LlamaModel(PlannedModel):
         gen: Generation | None = None,
         timeout: float | None = None,
     ) -> tuple[torch.Tensor, int, float]:
-        """Runs graph `key` on tokens `ids` from position `pos`: (its logits, the prompt row of
-        their first row, seconds)."""
+        """Runs graph `key` on `ids` from position `pos`: (logits, the prompt row of their first row, seconds)."""
         mgraph, prog = self._program(key)
         feed = mgraph.feed(self.config, ids, pos)
         t = time.perf_counter()
@@ -222,6 +221,7 @@ class LlamaModel(PlannedModel):
         """The logits [len(ids), vocab] (float32) of every position of the prompt `ids`;
         NonFiniteError naming the first position with a NaN or infinite one."""
         ids = self._ids(ids)
+        self.check_length([len(ids)], [0])  # a prompt past a window not built would be wrong logits
         blocks = math.ceil(len(ids) / self.block)
         logits, _, _ = self._run(("prefill", blocks, "all", False), ids, 0)
         check_logits(logits[: len(ids)], 0, row="position")
@@ -390,6 +390,7 @@ class LlamaModel(PlannedModel):
                 break
             p = n + step - 1  # the position of the token fed in
             self._poll_budget()  # between steps: a new capacity takes effect here
+            self.drop_behind(p, step == 1)  # the cache blocks behind a sliding window go
             logits, _, dt = self._run(("decode", p // self.block + 1), [gen.tokens[-1]], p, gen, timeout)
             gen.decode_s.append(dt)
             gen.tokens.append(int(sample(logits[:1], greedy, step=step)[0]))

@@ -16,20 +16,24 @@ from disco_ray.graph.sizes import format_size
 from planner import build_memgraph, min_capacity
 from workloads.llm.batch import BatchLayout
 from workloads.llm.checkpoint import Checkpoint
-from workloads.llm.model import ModelGraph
+from workloads.llm.model import ModelGraph, behind_window
 
 from .graphs import bytes_moved, model_graph
 from .programs import Programs, plan_entry
 
 
-def positions_beyond(prompt: int, new: int, max_positions: int) -> str | None:
-    """Why `new` tokens after a prompt of `prompt` do not fit the model's positions (None: they do)."""
-    if prompt + new <= max_positions:
+def positions_beyond(prompt: int, new: int, max_positions: int, window: int | None = None) -> str | None:
+    """Why `new` tokens after a prompt of `prompt` do not fit the model's positions, or its
+    sliding window that the layers do not build (`window`) (None: they do)."""
+    n = prompt + new
+    if window is not None and n > window:
+        return (
+            f"{prompt} prompt tokens + {new} new = {n} positions, beyond the model's sliding_window "
+            f"{window} (its windowed attention is not built: sequences up to the window only)"
+        )
+    if n <= max_positions:
         return None
-    return (
-        f"{prompt} prompt tokens + {new} new = {prompt + new} positions, beyond the model's "
-        f"max_position_embeddings {max_positions}"
-    )
+    return f"{prompt} prompt tokens + {new} new = {n} positions, beyond the model's max_position_embeddings {max_positions}"
 
 
 def last_steps(start: int, maxes: Sequence[int], block: int) -> list[tuple[int, int]]:
@@ -65,7 +69,7 @@ class PlannedModel(Programs):
     def check_length(self, prompts: Sequence[int], maxes: Sequence[int]) -> None:
         """UsageError naming the sequence whose prompt and new tokens exceed the model's positions."""
         for i, (n, m) in enumerate(zip(prompts, maxes)):
-            why = positions_beyond(n, m, self.ck.config.max_positions)
+            why = positions_beyond(n, m, self.ck.config.max_positions, self.ck.config.window_limit)
             if why is not None:
                 raise UsageError(f"{f'sequence {i}: ' if len(maxes) > 1 else ''}max_new_tokens {m}: {why}")
 
@@ -109,6 +113,13 @@ class PlannedModel(Programs):
             self.plans.append(plan_entry("/".join(str(k) for k in key), tg, mg, dt, capacity=caps))
             planned = self._plans[(key, tuple(self._caps()))] = (mgraph, mg)
         return planned
+
+    def drop_behind(self, p: int, first: bool) -> None:
+        """Before the decode step at position p (the generation's `first`): the workers drop the
+        KV cache blocks that no step from p on reads (`behind_window`)."""
+        gone = behind_window(self.ck.config, self.gpus, p, self.block, first)
+        if gone:
+            self.pool.move_states({}, gone)  # type: ignore[attr-defined]
 
     def choose_micro(self, kind: str, rows: int, blocks: int, extra: tuple = ()) -> int:
         """The micro-batches of a batch step (`kind` "batch_prefill" or "batch_decode", `rows`

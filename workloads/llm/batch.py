@@ -33,7 +33,7 @@ from disco_ray.graph.taskgraph import Kind, TaskGraph
 from .checkpoint import Checkpoint, ModelConfig
 from .decode_sample import add_sampling
 from .layer import Attend, rope_tables
-from .model import ModelGraph, _Builder
+from .model import ModelGraph, _Builder, first_block
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,8 +244,10 @@ def _rows_attend(
                     kept[j][i].append(part)
         if not q:
             return ""
-        kv = [x for row in keys[j] for x in row] + [x for row in vals[j] for x in row]
-        attrs = b.layer.attention_attrs()
+        # blocks wholly before the window of the tile's first index are not read
+        n0 = b.layer.spec.first_key(li, r0) // block
+        kv = [x for row in keys[j] for x in row[n0:]] + [x for row in vals[j] for x in row[n0:]]
+        attrs = b.layer.attention_attrs(li) | {"start": n0 * block}
         return g.kernel("attention_span", q, span[j], *kv, id=f"{stem}.attn_g{j}", groups=len(grp), **attrs)
 
     return attend
@@ -319,8 +321,10 @@ def _cached_rows_attend(
     b: _Builder, li: int, stem: str, grp: range, pos: list[str], span: list[str], blocks: int, block: int
 ) -> Attend:
     """The attention of the rows `grp` (one token each, at run-time index pos) over their own KV
-    cache blocks of layer li, each row's key and value written into its last block."""
+    cache blocks of layer li from the first in the window (`first_block`), each row's key and
+    value written into its last block."""
     g, cur = b.g, blocks - 1
+    first = first_block(b.layer.spec, li, blocks, block)
     kvw = b.split.kv_heads * b.cfg.head_dim
 
     def attend(j: int, q: str, k: str, v: str) -> str:
@@ -330,20 +334,13 @@ def _cached_rows_attend(
             for kind, new, kept in (("k", k, keys), ("v", v, vals)):
                 cache = [
                     g.input(_state(kind, row, li, n, j), (block, kvw), b.dtype, gpu=j, state=True)
-                    for n in range(blocks)
+                    for n in range(first, blocks)
                 ]
-                w = g.kernel(
-                    "kv_write",
-                    cache[cur],
-                    new,
-                    pos[j],
-                    id=f"{stem}.{kind}w{i}_g{j}",
-                    start=cur * block,
-                    row=i,
-                )
-                g.save_state(w, cache[cur])
-                kept += [*cache[:cur], w]
-        attrs = b.layer.attention_attrs()
+                wid, at = f"{stem}.{kind}w{i}_g{j}", cur * block
+                w = g.kernel("kv_write", cache[-1], new, pos[j], id=wid, start=at, row=i)
+                g.save_state(w, cache[-1])
+                kept += [*cache[:-1], w]
+        attrs = b.layer.attention_attrs(li) | {"start": first * block}
         return g.kernel(
             "attention_span", q, span[j], *keys, *vals, id=f"{stem}.attn_g{j}", groups=len(grp), **attrs
         )

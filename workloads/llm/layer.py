@@ -7,7 +7,8 @@ key/value heads and ffn/G MLP units, computes partial output and down projection
 tile's owner GPU sums with the residual and sends back to every GPU (`Layer.all_reduce`).
 
 `LayerSpec` describes a layer: its sizes, norm epsilon, rotary embedding, attention scale,
-activation and the name of each weight. A model family is a `LayerSpec` (from its config.json)
+activation and the name of each weight (optional ones too: the q/k/v projections' biases, the
+per-head RMSNorm of queries and keys). A model family is a `LayerSpec` (from its config.json)
 plus what its layer adds; `Layer` adds a layer's vertices to a TaskGraph, and is what the
 synthetic workload (`workloads.llama`) and the checkpoint models (`workloads.llm.model`,
 `workloads.llm.train`) build their layers with.
@@ -35,6 +36,12 @@ class Activation(Enum):
     """The gated MLP's activation, act(x W_gate) * (x W_up); its value is the op's name."""
 
     SILU = "silu"
+    GELU_TANH = "gelu_tanh"  # GELU's tanh approximation (Gemma's gelu_pytorch_tanh)
+
+    @property
+    def grad(self) -> str:
+        """The op of its backward: dh * act'(a) from a and dh."""
+        return f"{self.value}_grad"
 
 
 class Layout(Enum):
@@ -69,13 +76,34 @@ class LayerWeights:
     gate: str = "mlp.gate_proj.weight"
     up: str = "mlp.up_proj.weight"
     down: str = "mlp.down_proj.weight"
+    # optional weights (None: the layer has none): the norms of the attention's and the MLP's
+    # output before the residual add (Gemma 2); the q/k/v projections' biases (Qwen2), split like
+    # their projection's output rows; the per-head RMSNorm weights of q and k (Qwen3)
+    attn_post_norm: str | None = None
+    mlp_post_norm: str | None = None
+    q_bias: str | None = None
+    k_bias: str | None = None
+    v_bias: str | None = None
+    q_norm: str | None = None
+    k_norm: str | None = None
 
     def items(self) -> list[tuple[str, str]]:
-        """(role, name) of every weight, in `ROLES` order."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+        """(role, name) of every weight the layer has, in field order (`ROLES` first)."""
+        return [(f.name, n) for f in fields(self) if (n := getattr(self, f.name)) is not None]
+
+    def modules(self) -> dict[str, tuple[str, ...]]:
+        """The linear modules (PEFT's names, e.g. "q_proj" or Phi-3's "qkv_proj") -> the roles
+        each one's weight holds, in `ROLES` order (several: a fused projection)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for role, name in self.items():
+            if role in ROW_SPLIT or role in COL_SPLIT:
+                mod = name.split(".")[-2]
+                out[mod] = (*out.get(mod, ()), role)
+        return out
 
 
-ROLES = tuple(f.name for f in fields(LayerWeights))  # a layer's weights, by what they do
+ROLES = tuple(r for r, _ in LayerWeights().items())  # the weights every layer has, by what they do
+BIASES = {"q_bias": "q", "k_bias": "k", "v_bias": "v"}  # a bias -> its projection
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +125,22 @@ class LayerSpec:
     order: Order = Order.BY_STEP
     # the vertex ids of the MLP's gate and up projections, and of their product
     mlp_ids: tuple[str, str, str] = ("gate", "up", "mul")
+    # per layer, its sliding attention window (None: full attention); empty: every layer full
+    windows: tuple[int | None, ...] = ()
+
+    # Gemma 2: norms scaled by (norm_offset + w); attention scores soft-capped (None: not)
+    norm_offset: float = 0.0
+    softcap: float | None = None
+
+    def window(self, li: int | None) -> int | None:
+        """Layer li's sliding attention window: a query at position p sees keys in (p - window, p]
+        (None: every earlier key)."""
+        return self.windows[li] if li is not None and self.windows else None
+
+    def first_key(self, li: int | None, pos: int) -> int:
+        """The first key position a query of layer li at position `pos` sees."""
+        w = self.window(li)
+        return 0 if w is None else max(0, pos - w + 1)
 
     @property
     def kv(self) -> int:
@@ -109,6 +153,8 @@ class LayerSpec:
         return {
             "attn_norm": (self.dim,),
             "mlp_norm": (self.dim,),
+            "attn_post_norm": (self.dim,),
+            "mlp_post_norm": (self.dim,),
             "q": (q, self.dim),
             "k": (kv, self.dim),
             "v": (kv, self.dim),
@@ -116,7 +162,28 @@ class LayerSpec:
             "gate": (self.ffn, self.dim),
             "up": (self.ffn, self.dim),
             "down": (self.dim, self.ffn),
+            "q_bias": (q,),
+            "k_bias": (kv,),
+            "v_bias": (kv,),
+            "q_norm": (self.head_dim,),
+            "k_norm": (self.head_dim,),
         }[role]
+
+    def offset(self, role: str) -> int:
+        """The first row of weight `role` in its checkpoint tensor: roles that name one tensor (a
+        fused projection: Phi-3's qkv_proj, gate_up_proj) are stacked by rows in `ROLES` order."""
+        name = getattr(self.weights, role)
+        return sum(self.whole(r)[0] for r, n in self.weights.items()[: ROLES.index(role)] if n == name)
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """A layer's checkpoint tensors (names after the layer's prefix) with their shapes."""
+        out: dict[str, tuple[int, ...]] = {}
+        for role, name in self.weights.items():
+            shape = self.whole(role)
+            if name in out:  # a fused projection: this role's rows follow the previous roles'
+                shape = (out[name][0] + shape[0], *shape[1:])
+            out[name] = shape
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +224,13 @@ class Split:
     def block(
         self, spec: LayerSpec, role: str, j: int
     ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all)."""
-        if role in ROW_SPLIT:
-            return self.shard(role, j, spec.head_dim), None
+        """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all), in the
+        checkpoint tensor that holds it (offset by `LayerSpec.offset` in a fused one); a bias's
+        rows are its projection's."""
+        if role in ROW_SPLIT or role in BIASES:
+            lo, hi = self.shard(BIASES.get(role, role), j, spec.head_dim)
+            at = spec.offset(role) if role in ROW_SPLIT else 0  # the role's rows within a fused tensor
+            return (at + lo, at + hi), None
         if role in COL_SPLIT:
             return None, self.shard(role, j, spec.head_dim)
         return None, None
@@ -220,17 +291,35 @@ class Layer:
 
     # ---- one step on one GPU -----------------------------------------------------------------
     def norm(self, li: int, role: str, x: str, j: int, id: str) -> str:
-        return self.g.rmsnorm(x, self.weights(li, j)[role], eps=self.spec.eps, id=id)
+        return self.g.rmsnorm(x, self.weights(li, j)[role], id=id, **self.norm_attrs())
+
+    def norm_attrs(self) -> dict:
+        """The attributes of every RMSNorm (and its backward): eps, and the weight's offset if any."""
+        off = self.spec.norm_offset
+        return {"eps": self.spec.eps, **({"offset": off} if off else {})}
 
     def project(self, li: int, role: str, x: str, j: int, id: str) -> str:
-        """x times GPU j's block of projection `role`."""
-        w = self.weights(li, j)[role]
+        """x times GPU j's block of projection `role` (plus its bias, when the layer has one)."""
+        ws = self.weights(li, j)
+        w, b = ws[role], ws.get(f"{role}_bias")
         if self.g[w].dtype == "uint8":  # packed (a quantized checkpoint): dequantized just before use
             cols = self.split.block_shape(self.spec, role, j)[1]
             w = dequantized(self.g, w, cols, self.g[x].dtype, f"{id}.w")
         if self.spec.layout is Layout.IN_OUT:
-            return self.g.matmul(x, w, id=id)
-        return self.g.linear(x, w, id=id)
+            y = self.g.matmul(x, w, id=id)
+            return y if b is None else self.g.add(y, b, id=f"{id}.b")
+        return self.g.linear(x, w, b, id=id)
+
+    def head_norm(self, li: int, role: str, x: str, j: int, id: str) -> str:
+        """x with each head RMS-normalized by weight `role` ("q_norm", "k_norm"); x itself when
+        the layer has no such weight."""
+        w = self.weights(li, j).get(role)
+        return x if w is None else self.g.kernel("head_rmsnorm", x, w, id=id, eps=self.spec.eps)
+
+    def head_norm_grad(self, li: int, role: str, x: str, dy: str, j: int, id: str) -> str:
+        """The gradient of `head_norm`'s input x given its output's, dy (dy itself when none)."""
+        w = self.weights(li, j).get(role)
+        return dy if w is None else self.g.kernel("head_rmsnorm_grad", x, w, dy, id=id, eps=self.spec.eps)
 
     def rope(self, x: str, cos: str, sin: str, id: str) -> str:
         return self.g.kernel("rope", x, cos, sin, id=id)
@@ -238,16 +327,27 @@ class Layer:
     def act(self, x: str, id: str) -> str:
         return self.g.kernel(self.spec.act.value, x, id=id)
 
-    def attention_attrs(self) -> dict:
-        """The attention ops' heads, key/value heads (unless multi-head) and scale on one GPU."""
+    def attention_attrs(self, li: int | None = None) -> dict:
+        """The attention ops' heads, key/value heads (unless multi-head) and scale on one GPU, and
+        layer li's sliding window when it has one."""
         kv = {} if self.spec.kv_heads is None else {"kv_heads": self.split.kv_heads}
-        return {"heads": self.split.heads, **kv, "scale": self.spec.scale}
+        w = self.spec.window(li)
+        cap = {} if self.spec.softcap is None else {"softcap": self.spec.softcap}
+        return {
+            "heads": self.split.heads,
+            **kv,
+            "scale": self.spec.scale,
+            **({"window": w} if w else {}),
+            **cap,
+        }
 
-    def attention(self, q: str, ks: list[str], vs: list[str], id: str, offset: int) -> str:
-        """Causal attention of a query tile whose first row is at position `offset` over key and
-        value tiles from position 0."""
+    def attention(
+        self, q: str, ks: list[str], vs: list[str], id: str, offset: int, li: int | None = None
+    ) -> str:
+        """Causal attention (layer li's) of a query tile whose first row is `offset` rows after
+        the first key tile's first row."""
         return self.g.kernel(
-            "attention", q, *ks, *vs, id=id, **self.attention_attrs(), offset=offset, causal=True
+            "attention", q, *ks, *vs, id=id, **self.attention_attrs(li), offset=offset, causal=True
         )
 
     def qkv(
@@ -259,12 +359,17 @@ class Layer:
             q, k, v = (
                 self.project(li, r, x, j, f"{stem}.{r}_g{j}") if r != "q" or need_q else "" for r in "qkv"
             )
+            q = q and self.head_norm(li, "q_norm", q, j, f"{stem}.qn_g{j}")
+            k = self.head_norm(li, "k_norm", k, j, f"{stem}.kn_g{j}")
             q = q and self.rope(q, cos, sin, f"{stem}.qr_g{j}")
             return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
         q = ""
         if need_q:
-            q = self.rope(self.project(li, "q", x, j, f"{stem}.q_g{j}"), cos, sin, f"{stem}.qr_g{j}")
+            q = self.project(li, "q", x, j, f"{stem}.q_g{j}")
+            q = self.head_norm(li, "q_norm", q, j, f"{stem}.qn_g{j}")
+            q = self.rope(q, cos, sin, f"{stem}.qr_g{j}")
         k = self.project(li, "k", x, j, f"{stem}.k_g{j}")
+        k = self.head_norm(li, "k_norm", k, j, f"{stem}.kn_g{j}")
         v = self.project(li, "v", x, j, f"{stem}.v_g{j}")
         return q, self.rope(k, cos, sin, f"{stem}.kr_g{j}"), v
 
@@ -289,14 +394,28 @@ class Layer:
         return [x if j == w else self.g.transfer(x, j, id=f"{stem}_to{j}") for j in range(self.G)]
 
     def all_reduce(
-        self, parts: list[str], owner: int, stem: str, residual: str | None = None, broadcast: bool = True
+        self,
+        parts: list[str],
+        owner: int,
+        stem: str,
+        residual: str | None = None,
+        broadcast: bool = True,
+        norm: tuple[int, str] | None = None,
     ) -> list[str]:
         """The sum of one partial per GPU (and `residual`) on `owner`, then sent back to every GPU
-        (only `[sum]` when not `broadcast`)."""
+        (only `[sum]` when not `broadcast`); `norm` (layer, role): the parts' sum normed before the
+        residual is added (a norm is not linear: it waits for every GPU's part)."""
         g = self.g
         moved = [p if j == owner else g.transfer(p, owner, id=f"{stem}_p{j}") for j, p in enumerate(parts)]
+        if norm is not None:
+            part = moved[0] if len(moved) == 1 else g.add(*moved, id=f"{stem}.sum", gpu=owner)
+            moved = [self.norm(norm[0], norm[1], part, owner, f"{stem}.post")]
         total = g.add(*([residual] if residual else []), *moved, id=stem, gpu=owner)
         return self.broadcast(total, stem) if broadcast else [total]
+
+    def post_norm(self, li: int, role: str) -> tuple[int, str] | None:
+        """(li, role) when the layer norms its block's output before the residual add, else None."""
+        return (li, role) if getattr(self.spec.weights, role) else None
 
     # ---- the two blocks of a layer -----------------------------------------------------------
     def attention_block(
@@ -325,10 +444,12 @@ class Layer:
             parts = [a and self.project(li, "o", a, j, f"{stem}.o_g{j}") for j, a in enumerate(att)]
         if not need_q:
             return []
-        return self.all_reduce(parts, owner, f"{stem}.h1", residual=h[owner])
+        post = self.post_norm(li, "attn_post_norm")
+        return self.all_reduce(parts, owner, f"{stem}.h1", residual=h[owner], norm=post)
 
     def mlp_block(self, li: int, h1: list[str], owner: int, stem: str, last: bool) -> list[str]:
         """The MLP on every GPU summed with the residual h1[owner] on `owner`: the layer's output
         per GPU, or on `owner` only when `last`."""
         parts = [self.mlp(li, h1[j], j, stem) for j in range(self.G)]
-        return self.all_reduce(parts, owner, f"{stem}.h2", residual=h1[owner], broadcast=not last)
+        post = self.post_norm(li, "mlp_post_norm")
+        return self.all_reduce(parts, owner, f"{stem}.h2", residual=h1[owner], broadcast=not last, norm=post)

@@ -23,7 +23,9 @@ kept by the workers across runs (`TaskGraph` states, `actors.tiers.store`):
 - a decode step for position p uses the graph of `blocks` = p // block + 1: the full blocks
   0..blocks-2 are state inputs read as they are, the last block is read, gets the new key and
   value row written at p (`kv_write`, with p a run-time input: no host sync on a GPU), and is
-  carried back; attention (`attention_at`) masks positions > p on the device.
+  carried back; attention (`attention_at`) masks positions > p on the device. A layer with a
+  sliding window reads only the blocks from `first_block` on (those reaching into the window of
+  the bucket's first position); prefill tiles alike skip the key tiles wholly before theirs.
 So one plan serves `block` consecutive tokens: the driver plans a decode graph per bucket of
 cache length, never per token, and a step's run-time inputs are the token, p and p's rotary row.
 """
@@ -39,7 +41,7 @@ from disco_ray.graph.quant import Quant
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
-from .layer import COL_SPLIT, ROW_SPLIT, Attend, Layer, Split, rope_tables
+from .layer import COL_SPLIT, ROW_SPLIT, Attend, Layer, LayerSpec, Split, rope_tables
 from .packed import dequantized, packed_linear
 
 PROJECTIONS = frozenset(ROW_SPLIT + COL_SPLIT)  # the weights a quantized checkpoint packs
@@ -149,11 +151,14 @@ class _Builder:
     def lookup(self, tok: str, j: int, id: str) -> str:
         """The embedding rows of ids `tok` in GPU j's vocabulary shard (zeros outside it); of a
         packed table, the packed rows are looked up, then dequantized (`{id}.rows` -> `id`)."""
-        table, start = self.embed_table(j), self.split.vocab[j][0]
+        table, at = self.embed_table(j), self.embed_attrs(j)
         if self.g[table].dtype != "uint8":
-            return self.g.kernel("embedding", tok, table, id=id, start=start)
-        rows = self.g.kernel("embedding", tok, table, id=f"{id}.rows", start=start)
-        return dequantized(self.g, table, self.cfg.dim, self.dtype, id, rows)
+            return self.g.kernel("embedding", tok, table, id=id, **at)
+        rows = self.g.kernel("embedding", tok, table, id=f"{id}.rows", start=at["start"])
+        if "scale" not in at:
+            return dequantized(self.g, table, self.cfg.dim, self.dtype, id, rows)
+        x = dequantized(self.g, table, self.cfg.dim, self.dtype, f"{id}.dq", rows)
+        return self.g.scale(x, at["scale"], id=id)  # the family's embedding scale, on the floats
 
     def head_weight(self, j: int, like: str, id: str) -> str:
         """GPU j's LM head block as a linear or matmul reads it, in `like`'s dtype."""
@@ -173,6 +178,20 @@ class _Builder:
             for role, name in spec.weights.items()
         }
 
+    def logits(self, x: str, j: int, id: str) -> str:
+        """GPU j's columns of the logits of normed rows x, soft-capped if the family caps them."""
+        y = packed_linear(self.g, x, self.head_table(j), self.cfg.dim, id)
+        cap = self.cfg.final_softcap
+        return y if cap is None else self.g.kernel("softcap", y, id=f"{id}.cap", cap=cap)
+
+    def embed_attrs(self, j: int) -> dict:
+        """GPU j's embedding lookup's attributes: its first vocabulary row, and the scale of the
+        family's embeddings (Gemma's sqrt(hidden_size), rounded to the dtype as transformers does)."""
+        if not self.cfg.embed_scale:
+            return {"start": self.split.vocab[j][0]}
+        scale = float(torch.tensor(self.cfg.dim**0.5).to(getattr(torch, self.dtype)))
+        return {"start": self.split.vocab[j][0], "scale": scale}
+
     def embed(self, tok: list[str], owner: int, stem: str) -> list[str]:
         parts = [self.lookup(tok[j], j, f"{stem}.emb_g{j}") for j in range(self.G)]
         if self.G == 1:
@@ -186,8 +205,8 @@ class _Builder:
         out = []
         for j in range(self.G):
             norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
-            x = g.rmsnorm(hs[j], norm, eps=self.cfg.eps, id=f"{stem}.normf_g{j}")
-            out.append(packed_linear(g, x, self.head_table(j), self.cfg.dim, f"{stem}.logits_g{j}"))
+            x = g.rmsnorm(hs[j], norm, id=f"{stem}.normf_g{j}", **self.layer.norm_attrs())
+            out.append(self.logits(x, j, f"{stem}.logits_g{j}"))
         if keep:
             g.output(*out)
         return out
@@ -237,7 +256,9 @@ def prefill_graph(
         last = li == b.cfg.layers - 1
         for t, (r0, r) in enumerate(spans):
             stem = f"l{li}.t{t}"
-            attend = _tile_attend(b, li, stem, ks, vs, r0, r, block if cache else 0)
+            # key tiles wholly before the window of the tile's first row are not read
+            first = next(n for n, (k0, kr) in enumerate(spans) if k0 + kr > b.layer.spec.first_key(li, r0))
+            attend = _tile_attend(b, li, stem, ks, vs, (r0, r, first, spans[first][0]), block if cache else 0)
             # the last layer of a tile whose logits nobody wants only gives the cache its k, v
             needed = not (last and logits == "last" and t < n - 1)
             h1 = b.layer.attention_block(li, h[t], cos[t], sin[t], stem, t % G, attend, needed)
@@ -251,11 +272,19 @@ def prefill_graph(
 
 
 def _tile_attend(
-    b: _Builder, li: int, stem: str, ks: list[list[str]], vs: list[list[str]], r0: int, rows: int, cache: int
+    b: _Builder,
+    li: int,
+    stem: str,
+    ks: list[list[str]],
+    vs: list[list[str]],
+    tile: tuple[int, int, int, int],
+    cache: int,
 ) -> Attend:
-    """The attention of layer li's prefill tile at rows r0..r0+rows over the keys and values of the
-    tiles up to it (`ks`, `vs` per GPU, this tile's appended), carried into KV cache blocks of
-    `cache` rows (0: no cache)."""
+    """The attention of layer li's prefill tile `tile` = (r0, rows, n0, k0), rows r0..r0+rows,
+    over the keys and values of the tiles from tile n0 (its first row k0) up to it (`ks`, `vs` per
+    GPU: every tile's, this one's appended), carried into KV cache blocks of `cache` rows (0: no
+    cache)."""
+    r0, rows, n0, k0 = tile
 
     def attend(j: int, q: str, k: str, v: str) -> str:
         ks[j].append(k)
@@ -263,31 +292,56 @@ def _tile_attend(
         if cache:
             _save_blocks(b.g, k, f"kc.l{li}", r0, rows, cache, j)
             _save_blocks(b.g, v, f"vc.l{li}", r0, rows, cache, j)
-        return q and b.layer.attention(q, ks[j], vs[j], f"{stem}.attn_g{j}", offset=r0)
+        return q and b.layer.attention(q, ks[j][n0:], vs[j][n0:], f"{stem}.attn_g{j}", r0 - k0, li)
 
     return attend
 
 
+def first_block(spec: LayerSpec, li: int, blocks: int, block: int) -> int:
+    """The first KV cache block of layer li that a decode step of the bucket `blocks` (positions
+    from (blocks-1)*block) reads: the blocks before it lie wholly outside its window."""
+    return spec.first_key(li, (blocks - 1) * block) // block
+
+
+def behind_window(cfg: ModelConfig, gpus: int, p: int, block: int, first: bool) -> list[str]:
+    """The KV cache states that the decode step at position p and every later one never read
+    (blocks wholly behind each layer's window) and the step before read (all such blocks at a
+    generation's `first` step): what the workers may drop before it runs."""
+    spec, now = cfg.spec, p // block + 1
+    return [
+        f"{c}c.l{li}.b{n}_g{j}"
+        for li in range(cfg.layers)
+        for n in range(
+            0 if first else first_block(spec, li, (p - 1) // block + 1, block),
+            first_block(spec, li, now, block),
+        )
+        for c in "kv"
+        for j in range(gpus)
+    ]
+
+
 def _cached_attend(b: _Builder, li: int, stem: str, pos: list[str], blocks: int, block: int) -> Attend:
     """The attention of one token at run-time position pos over layer li's KV cache blocks
-    0..blocks-1 (states), its key and value written into the last one."""
+    first..blocks-1 (states; `first_block`), its key and value written into the last one."""
     g, cur = b.g, blocks - 1
+    first = first_block(b.layer.spec, li, blocks, block)
     kvw = b.split.kv_heads * b.cfg.head_dim
 
     def attend(j: int, q: str, k: str, v: str) -> str:
         kc, vc = (
             [
                 g.input(f"{c}c.l{li}.b{n}_g{j}", (block, kvw), b.dtype, gpu=j, state=True)
-                for n in range(blocks)
+                for n in range(first, blocks)
             ]
             for c in "kv"
         )
-        kn = g.kernel("kv_write", kc[cur], k, pos[j], id=f"{stem}.kw_g{j}", start=cur * block)
-        vn = g.kernel("kv_write", vc[cur], v, pos[j], id=f"{stem}.vw_g{j}", start=cur * block)
-        g.save_state(kn, kc[cur])
-        g.save_state(vn, vc[cur])
-        kv = (*kc[:cur], kn, *vc[:cur], vn)
-        return g.kernel("attention_at", q, pos[j], *kv, id=f"{stem}.attn_g{j}", **b.layer.attention_attrs())
+        kn = g.kernel("kv_write", kc[-1], k, pos[j], id=f"{stem}.kw_g{j}", start=cur * block)
+        vn = g.kernel("kv_write", vc[-1], v, pos[j], id=f"{stem}.vw_g{j}", start=cur * block)
+        g.save_state(kn, kc[-1])
+        g.save_state(vn, vc[-1])
+        kv = (*kc[:-1], kn, *vc[:-1], vn)
+        attrs = b.layer.attention_attrs(li)
+        return g.kernel("attention_at", q, pos[j], *kv, id=f"{stem}.attn_g{j}", start=first * block, **attrs)
 
     return attend
 

@@ -36,8 +36,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
 from .layer import rope_tables
-from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, module_dims
-from .packed import packed_linear
+from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, check_trainable, module_dims
 
 IGNORE = -100  # transformers' ignored label
 __all__ = ["TARGETS", "LoraSpec", "OptimSpec", "Param", "TrainGraph", "module_dims", "train_graph"]
@@ -112,6 +111,9 @@ class _Step(LoraLayers):
         q = self.col_forward(li, "q_proj", x1, stem, keep)
         k = self.col_forward(li, "k_proj", x1, stem, keep)
         v = self.col_forward(li, "v_proj", x1, stem, keep)
+        keep["q"], keep["k"] = q, k  # before the per-head norms (when the layer has them)
+        q = [lay.head_norm(li, "q_norm", q[j], j, f"{stem}.qn_g{j}") for j in range(self.G)]
+        k = [lay.head_norm(li, "k_norm", k[j], j, f"{stem}.kn_g{j}") for j in range(self.G)]
         cos, sin = self.cos[t], self.sin[t]
         keep["qr"] = [lay.rope(q[j], cos[j], sin[j], f"{stem}.qr_g{j}") for j in range(self.G)]
         keep["kr"] = [lay.rope(k[j], cos[j], sin[j], f"{stem}.kr_g{j}") for j in range(self.G)]
@@ -125,21 +127,22 @@ class _Step(LoraLayers):
         keep["att"] = att
         o_parts = [lay.project(li, "o", att[j], j, f"{stem}.o_g{j}") for j in range(self.G)]
         lo = self.row_lora(li, "o_proj", att, stem, keep)
-        h1 = self.reduce(o_parts, [keep["h"], *([lo] if lo else [])], w, f"{stem}.h1")
+        h1 = self.residual(li, "attn_post_norm", o_parts, lo, keep["h"], w, f"{stem}.h1", keep)
         keep["h1"] = h1
         h1s = lay.broadcast(h1, f"{stem}.h1b")
         x2 = [lay.norm(li, "mlp_norm", h1s[j], j, f"{stem}.norm2_g{j}") for j in range(self.G)]
         keep["x2"] = x2
         gt = self.col_forward(li, "gate_proj", x2, stem, keep)
         up = self.col_forward(li, "up_proj", x2, stem, keep)
-        a = [lay.act(gt[j], f"{stem}.silu_g{j}") for j in range(self.G)]
+        a = [lay.act(gt[j], f"{stem}.{lay.spec.act.value}_g{j}") for j in range(self.G)]
         m = [g.mul(a[j], up[j], id=f"{stem}.m_g{j}") for j in range(self.G)]
         keep |= {"gate": gt, "up": up, "a": a, "m": m}
-        ld = self.row_lora(li, "down_proj", m, stem, keep, need_out=full)
-        if not full:
+        post = lay.post_norm(li, "mlp_post_norm") is not None  # its backward reads the MLP's output
+        ld = self.row_lora(li, "down_proj", m, stem, keep, need_out=full or post)
+        if not (full or post):
             return ""
         d_parts = [lay.project(li, "down", m[j], j, f"{stem}.down_g{j}") for j in range(self.G)]
-        return self.reduce(d_parts, [h1, *([ld] if ld else [])], w, f"{stem}.h2")
+        return self.residual(li, "mlp_post_norm", d_parts, ld, h1, w, f"{stem}.h2", keep, full)
 
     # ---- the phases of a step ---------------------------------------------------------------------
     def forward(self) -> None:
@@ -174,8 +177,8 @@ class _Step(LoraLayers):
                 logits, parts = [], []
                 for j in range(G):
                     norm = self.weight(f"norm_g{j}", "model.norm.weight", j)
-                    xf = g.rmsnorm(hs[j], norm, eps=cfg.eps, id=f"{stem}.normf_g{j}")
-                    logits.append(packed_linear(g, xf, self.head_table(j), cfg.dim, f"{stem}.logits_g{j}"))
+                    xf = g.rmsnorm(hs[j], norm, id=f"{stem}.normf_g{j}", **self.layer.norm_attrs())
+                    logits.append(self.logits(xf, j, f"{stem}.logits_g{j}"))
                     parts.append(
                         g.kernel(
                             "cross_entropy_parts",
@@ -201,12 +204,15 @@ class _Step(LoraLayers):
                         start=sp.vocab[j][0],
                         scale=inv_n,
                     )
+                    dl = self.logits_grad(logits[j], dl, f"{stem}.dcap_g{j}")
                     dxf.append(
                         g.matmul(dl, self.head_weight(j, dl, f"{stem}.dxf_g{j}.w"), id=f"{stem}.dxf_g{j}")
                     )
                 dx = self.reduce(dxf, [], w, f"{stem}.dxf")
                 norm = self.weight(f"norm_g{w}", "model.norm.weight", w)
-                dtop[s][t] = g.kernel("rmsnorm_grad", hL, norm, dx, id=f"{stem}.dh", eps=cfg.eps)
+                dtop[s][t] = g.kernel(
+                    "rmsnorm_grad", hL, norm, dx, id=f"{stem}.dh", **self.layer.norm_attrs()
+                )
         moved = [x if g[x].gpu == 0 else g.transfer(x, 0, id=f"{x}_to0") for x in losses]
         total = moved[0] if len(moved) == 1 else self.sum_grads(moved, "loss", 0)
         if total != "loss":
@@ -244,16 +250,24 @@ class _Step(LoraLayers):
             stem = f"{phase}.b{s}.t{t}.l{li}"
             w, keep = self.layer_forward(li, self.saved[li][s][t], t, stem)
             att = []
+            n0 = self.first_tile(li, t)
             for j in range(G):
                 ks[j].append(keep["kr"][j])
                 vs[j].append(keep["v"][j])
                 att.append(
-                    self.layer.attention(keep["qr"][j], ks[j], vs[j], f"{stem}.attn_g{j}", t * self.block)
+                    self.layer.attention(
+                        keep["qr"][j], ks[j][n0:], vs[j][n0:], f"{stem}.attn_g{j}", (t - n0) * self.block, li
+                    )
                 )
             out = self.layer_rest(li, keep, att, w, stem, full)
             keep["w"] = w
             tiles.append((out, keep))
         return tiles
+
+    def first_tile(self, li: int, t: int) -> int:
+        """The first key tile that layer li's query tile t reads: those before lie wholly outside
+        the window of its first row."""
+        return self.layer.spec.first_key(li, t * self.block) // self.block
 
     def mlp_attention_backward(self, li: int, s: int, keeps: list[dict], dh2: list[str]):
         """Per query tile, last first: the MLP's backward, the second norm's, the output
@@ -267,39 +281,48 @@ class _Step(LoraLayers):
         for t in reversed(range(T)):
             stem = f"g.b{s}.t{t}.l{li}"
             keep, w = keeps[t], keeps[t]["w"]
-            dys = self.layer.broadcast(dh2[t], f"{stem}.dh2")
+            dys = self.layer.broadcast(
+                self.post_grad(li, "mlp_post_norm", keep, dh2[t], f"{stem}.dp2"), f"{stem}.dh2"
+            )
             dm = self.row_backward(li, "down_proj", dys, keep["m"], keep, stem)
             da = [g.mul(dm[j], keep["up"][j], id=f"{stem}.da_g{j}") for j in range(G)]
             dup = [g.mul(dm[j], keep["a"][j], id=f"{stem}.dup_g{j}") for j in range(G)]
-            dgt = [g.kernel("silu_grad", keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
+            dgt = [g.kernel(cfg.act.grad, keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
             dx2g = self.col_backward(li, "gate_proj", dgt, keep["x2"], keep, stem, True)
             dx2u = self.col_backward(li, "up_proj", dup, keep["x2"], keep, stem, True)
             dx2 = [g.add(dx2g[j], dx2u[j], id=f"{stem}.dx2_g{j}") for j in range(G)]
             dx2w = self.reduce(dx2, [], w, f"{stem}.dx2")
             mlp_norm = self.layer_weights(li, w)["mlp_norm"]
-            dn2 = g.kernel("rmsnorm_grad", keep["h1"], mlp_norm, dx2w, id=f"{stem}.dn2", eps=cfg.eps)
+            dn2 = g.kernel(
+                "rmsnorm_grad", keep["h1"], mlp_norm, dx2w, id=f"{stem}.dn2", **self.layer.norm_attrs()
+            )
             dh1s[t] = g.add(dh2[t], dn2, id=f"{stem}.dh1", gpu=w)
-            dy1 = self.layer.broadcast(dh1s[t], f"{stem}.dh1b")
+            dy1 = self.layer.broadcast(
+                self.post_grad(li, "attn_post_norm", keep, dh1s[t], f"{stem}.dp1"), f"{stem}.dh1b"
+            )
             dO = self.row_backward(li, "o_proj", dy1, keep["att"], keep, stem)
             for j in range(G):
-                dqr[t][j] = self.attention_backward(keeps, t, j, dO[j], dkv, stem)
+                dqr[t][j] = self.attention_backward(li, keeps, t, j, dO[j], dkv, stem)
         return dkv, dqr, dh1s
 
-    def attention_backward(self, keeps: list[dict], t: int, j: int, dO: str, dkv: list, stem: str) -> str:
+    def attention_backward(
+        self, li: int, keeps: list[dict], t: int, j: int, dO: str, dkv: list, stem: str
+    ) -> str:
         """Query tile t's attention backward on GPU j, given dO, the gradient of its output:
-        appends the dk|dv partial of each key tile n <= t to dkv[n][j]; returns the gradient of
-        the rotated q."""
-        g, b, attrs = self.g, self.block, self.layer.attention_attrs()
+        appends the dk|dv partial of each key tile n0 <= n <= t (`first_tile`) to dkv[n][j];
+        returns the gradient of the rotated q."""
+        g, b, attrs = self.g, self.block, self.layer.attention_attrs(li)
+        n0 = self.first_tile(li, t)
         qr, att = keeps[t]["qr"][j], keeps[t]["att"][j]
-        kk = [keeps[n]["kr"][j] for n in range(t + 1)]
-        vv = [keeps[n]["v"][j] for n in range(t + 1)]
-        tile = dict(offset=t * b, causal=True, **attrs)
+        kk = [keeps[n]["kr"][j] for n in range(n0, t + 1)]
+        vv = [keeps[n]["v"][j] for n in range(n0, t + 1)]
+        tile = dict(offset=(t - n0) * b, causal=True, **attrs)
         st = g.kernel("attention_stats", qr, *kk, *vv, att, dO, id=f"{stem}.stats_g{j}", **tile)
         dq = g.kernel("attention_grad_q", qr, st, dO, *kk, *vv, id=f"{stem}.dq_g{j}", **tile)
-        for n in range(t + 1):
+        for i, n in enumerate(range(n0, t + 1)):
             pair = dict(q_offset=t * b, k_offset=n * b, causal=True, **attrs)
             dkv[n][j].append(
-                g.kernel("attention_grad_kv", qr, st, dO, kk[n], vv[n], id=f"{stem}.dkv{n}_g{j}", **pair)
+                g.kernel("attention_grad_kv", qr, st, dO, kk[i], vv[i], id=f"{stem}.dkv{n}_g{j}", **pair)
             )
         return dq
 
@@ -319,8 +342,10 @@ class _Step(LoraLayers):
             acc = self.sum_grads(dkv[j], f"{stem}.dkv_g{j}", j)
             dkr = g.kernel("slice", acc, id=f"{stem}.dkr_g{j}", axis=1, start=0, stop=kvw)
             dv.append(g.kernel("slice", acc, id=f"{stem}.dv_g{j}", axis=1, start=kvw, stop=2 * kvw))
-            dk.append(g.kernel("rope", dkr, cos[j], sin[j], id=f"{stem}.dk_g{j}", inverse=True))
-            dq.append(g.kernel("rope", dqr[j], cos[j], sin[j], id=f"{stem}.dqp_g{j}", inverse=True))
+            dkn = g.kernel("rope", dkr, cos[j], sin[j], id=f"{stem}.dk_g{j}", inverse=True)
+            dqn = g.kernel("rope", dqr[j], cos[j], sin[j], id=f"{stem}.dqp_g{j}", inverse=True)
+            dk.append(self.layer.head_norm_grad(li, "k_norm", keep["k"][j], dkn, j, f"{stem}.dkn_g{j}"))
+            dq.append(self.layer.head_norm_grad(li, "q_norm", keep["q"][j], dqn, j, f"{stem}.dqn_g{j}"))
         need = li > 0
         dxq = self.col_backward(li, "q_proj", dq, keep["x1"], keep, stem, need)
         dxk = self.col_backward(li, "k_proj", dk, keep["x1"], keep, stem, need)
@@ -330,7 +355,9 @@ class _Step(LoraLayers):
         dx1 = [g.add(dxq[j], dxk[j], dxv[j], id=f"{stem}.dx1_g{j}") for j in range(G)]
         dx1w = self.reduce(dx1, [], w, f"{stem}.dx1")
         attn_norm = self.layer_weights(li, w)["attn_norm"]
-        dn1 = g.kernel("rmsnorm_grad", keep["h"], attn_norm, dx1w, id=f"{stem}.dn1", eps=cfg.eps)
+        dn1 = g.kernel(
+            "rmsnorm_grad", keep["h"], attn_norm, dx1w, id=f"{stem}.dn1", **self.layer.norm_attrs()
+        )
         return g.add(dh1, dn1, id=f"{stem}.dh", gpu=w)
 
     def optimize(self) -> None:
@@ -374,6 +401,7 @@ def train_graph(
     optim.check()
     if seq < 2:
         raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
+    check_trainable(ck.config, seq, str(ck.path / "config.json"))
     b = _Step(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
     b.forward()
     b.backward(b.loss())

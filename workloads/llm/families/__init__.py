@@ -13,9 +13,24 @@ from disco_ray.graph.errors import UsageError
 
 from .base import Family
 from .config import ModelConfig
+from .gemma2 import GEMMA2
 from .llama import LLAMA
+from .mistral import MISTRAL
+from .phi3 import PHI3
+from .qwen2 import QWEN2
+from .qwen3 import QWEN3
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        LLAMA,
+        MISTRAL,
+        PHI3,
+        GEMMA2,
+        QWEN2,
+        QWEN3,
+    )
+}
 
 __all__ = ["FAMILIES", "Family", "ModelConfig", "family_of", "parse_config"]
 

@@ -17,7 +17,11 @@ from disco_ray.graph.errors import UsageError
 from ..layer import Activation, LayerWeights
 from .config import ModelConfig, common
 
-ACTIVATIONS = {"silu": Activation.SILU}  # config hidden_act -> the MLP's activation
+# config hidden_act -> the MLP's activation
+ACTIVATIONS = {
+    "silu": Activation.SILU,
+    "gelu_pytorch_tanh": Activation.GELU_TANH,
+}
 
 
 def _no_features(cfg: dict, where: str) -> dict:
@@ -68,5 +72,5 @@ class Family:
             want["lm_head.weight"] = (c.vocab, c.dim)
         spec = c.spec
         for i in range(c.layers):
-            want |= {f"model.layers.{i}.{name}": spec.whole(role) for role, name in spec.weights.items()}
+            want |= {f"model.layers.{i}.{name}": shape for name, shape in spec.tensors().items()}
         return want

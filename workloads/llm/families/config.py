@@ -40,6 +40,18 @@ class ModelConfig:
     scale: float | None = None  # attention's softmax scale (None: head_dim ** -0.5)
     # a layer's checkpoint tensors by role (its family's)
     weights: LayerWeights = field(default_factory=LayerWeights)
+    # a sliding_window the layers do not build (Phi-3's): longer sequences are refused (within it attention is full)
+    window_limit: int | None = None
+    # nonzero dropout fields (name, p): none at inference; training refuses them
+    dropout: tuple[tuple[str, float], ...] = ()
+    # per layer, its sliding attention window (None: full attention); empty: every layer full
+    windows: tuple[int | None, ...] = ()
+    # Gemma 2: norms scaled by (norm_offset + w), embeddings by sqrt(dim), attention scores and
+    # final logits soft-capped (None: not)
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     @property
     def spec(self) -> LayerSpec:
@@ -58,6 +70,9 @@ class ModelConfig:
             self.rope,
             act=self.act,
             weights=self.weights,
+            windows=self.windows,
+            norm_offset=self.norm_offset,
+            softcap=self.attn_softcap,
         )
 
     def check_split(self, gpus: int) -> None:
