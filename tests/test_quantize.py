@@ -253,3 +253,20 @@ def test_cli_quantize(tiny, capsys):
         out, err = capsys.readouterr()
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
         assert bad[0] in err
+
+
+@pytest.mark.parametrize(
+    "arch, over",
+    [("Gemma2ForCausalLM", {"head_dim": 16}), ("Phi3ForCausalLM", {}), ("Qwen2ForCausalLM", {})],
+)
+def test_int8_on_the_other_families(arch, over, tmp_path):
+    # Gemma 2: a tied, scaled embedding and a soft-capped head; Phi-3: fused projections; Qwen2: biases
+    hf = oracle.save(arch, tmp_path, **over)
+    cap = oracle.capacity(str(tmp_path), 2, "tight", len(oracle.PROMPT), 5)
+    with torch.no_grad():
+        want = hf(torch.tensor([oracle.PROMPT])).logits[0]
+    with LlamaModel(
+        str(tmp_path), gpus=2, capacity=cap, block=oracle.BLOCK, engine="local", quantize="int8"
+    ) as m:
+        assert oracle.rel_err(m.prefill(oracle.PROMPT), want) <= INT8_LOGITS
+        assert m.generate(oracle.PROMPT, 5, stop_at_eos=False) == oracle.greedy(hf, oracle.PROMPT, 5)
