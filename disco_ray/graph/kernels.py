@@ -15,6 +15,7 @@ from . import ops
 from .kernels_llm import CHANGED as CHANGED
 from .kernels_llm import KERNELS as LLM_KERNELS
 from .kernels_llm import TEMPS as LLM_TEMPS
+from .kernels_moe import KERNELS as MOE_KERNELS
 from .kernels_nn import KERNELS as NN_KERNELS
 from .kernels_nn import TEMPS as NN_TEMPS
 from .kernels_sample import KERNELS as SAMPLE_KERNELS
@@ -25,6 +26,7 @@ Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # the op families' kernels live beside them: kernels_llm (transformer ops), kernels_nn (general
 # ops), kernels_train (training ops), kernels_sample (token choice); this module has those of the base op set (`ops`)
 IMPLS: dict[str, Impl] = {**LLM_KERNELS, **NN_KERNELS, **TRAIN_KERNELS, **SAMPLE_KERNELS}
+IMPLS |= MOE_KERNELS  # kernels_moe: the mixture-of-experts ops
 
 
 def impl(name: str):

@@ -13,6 +13,7 @@ optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows
 from __future__ import annotations
 
 from . import ops_llm, ops_nn, ops_sample, ops_train
+from . import ops_moe as ops_moe  # the mixture-of-experts ops
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,

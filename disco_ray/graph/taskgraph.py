@@ -10,11 +10,15 @@ Additions to FORMATS.md (fields only; a reader that ignores them sees a valid ve
 - an input's `"state": true`: the value is the worker's saved state of that id (zeros until a
   run saves it), kept on the worker across runs and graphs; the caller does not supply it;
 - the graph's `"carry": {"value": "state id", ...}`: after a run, each value's final contents
-  are saved as that state on the value's GPU (e.g. a KV cache block a later graph reads).
+  are saved as that state on the value's GPU (e.g. a KV cache block a later graph reads);
+- a vertex's `"when": [{"value": flag, "index": n}, ...]` (`condition`): the vertex is
+  conditional, computed (loaded, moved) in a run only when column n of some flag is non-zero in
+  some row; otherwise it is skipped (docs/FORMATS.md, "Conditional vertices").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +54,8 @@ class Vertex:
     attrs: Mapping[str, object] = field(default_factory=dict)
     source: Source | None = None  # input: read by the worker from this file block
     state: bool = False  # input: the worker's saved state of this id
+    # (flag value, column): skipped at run time unless some row of one flag's column is non-zero
+    when: tuple[tuple[str, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +80,8 @@ class Vertex:
             d["source"] = self.source.to_dict()
         if self.state:
             d["state"] = True
+        if self.when:
+            d["when"] = [{"value": f, "index": n} for f, n in self.when]
         return d
 
 
@@ -144,6 +152,40 @@ class TaskGraph(OpMethods):
                 f"{list(v.shape)} {v.dtype} on gpu {v.gpu}"
             )
         self.carry[value] = key
+
+    def condition(self, id: str, flag: str, index: int) -> None:
+        """Makes vertex `id` conditional on column `index` of `flag` (a [rows, n] float32 kernel
+        output on its GPU): a run skips it (its load moves no bytes, its kernel does not run)
+        unless that column of this flag, or of another flag it is conditional on, has a
+        non-zero row. The readers of a conditional value must be conditional too, or read the
+        flag and ignore the value when its column is zero (`moe_combine`)."""
+        where = f"vertex {id!r}: condition"
+        v, f = self.vertices.get(id), self.vertices.get(flag)
+        if v is None or f is None:
+            raise GraphError(f"{where}: no such vertex {id if v is None else flag!r}")
+        if f.kind is not Kind.KERNEL or f.dtype != "float32" or len(f.shape) != 2 or f.gpu != v.gpu:
+            raise GraphError(f"{where}: flag {flag!r} must be a float32 [rows, n] kernel output on gpu {v.gpu}")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < f.shape[1]:
+            raise GraphError(f"{where}: index {index!r} out of range 0..{f.shape[1] - 1} of flag {flag!r}")
+        if f.when or id in self._ancestors(flag):
+            raise GraphError(f"{where}: flag {flag!r} is conditional or depends on the vertex itself")
+        if (flag, index) not in v.when:
+            self.vertices[id] = dataclasses.replace(v, when=(*v.when, (flag, index)))
+
+    def _ancestors(self, id: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [id]
+        while todo:
+            for x in self.vertices[todo.pop()].inputs:
+                if x not in seen:
+                    seen.add(x)
+                    todo.append(x)
+        return seen
+
+    @property
+    def conditional(self) -> bool:
+        """Whether some vertex is conditional (`condition`)."""
+        return any(v.when for v in self.vertices.values())
 
     # ---- queries ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -346,6 +388,11 @@ class TaskGraph(OpMethods):
                 raise FormatError(f'vertex {vid!r}: "inputs" must be a list of ids')
             if r.get("attrs") is not None and not isinstance(r.get("attrs"), dict):
                 raise FormatError(f'vertex {vid!r}: "attrs" must be an object')
+            when = r.get("when", [])
+            if not isinstance(when, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("value"), str) for c in when
+            ):
+                raise FormatError(f'vertex {vid!r}: "when" must be a list of {{"value": id, "index": n}}')
             if r.get("state", False) not in (True, False):
                 raise FormatError(f'vertex {vid!r}: "state" must be true or false, got {r.get("state")!r}')
             by_id[vid] = r
@@ -363,6 +410,9 @@ class TaskGraph(OpMethods):
                 source=None if r.get("source") is None else Source.from_dict(r["source"], f"vertex {vid!r}"),
                 state=bool(r.get("state", False)),
             )
+        for vid, r in by_id.items():
+            for c in r.get("when", []):
+                g.condition(vid, c["value"], c.get("index"))
         outs = doc.get("outputs", [])
         if not isinstance(outs, list):
             raise FormatError('taskgraph: "outputs" must be a list of ids')

@@ -14,8 +14,10 @@ from disco_ray.graph.errors import UsageError
 from .base import Family
 from .config import ModelConfig
 from .llama import LLAMA
+from .mixtral import MIXTRAL
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
+FAMILIES[MIXTRAL.model_type] = MIXTRAL
 
 __all__ = ["FAMILIES", "Family", "ModelConfig", "family_of", "parse_config"]
 

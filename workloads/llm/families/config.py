@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from disco_ray.graph.errors import UsageError
 
-from ..layer import Activation, LayerSpec, LayerWeights
+from ..layer import Activation, LayerSpec, LayerWeights, MoeSpec
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -40,6 +40,7 @@ class ModelConfig:
     scale: float | None = None  # attention's softmax scale (None: head_dim ** -0.5)
     # a layer's checkpoint tensors by role (its family's)
     weights: LayerWeights = field(default_factory=LayerWeights)
+    moe: MoeSpec | None = None  # a sparse mixture of experts instead of the MLP (Mixtral)
 
     @property
     def spec(self) -> LayerSpec:
@@ -58,6 +59,7 @@ class ModelConfig:
             self.rope,
             act=self.act,
             weights=self.weights,
+            moe=self.moe,
         )
 
     def check_split(self, gpus: int) -> None:

@@ -1,0 +1,38 @@
+"""Torch implementations of the mixture-of-experts ops (`ops_moe`), as transformers' Mixtral
+computes them (`MixtralTopKRouter`, `MixtralExperts`). Like `kernels_llm`, this module imports
+nothing of the project."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
+KERNELS: dict[str, Impl] = {}
+
+
+def routed(route: torch.Tensor) -> list[bool]:
+    """Per expert: whether some row of `route` (moe_route's output) chose it."""
+    return (route != 0).any(dim=0).tolist()
+
+
+def _route(out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
+    probs = torch.softmax(ins[0].float(), dim=-1)
+    top, idx = torch.topk(probs, attrs["top_k"], dim=-1)
+    top /= top.sum(dim=-1, keepdim=True)
+    out.zero_().scatter_(-1, idx, top)
+
+
+def _combine(out: torch.Tensor, ins: list[torch.Tensor], attrs: Mapping) -> None:
+    route, parts = ins[0], ins[1:]
+    out.zero_()
+    for n, on in enumerate(routed(route)):
+        if on:  # an expert no row chose was skipped: its output range holds no number
+            w = route[:, n : n + 1]
+            # transformers: (out_n * weight) in float32, cast, added; rows not chosen add exactly 0
+            out.add_(torch.where(w != 0, parts[n].float() * w, 0.0).to(out.dtype))
+
+
+KERNELS["moe_route"] = _route
+KERNELS["moe_combine"] = _combine
