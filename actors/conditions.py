@@ -52,12 +52,18 @@ class Conditions:
         """Flag writer `vid` ran: per column of its output, whether some row is non-zero."""
         self.flags[vid] = (out != 0).any(dim=0).tolist()
 
-    def skips(self, vid: int) -> bool:
-        """Whether conditional vertex `vid` is skipped in this run (recorded when it is)."""
+    def flagged_for(self, vid: int) -> bool:
+        """Whether some flag of conditional vertex `vid` is set or not read yet (it must run)."""
         for u, n in self.when[vid]:
             f = self.flags.get(u)
             if f is None or f[n]:
-                return False
+                return True
+        return False
+
+    def skips(self, vid: int) -> bool:
+        """Whether conditional vertex `vid` is skipped in this run (recorded when it is)."""
+        if self.flagged_for(vid):
+            return False
         self.skipped.append(vid)
         return True
 
@@ -71,8 +77,8 @@ class Conditions:
 
     def statistics(self, held: frozenset[int]) -> dict:
         """This run's conditional vertices: skipped, and the bytes of their loads moved, skipped
-        (not flagged) and not needed (the arena held the value from an earlier run)."""
-        skipped = set(self.skipped)
+        (not flagged) and not needed (flagged, and the arena held the value from an earlier run)."""
+        skipped = set(self.skipped) | {v for v in self.loads if v in held and not self.flagged_for(v)}
         kept = {v for v in self.loads if v in held and v not in skipped}
         return {
             "vertices": len(self.when),

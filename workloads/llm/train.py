@@ -380,6 +380,11 @@ def train_graph(
     optim.check()
     if seq < 2:
         raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
+    if ck.config.moe is not None:  # no backward through the router and experts yet
+        raise UsageError(
+            f"finetune: model_type {ck.config.family!r} (a mixture of experts) is not supported: "
+            "LoRA training needs the backward of its router and experts, not built"
+        )
     b = _Step(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
     b.forward()
     b.backward(b.loss())
