@@ -80,10 +80,10 @@ def condition(mg: MemGraph, tg: TaskGraph) -> MemGraph:
     u0, w0, m0 = edge_columns(mg.edges)
     have = set(zip(u0[np.isin(w0, ws)].tolist(), w0[np.isin(w0, ws)].tolist()))
     new = [(u, w) for u, w in zip(us, ws) if (u, w) not in have]
-    u = np.concatenate((u0, np.array([e[0] for e in new], dtype=np.int64)))
-    w = np.concatenate((w0, np.array([e[1] for e in new], dtype=np.int64)))
+    ua = np.concatenate((u0, np.array([e[0] for e in new], dtype=np.int64)))
+    wa = np.concatenate((w0, np.array([e[1] for e in new], dtype=np.int64)))
     mem = np.concatenate((m0, np.zeros(len(new), dtype=bool)))
-    by = np.argsort(w, kind="stable")
+    by = np.argsort(wa, kind="stable")
     stats = dict(mg.stats)
     stats["conditional"] = {
         "vertices": marked,
@@ -94,7 +94,7 @@ def condition(mg: MemGraph, tg: TaskGraph) -> MemGraph:
     out = MemGraph(
         list(mg.capacity),
         verts,
-        Edges(u[by], w[by], mem[by]),
+        Edges(ua[by], wa[by], mem[by]),
         dict(mg.outputs),
         list(mg.host_capacity),
         stats,
