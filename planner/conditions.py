@@ -28,6 +28,7 @@ from disco_ray.graph.memgraph import Edges, MemGraph, MKind, edge_columns
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .dense import Dense
+from .verify_common import Sink, describe
 
 
 def after_flags(d: Dense, tg: TaskGraph, seq: Sequence[int]) -> list[int]:
@@ -101,3 +102,33 @@ def condition(mg: MemGraph, tg: TaskGraph) -> MemGraph:
         list(mg.disk_capacity),
     )
     return out
+
+
+def check_when(tg: TaskGraph, mg: MemGraph, pos: dict[int, int], reach, sink: Sink) -> None:
+    """The `when` of each vertex names, for each of its value's TaskGraph conditions, the kernel
+    on its GPU that writes that flag, an ancestor of the vertex (the worker reads the flag
+    before deciding); a vertex of a conditional value may also run unconditionally."""
+    u: list[int] = []
+    w: list[int] = []
+    for v in mg.vertices:
+        if not v.when:
+            continue
+        want = tg[v.value].when if v.value in tg else ()
+        got = []
+        for src, n in v.when:
+            s = mg.vertices[pos[src]] if src in pos else None
+            if s is None or s.kind is not MKind.KERNEL or s.gpu != v.gpu:
+                sink.add(f"{describe(v)}: when names vertex {src}, not a kernel on gpu:{v.gpu}")
+                continue
+            got.append((s.value, n))
+            u.append(pos[src])
+            w.append(pos[v.id])
+        if got and sorted(got) != sorted(want):
+            sink.add(f"{describe(v)}: when {got} differs from its value's conditions {list(want)}")
+    if u:
+        ok = reach.ancestors(np.array(u, dtype=np.int64), np.array(w, dtype=np.int64))
+        for a, b, fine in zip(u, w, ok.tolist()):
+            if not fine:
+                sink.add(
+                    f"{describe(mg.vertices[b])}: its flag writer vertex {mg.vertices[a].id} is not before it"
+                )
