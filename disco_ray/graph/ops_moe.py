@@ -41,7 +41,40 @@ def _infer_combine(shapes, dtypes, attrs):
         )
     if len(set(dtypes[1:])) != 1:
         raise ValueError(f"moe_combine: the expert outputs differ in dtype ({sorted(set(dtypes[1:]))})")
+    if not isinstance(attrs.get("weighted", True), bool):
+        raise ValueError(f"moe_combine: attribute weighted must be true or false, got {attrs['weighted']!r}")
     return parts[0], dtypes[1]
+
+
+def _infer_route_grad(shapes, dtypes, attrs):
+    logits, droute = shapes
+    if len(logits) != 2 or droute != logits or dtypes[1] != ROUTE_DTYPE:
+        raise ValueError(
+            f"moe_route_grad needs logits [rows, experts] and a {ROUTE_DTYPE} route gradient of that shape, "
+            f"got {[list(s) for s in shapes]}"
+        )
+    _infer_route([logits], dtypes[:1], attrs)
+    return logits, dtypes[0]
+
+
+def _infer_route_dot(shapes, dtypes, attrs):
+    dy, route, parts = shapes[0], shapes[1], shapes[2:]
+    _infer_combine([route, *parts], [dtypes[1], *dtypes[2:]], {})
+    if dy != parts[0]:
+        raise ValueError(f"moe_route_dot: dy {list(dy)} does not match the expert outputs {list(parts[0])}")
+    return route, ROUTE_DTYPE
+
+
+def _infer_scale_by(shapes, dtypes, attrs):
+    dy, route = shapes
+    n = attrs["index"]
+    if isinstance(n, bool) or not isinstance(n, int) or len(route) != 2 or not 0 <= n < route[1]:
+        raise ValueError(f"moe_scale: index {n!r} out of the route {list(route)}")
+    if len(dy) != 2 or dy[0] != route[0] or dtypes[1] != ROUTE_DTYPE:
+        raise ValueError(
+            f"moe_scale needs dy [rows, dim] and a route [rows, experts], got {[list(s) for s in shapes]}"
+        )
+    return dy, dtypes[0]
 
 
 register(
@@ -62,9 +95,47 @@ register(
         2,
         None,
         _infer_combine,
+        attrs={"weighted": True},
         flops=no_flops,
         doc="route [rows, experts] (moe_route's) and one output [rows, dim] per expert -> the sum over "
         "the experts routed in some row of route[:, n] * out_n (rows not routed to n add nothing; an "
-        "expert routed in no row is not read at all)",
+        "expert routed in no row is not read at all); weighted false: the plain sum of the routed ones' "
+        "outputs (the backward's input gradient over the experts)",
+    )
+)
+register(
+    OpSpec(
+        "moe_route_grad",
+        2,
+        2,
+        _infer_route_grad,
+        attrs={"top_k": REQUIRED},
+        flops=lambda s, o, a: 8.0 * numel(o),
+        doc="the backward of moe_route: router logits [rows, experts] and the gradient of the route "
+        "(float32) -> the gradient of the logits (through the renormalised top_k softmax)",
+    )
+)
+register(
+    OpSpec(
+        "moe_route_dot",
+        3,
+        None,
+        _infer_route_dot,
+        flops=lambda s, o, a: 2.0 * numel(s[0]) * s[1][1],
+        doc="dy [rows, dim], route [rows, experts] and one output [rows, dim] per expert -> per row and "
+        "routed expert n the dot product dy . out_n (float32; 0 for experts routed in no row): the "
+        "gradient of the route",
+    )
+)
+register(
+    OpSpec(
+        "moe_scale",
+        2,
+        2,
+        _infer_scale_by,
+        attrs={"index": REQUIRED},
+        flops=lambda s, o, a: 1.0 * numel(o),
+        doc="dy [rows, dim] times route[:, index] per row (float32 product, cast to dy's dtype): the "
+        "gradient of expert index's output",
     )
 )

@@ -293,16 +293,21 @@ class Layer:
         m = self.g.mul(a, up, id=f"{stem}.{mul_id}_g{j}")
         return self.project(li, "down", m, j, f"{stem}.down_g{j}")
 
-    def moe(self, li: int, x: str, j: int, stem: str) -> str:
+    def moe(self, li: int, x: str, j: int, stem: str, keep: dict | None = None) -> str:
         """GPU j's partial of the mixture of experts on its normed input x: the router's choice
         (`moe_route`), every expert's SwiGLU on GPU j's block of its units, each conditional on
         the router's column for it (a step loads and runs only the experts some row chose), and
-        their weighted sum (`moe_combine`, which reads only the chosen ones)."""
+        their weighted sum (`moe_combine`, which reads only the chosen ones).
+
+        `keep` (training): gets what the backward reads ("logits", "route", "experts": per expert
+        its gate, act, up and down); the weights are not conditional then (the forward and the
+        recomputation read them, and the recomputation's router comes after the forward) and no
+        sum is made ("")."""
         moe, g, act = self.spec.moe, self.g, self.spec.act.value
         assert moe is not None and self.experts is not None  # a mixture's builder gives its experts
         logits = g.linear(x, self.weights(li, j)["router"], id=f"{stem}.router_g{j}")
         route = g.kernel("moe_route", logits, id=f"{stem}.route_g{j}", top_k=moe.top_k)
-        outs = []
+        outs, kept = [], []
         for n in range(moe.experts):
             w, e = self.experts(li, j, n), f"{stem}.e{n}"
             gate = g.linear(x, w["gate"], id=f"{e}.gate_g{j}")
@@ -310,9 +315,13 @@ class Layer:
             up = g.linear(x, w["up"], id=f"{e}.up_g{j}")
             m = g.mul(a, up, id=f"{e}.mul_g{j}")
             down = g.linear(m, w["down"], id=f"{e}.down_g{j}")
-            for vid in (*w.values(), gate, a, up, m, down):
+            for vid in (*(w.values() if keep is None else ()), gate, a, up, m, down):
                 g.condition(vid, route, n)
             outs.append(down)
+            kept.append({"gate": gate, "a": a, "up": up, "down": down})
+        if keep is not None:
+            keep |= {"logits": logits, "route": route, "experts": kept}
+            return ""
         return g.kernel("moe_combine", route, *outs, id=f"{stem}.moe_g{j}")
 
     # ---- moving between GPUs -----------------------------------------------------------------

@@ -37,6 +37,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 from .checkpoint import Checkpoint
 from .layer import rope_tables
 from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, module_dims
+from .moe_train import moe_backward, moe_forward, moe_output
 
 IGNORE = -100  # transformers' ignored label
 __all__ = ["TARGETS", "LoraSpec", "OptimSpec", "Param", "TrainGraph", "module_dims", "train_graph"]
@@ -129,6 +130,13 @@ class _Step(LoraLayers):
         h1s = lay.broadcast(h1, f"{stem}.h1b")
         x2 = [lay.norm(li, "mlp_norm", h1s[j], j, f"{stem}.norm2_g{j}") for j in range(self.G)]
         keep["x2"] = x2
+        if self.cfg.spec.moe is not None:  # a mixture of experts (workloads.llm.moe_train)
+            moe_forward(self, li, x2, stem, keep)
+            if not full:
+                return ""
+            return self.reduce(
+                [moe_output(self, li, keep, j, stem) for j in range(self.G)], [h1], w, f"{stem}.h2"
+            )
         gt = self.col_forward(li, "gate_proj", x2, stem, keep)
         up = self.col_forward(li, "up_proj", x2, stem, keep)
         a = [lay.act(gt[j], f"{stem}.silu_g{j}") for j in range(self.G)]
@@ -274,14 +282,10 @@ class _Step(LoraLayers):
             stem = f"g.b{s}.t{t}.l{li}"
             keep, w = keeps[t], keeps[t]["w"]
             dys = self.layer.broadcast(dh2[t], f"{stem}.dh2")
-            dm = self.row_backward(li, "down_proj", dys, keep["m"], keep, stem)
-            da = [g.mul(dm[j], keep["up"][j], id=f"{stem}.da_g{j}") for j in range(G)]
-            dup = [g.mul(dm[j], keep["a"][j], id=f"{stem}.dup_g{j}") for j in range(G)]
-            dgt = [g.kernel("silu_grad", keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
-            dx2g = self.col_backward(li, "gate_proj", dgt, keep["x2"], keep, stem, True)
-            dx2u = self.col_backward(li, "up_proj", dup, keep["x2"], keep, stem, True)
-            dx2 = [g.add(dx2g[j], dx2u[j], id=f"{stem}.dx2_g{j}") for j in range(G)]
-            dx2w = self.reduce(dx2, [], w, f"{stem}.dx2")
+            if cfg.spec.moe is not None:
+                dx2w = moe_backward(self, li, keep, dys, w, stem)
+            else:
+                dx2w = self.mlp_backward(li, keep, dys, w, stem)
             mlp_norm = self.layer_weights(li, w)["mlp_norm"]
             dn2 = g.kernel("rmsnorm_grad", keep["h1"], mlp_norm, dx2w, id=f"{stem}.dn2", eps=cfg.eps)
             dh1s[t] = g.add(dh2[t], dn2, id=f"{stem}.dh1", gpu=w)
@@ -290,6 +294,18 @@ class _Step(LoraLayers):
             for j in range(G):
                 dqr[t][j] = self.attention_backward(keeps, t, j, dO[j], dkv, stem)
         return dkv, dqr, dh1s
+
+    def mlp_backward(self, li: int, keep: dict, dys: list[str], w: int, stem: str) -> str:
+        """The gradient of the MLP's normed input on owner w, given dys[j] (its output's) per GPU."""
+        g, G = self.g, self.G
+        dm = self.row_backward(li, "down_proj", dys, keep["m"], keep, stem)
+        da = [g.mul(dm[j], keep["up"][j], id=f"{stem}.da_g{j}") for j in range(G)]
+        dup = [g.mul(dm[j], keep["a"][j], id=f"{stem}.dup_g{j}") for j in range(G)]
+        dgt = [g.kernel("silu_grad", keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
+        dx2g = self.col_backward(li, "gate_proj", dgt, keep["x2"], keep, stem, True)
+        dx2u = self.col_backward(li, "up_proj", dup, keep["x2"], keep, stem, True)
+        dx2 = [g.add(dx2g[j], dx2u[j], id=f"{stem}.dx2_g{j}") for j in range(G)]
+        return self.reduce(dx2, [], w, f"{stem}.dx2")
 
     def attention_backward(self, keeps: list[dict], t: int, j: int, dO: str, dkv: list, stem: str) -> str:
         """Query tile t's attention backward on GPU j, given dO, the gradient of its output:
@@ -380,10 +396,11 @@ def train_graph(
     optim.check()
     if seq < 2:
         raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
-    if ck.config.moe is not None:  # no backward through the router and experts yet
+    experts = [t for t in lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if ck.config.moe is not None and experts:  # adapters on the attention only
         raise UsageError(
-            f"finetune: model_type {ck.config.family!r} (a mixture of experts) is not supported: "
-            "LoRA training needs the backward of its router and experts, not built"
+            f"finetune: LoRA target(s) {', '.join(experts)} are not supported for model_type "
+            f"{ck.config.family!r} (a mixture of experts: adapters on q_proj, k_proj, v_proj, o_proj)"
         )
     b = _Step(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
     b.forward()
