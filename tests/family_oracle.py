@@ -37,9 +37,9 @@ BASE = dict(
 )
 
 
-def save(arch: str, path, seed: int = 0, scale: float = 4.0, **overrides):
+def save(arch: str, path, seed: int = 0, scale: float = 4.0, max_shard_size: str | None = None, **overrides):
     """A tiny random `transformers.<arch>` (e.g. "MistralForCausalLM") saved at `path`; its
-    config is `BASE` with `overrides`. Returns the model (eval mode)."""
+    config is `BASE` with `overrides`; `max_shard_size`: sharded files. Returns the model (eval mode)."""
     import transformers
 
     model_cls = getattr(transformers, arch)
@@ -50,7 +50,7 @@ def save(arch: str, path, seed: int = 0, scale: float = 4.0, **overrides):
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(scale)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 
@@ -119,9 +119,19 @@ def random_adapter(base: str, arch: str, targets: list[str], path, seed: int = 7
     return str(path)
 
 
-def peft_train(base: str, arch: str, adapter_path: str, data: torch.Tensor, steps: int, lr: float = 1e-2):
-    """peft + torch AdamW on the whole batch `data` for `steps` steps: losses and the adapter's
-    weights by disco-ray's names."""
+def peft_train(
+    base: str,
+    arch: str,
+    adapter_path: str,
+    data: torch.Tensor,
+    steps: int,
+    lr: float = 1e-2,
+    optim: str = "adamw",
+    weight_decay: float = 0.0,
+    batch: int | None = None,
+):
+    """peft + torch AdamW (or SGD) for `steps` steps, each on `batch` rows of `data` in turn (all
+    by default): losses and the adapter's weights by disco-ray's names."""
     import peft
     import transformers
 
@@ -129,10 +139,15 @@ def peft_train(base: str, arch: str, adapter_path: str, data: torch.Tensor, step
 
     model = getattr(transformers, arch).from_pretrained(base)
     pm = peft.PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=lr)
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt_cls = torch.optim.AdamW if optim == "adamw" else torch.optim.SGD
+    opt = opt_cls(params, lr=lr, weight_decay=weight_decay)
+    n = data.shape[0]
+    batch = batch or n
     losses = []
-    for _ in range(steps):
-        loss = pm(input_ids=data, labels=data).loss
+    for k in range(steps):
+        x = data[[(k * batch + i) % n for i in range(batch)]]
+        loss = pm(input_ids=x, labels=x).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

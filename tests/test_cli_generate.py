@@ -106,6 +106,7 @@ BAD_OPTIONS = [
     (["--logits", "x.npz"], "--logits takes one prompt"),
     (["--stats", "s.txt"], "the statistics are written as .json"),
     (["--do-sample", "--greedy"], "not allowed with argument"),
+    (["--steps-per-call", "0"], "argument --steps-per-call: want a positive integer, got '0'"),
 ]
 
 
@@ -204,7 +205,7 @@ def test_greedy_results_equal_transformers_per_prompt_and_come_as_sequences_fini
 
     def watched(self, prompts, n, **kw):
         first, cli_finish = 2 * len(calls), kw["on_finish"]  # --batch 2
-        calls.append(1)
+        calls.append(kw["steps_per_call"])
 
         def on_finish(seq):
             cli_finish(seq)
@@ -216,10 +217,22 @@ def test_greedy_results_equal_transformers_per_prompt_and_come_as_sequences_fini
 
     calls: list[int] = []
     monkeypatch.setattr(LlamaModel, "run_generate_batch", watched)
-    args = ["--prompts", prompts, "--batch", "2", "--max-new-tokens", "8", "--ignore-eos", *RUN]
+    args = [
+        "--prompts",
+        prompts,
+        "--batch",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--steps-per-call",
+        "3",
+    ]
+    args += RUN
     code, stdout, err = run(capsys, ckpt[0], *args, "--out", out, "--json")
     assert code == 0, err
     assert stdout == "" and not Path(f"{out}.partial").exists()
+    assert calls == [3, 3]  # --steps-per-call reaches each batch's decoding
     got = {d["index"]: d for d in lines_of(out.read_text())}
     assert sorted(got) == [0, 1, 2]
     cut = want[0].index(stop) + 1

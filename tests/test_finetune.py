@@ -21,6 +21,7 @@ from disco_ray.graph.errors import UsageError  # noqa: E402
 from disco_ray.models import adapter  # noqa: E402
 from disco_ray.models.finetune import LoraTrainer  # noqa: E402
 from planner import min_capacity, roomy_capacity  # noqa: E402
+from tests import family_oracle as oracle  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from tests.test_models import make_checkpoint  # noqa: E402
@@ -41,48 +42,15 @@ def base(tmp_path_factory):
 @pytest.fixture(scope="module")
 def init_adapter(base, tmp_path_factory):
     """A PEFT adapter with random A and B (B is zero in PEFT's own init: no gradient for A)."""
-    path = tmp_path_factory.mktemp("adapter")
-    model = transformers.LlamaForCausalLM.from_pretrained(base)
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
-    pm = peft.get_peft_model(model, cfg)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    pm.save_pretrained(path)
-    return str(path)
+    return oracle.random_adapter(base, "LlamaForCausalLM", TARGETS, tmp_path_factory.mktemp("adapter"))
 
 
 def tokens(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def peft_train(base, init_adapter, data, steps, optim="adamw", lr=1e-2, weight_decay=0.0, batch=None):
-    model = transformers.LlamaForCausalLM.from_pretrained(base)
-    pm = peft.PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
-    params = [p for n, p in pm.named_parameters() if p.requires_grad]
-    if optim == "adamw":
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    else:
-        opt = torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-    n = data.shape[0]
-    batch = batch or n
-    losses = []
-    for k in range(steps):
-        rows = [(k * batch + i) % n for i in range(batch)]
-        x = data[rows]
-        loss = pm(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    weights = {
-        adapter.PREFIX + n.split("model.layers.", 1)[1].replace(".default", ""): p.detach().clone()
-        for n, p in pm.named_parameters()
-        if "lora_" in n
-    }
-    return losses, weights
+def peft_train(base, init_adapter, data, steps, **kw):
+    return oracle.peft_train(base, "LlamaForCausalLM", init_adapter, data, steps, **kw)
 
 
 def capacity(base, batch, seq, mode):

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from disco_ray.graph.errors import UsageError  # noqa: E402
 from disco_ray.models import LlamaModel  # noqa: E402
 from disco_ray.models.graphs import capacity_bounds  # noqa: E402
+from tests import family_oracle as oracle  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
@@ -50,27 +51,10 @@ CHECKPOINTS = {
 
 
 def make_checkpoint(path, seed: int = 0, **overrides):
-    cfg = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
+    """A tiny random LlamaForCausalLM (multi-head attention unless `overrides` say otherwise)."""
+    return oracle.save(
+        "LlamaForCausalLM", path, seed, **({"num_key_value_heads": 4, "pad_token_id": None} | overrides)
     )
-    shard = overrides.pop("max_shard_size", None)
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
-    with torch.no_grad():  # larger weights than the init's: logits far apart, greedy choices clear
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
-    return model
 
 
 @pytest.fixture(scope="module")

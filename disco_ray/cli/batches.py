@@ -170,6 +170,11 @@ class _Auto:
         return {k: last[k] for k in ("predicted_step_ms", "predicted_tokens_per_s")}
 
 
+def steps_per_call(args) -> dict:
+    """`--steps-per-call` as `run_generate_batch`'s keyword (none: the library's default)."""
+    return {} if args.steps_per_call is None else {"steps_per_call": args.steps_per_call}
+
+
 def _run_batch(model, args, part, params, results, sink, bar) -> dict:
     """One batch, its result lines written as its sequences finish; returns its statistics. A
     failure names the `.partial` file that keeps the sequences finished so far."""
@@ -193,6 +198,7 @@ def _run_batch(model, args, part, params, results, sink, bar) -> dict:
             on_finish=lambda seq: emit(results.finish(seq.index, seq.new_ids, reason_of(seq))),
             on_token=lambda _pos, _token: bar.token(),
             timeout=args.timeout,
+            **steps_per_call(args),
         )
     except DiscoError as e:
         if sink.lines and sink.partial is not None:

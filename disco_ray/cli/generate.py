@@ -33,8 +33,16 @@ from typing import Any
 
 from disco_ray.graph.errors import DiscoError, UsageError
 
-from .app import add_capacity_args, add_tier_args, command, seconds_arg, seed_arg, writable_file
-from .batches import add_file_args, generate_file
+from .app import (
+    add_capacity_args,
+    add_tier_args,
+    command,
+    positive_int,
+    seconds_arg,
+    seed_arg,
+    writable_file,
+)
+from .batches import add_file_args, generate_file, steps_per_call
 from .llm import (
     capacity_and_budget,
     check_positions,
@@ -158,6 +166,13 @@ def _add_run_args(p) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a run after S seconds")
+    p.add_argument(
+        "--steps-per-call",
+        type=positive_int,
+        metavar="K",
+        help="sampled or --prompts decoding: up to K decode steps per call to the workers, the tokens "
+        "chosen on the device (default: the library's, 8; 1: a call per step)",
+    )
     add_model_run_args(p)  # --weights, the engine's and the cluster's options
 
 
@@ -317,6 +332,7 @@ def generate_sampled(args) -> int:
             stop_at_eos=not args.ignore_eos,
             timeout=args.timeout,
             on_token=lambda _seq, t: stream.token(t),
+            **steps_per_call(args),
         )
         stats = model.statistics()
     seq = gen.sequences[0]
