@@ -188,9 +188,44 @@ def test_what_is_not_built_is_refused_naming_it(mixtral, tmp_path, edit, message
         Checkpoint(tmp_path / "ck")
 
 
-def test_finetune_is_refused_naming_the_family(mixtral):
-    with pytest.raises(UsageError, match=r"finetune: model_type 'mixtral' \(a mixture of experts\)"):
-        train_graph(Checkpoint(mixtral[0]), 1, 1, 8, 4, LoraSpec(targets=("q_proj",)), OptimSpec())
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.fixture(scope="module")
+def adapter(mixtral, tmp_path_factory):
+    return oracle.random_adapter(mixtral[0], "MixtralForCausalLM", ATTENTION, tmp_path_factory.mktemp("ad"))
+
+
+@pytest.mark.parametrize("gpus, mode", [(1, "roomy"), (2, "tight")])
+def test_lora_on_the_attention_equals_peft(mixtral, adapter, gpus, mode):
+    """The backward through the experts and the router's choice: losses and adapters equal to
+    peft's after AdamW steps."""
+    oracle.check_finetune(mixtral[0], "MixtralForCausalLM", ATTENTION, adapter, gpus, mode)
+
+
+def test_expert_targets_are_refused_by_name(mixtral):
+    with pytest.raises(UsageError, match=r"target\(s\) gate_proj are not supported for model_type 'mixtral'"):
+        train_graph(
+            Checkpoint(mixtral[0]), 1, 1, 8, 4, LoraSpec(targets=("q_proj", "gate_proj")), OptimSpec()
+        )
+
+
+def test_the_route_gradient_equals_autograd():
+    from disco_ray.graph.kernels import IMPLS
+
+    torch.manual_seed(1)
+    logits = torch.randn(5, EXPERTS, requires_grad=True)
+    droute = torch.randn(5, EXPERTS)
+    route = torch.empty(5, EXPERTS)
+    IMPLS["moe_route"](route, [logits.detach()], {"top_k": TOP_K})
+    p = torch.softmax(logits, -1)
+    top, idx = torch.topk(p, TOP_K, -1)
+    want = torch.zeros_like(p).scatter(-1, idx, top / top.sum(-1, keepdim=True))
+    assert torch.equal(route, want.detach())
+    (want * droute).sum().backward()
+    got = torch.empty(5, EXPERTS)
+    IMPLS["moe_route_grad"](got, [logits.detach(), droute], {"top_k": TOP_K})
+    assert torch.allclose(got, logits.grad, atol=1e-6)
 
 
 def test_an_unrouted_flag_column_never_reaches_a_routed_one():

@@ -85,6 +85,7 @@ class MoeSpec:
     experts: int  # num_local_experts
     top_k: int  # num_experts_per_tok
     router: str = "block_sparse_moe.gate.weight"  # [experts, dim], after the layer's prefix
+    conditional: bool = True  # False: every expert is loaded and run at every step (a baseline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +317,8 @@ class Layer:
             m = g.mul(a, up, id=f"{e}.mul_g{j}")
             down = g.linear(m, w["down"], id=f"{e}.down_g{j}")
             for vid in (*(w.values() if keep is None else ()), gate, a, up, m, down):
-                g.condition(vid, route, n)
+                if moe.conditional:
+                    g.condition(vid, route, n)
             outs.append(down)
             kept.append({"gate": gate, "a": a, "up": up, "down": down})
         if keep is not None:

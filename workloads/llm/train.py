@@ -295,18 +295,6 @@ class _Step(LoraLayers):
                 dqr[t][j] = self.attention_backward(keeps, t, j, dO[j], dkv, stem)
         return dkv, dqr, dh1s
 
-    def mlp_backward(self, li: int, keep: dict, dys: list[str], w: int, stem: str) -> str:
-        """The gradient of the MLP's normed input on owner w, given dys[j] (its output's) per GPU."""
-        g, G = self.g, self.G
-        dm = self.row_backward(li, "down_proj", dys, keep["m"], keep, stem)
-        da = [g.mul(dm[j], keep["up"][j], id=f"{stem}.da_g{j}") for j in range(G)]
-        dup = [g.mul(dm[j], keep["a"][j], id=f"{stem}.dup_g{j}") for j in range(G)]
-        dgt = [g.kernel("silu_grad", keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
-        dx2g = self.col_backward(li, "gate_proj", dgt, keep["x2"], keep, stem, True)
-        dx2u = self.col_backward(li, "up_proj", dup, keep["x2"], keep, stem, True)
-        dx2 = [g.add(dx2g[j], dx2u[j], id=f"{stem}.dx2_g{j}") for j in range(G)]
-        return self.reduce(dx2, [], w, f"{stem}.dx2")
-
     def attention_backward(self, keeps: list[dict], t: int, j: int, dO: str, dkv: list, stem: str) -> str:
         """Query tile t's attention backward on GPU j, given dO, the gradient of its output:
         appends the dk|dv partial of each key tile n <= t to dkv[n][j]; returns the gradient of
