@@ -104,7 +104,7 @@ def run(path: Path, fraction: float, new: int, routed: bool) -> dict:
         "decode_tokens_per_s": round(1 / step_s, 3),
         "decode_step_s_median": round(step_s, 4),
         "expert_bytes_loaded_per_step": [s["load_bytes"] for s in steps],
-        "loads_held_per_step": [s.get("loads_held", 0) for s in steps],
+        "expert_bytes_held_per_step": [s.get("held_bytes", 0) for s in steps],
         "expert_bytes_skipped_per_step": [s.get("skipped_bytes", 0) for s in steps],
         "prefill_s": round(gen.prefill_s, 3),
         "total_s": round(total, 3),
