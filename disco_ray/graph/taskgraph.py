@@ -164,7 +164,9 @@ class TaskGraph(OpMethods):
         if v is None or f is None:
             raise GraphError(f"{where}: no such vertex {id if v is None else flag!r}")
         if f.kind is not Kind.KERNEL or f.dtype != "float32" or len(f.shape) != 2 or f.gpu != v.gpu:
-            raise GraphError(f"{where}: flag {flag!r} must be a float32 [rows, n] kernel output on gpu {v.gpu}")
+            raise GraphError(
+                f"{where}: flag {flag!r} must be a float32 [rows, n] kernel output on gpu {v.gpu}"
+            )
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < f.shape[1]:
             raise GraphError(f"{where}: index {index!r} out of range 0..{f.shape[1] - 1} of flag {flag!r}")
         if f.when or id in self._ancestors(flag):
