@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from disco_ray.graph.errors import GraphError
 from disco_ray.graph.memgraph import Edges, MemGraph, MKind, edge_columns
 from disco_ray.graph.taskgraph import TaskGraph
 
@@ -54,6 +55,13 @@ def after_flags(d: Dense, tg: TaskGraph, seq: Sequence[int]) -> list[int]:
             left[w] -= 1
             if left[w] == 0:
                 heapq.heappush(heap, pos[w])
+    if len(out) < len(seq):  # a cycle through a condition: some flag depends on its vertex
+        placed = set(out)
+        k = next(k for k in seq if k not in placed and tg[d.ids[k]].when)
+        raise GraphError(
+            f"vertex {d.ids[k]!r}: conditional on flag(s) {[f for f, _ in tg[d.ids[k]].when]}, "
+            "one of which depends on it"
+        )
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from disco_ray.driver.api import run_memgraph  # noqa: E402
-from disco_ray.graph.errors import RunError, UsageError  # noqa: E402
+from disco_ray.graph.errors import GraphError, RunError, UsageError  # noqa: E402
 from disco_ray.graph.memgraph import Edges, MemGraph, edge_columns  # noqa: E402
 from disco_ray.graph.taskgraph import TaskGraph  # noqa: E402
 from disco_ray.models import LlamaModel  # noqa: E402
@@ -228,12 +228,16 @@ def test_the_route_gradient_equals_autograd():
     assert torch.allclose(got, logits.grad, atol=1e-6)
 
 
-def test_an_unrouted_flag_column_never_reaches_a_routed_one():
-    """A vertex conditional on a flag that depends on it is refused (no cycle through `when`)."""
+def test_a_flag_that_depends_on_its_conditional_vertex_is_refused():
+    """A vertex conditional on a flag computed from it would wait for itself: refused when planned."""
     g = TaskGraph(1)
     x = g.input("x", (2, 4))
     w = g.input("w", (3, 4))
-    logits = g.linear(x, w, id="logits")
-    route = g.kernel("moe_route", logits, id="route", top_k=1)
-    with pytest.raises(Exception, match="depends on the vertex itself"):
-        g.condition("w", route, 0)
+    route = g.kernel("moe_route", g.linear(x, w, id="logits"), id="route", top_k=1)
+    g.condition("w", route, 0)
+    with pytest.raises(
+        GraphError, match=r"vertex 'w': conditional on flag\(s\) \['route'\], one of which depends on it"
+    ):
+        build_memgraph(g, 1 << 20)
+    with pytest.raises(GraphError, match=r"index 3 out of range 0\.\.2"):
+        g.condition("x", route, 3)

@@ -18,7 +18,6 @@ Additions to FORMATS.md (fields only; a reader that ignores them sees a valid ve
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -154,35 +153,11 @@ class TaskGraph(OpMethods):
         self.carry[value] = key
 
     def condition(self, id: str, flag: str, index: int) -> None:
-        """Makes vertex `id` conditional on column `index` of `flag` (a [rows, n] float32 kernel
-        output on its GPU): a run skips it (its load moves no bytes, its kernel does not run)
-        unless that column of this flag, or of another flag it is conditional on, has a
-        non-zero row. The readers of a conditional value must be conditional too, or read the
-        flag and ignore the value when its column is zero (`moe_combine`)."""
-        where = f"vertex {id!r}: condition"
-        v, f = self.vertices.get(id), self.vertices.get(flag)
-        if v is None or f is None:
-            raise GraphError(f"{where}: no such vertex {id if v is None else flag!r}")
-        if f.kind is not Kind.KERNEL or f.dtype != "float32" or len(f.shape) != 2 or f.gpu != v.gpu:
-            raise GraphError(
-                f"{where}: flag {flag!r} must be a float32 [rows, n] kernel output on gpu {v.gpu}"
-            )
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < f.shape[1]:
-            raise GraphError(f"{where}: index {index!r} out of range 0..{f.shape[1] - 1} of flag {flag!r}")
-        if f.when or id in self._ancestors(flag):
-            raise GraphError(f"{where}: flag {flag!r} is conditional or depends on the vertex itself")
-        if (flag, index) not in v.when:
-            self.vertices[id] = dataclasses.replace(v, when=(*v.when, (flag, index)))
+        """Makes vertex `id` conditional on column `index` of `flag`
+        (`disco_ray.graph.conditions.condition`)."""
+        from .conditions import condition
 
-    def _ancestors(self, id: str) -> set[str]:
-        seen: set[str] = set()
-        todo = [id]
-        while todo:
-            for x in self.vertices[todo.pop()].inputs:
-                if x not in seen:
-                    seen.add(x)
-                    todo.append(x)
-        return seen
+        condition(self, id, flag, index)
 
     @property
     def conditional(self) -> bool:
