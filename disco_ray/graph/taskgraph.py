@@ -26,6 +26,7 @@ from typing import cast
 
 from . import ops
 from .builder import OpMethods
+from .conditions import condition
 from .dtypes import ITEMSIZE, nbytes
 from .errors import FormatError, GraphError, check_header
 from .sources import Source
@@ -155,9 +156,7 @@ class TaskGraph(OpMethods):
     def condition(self, id: str, flag: str, index: int) -> None:
         """Makes vertex `id` conditional on column `index` of `flag`
         (`disco_ray.graph.conditions.condition`)."""
-        from .conditions import condition
-
-        condition(self, id, flag, index)
+        condition(self.vertices, id, flag, index)
 
     @property
     def conditional(self) -> bool:
