@@ -191,3 +191,24 @@ def check_finetune(base: str, arch: str, targets: list[str], adapter_path: str, 
     assert set(got) == set(want_w)
     for k, w in want_w.items():
         torch.testing.assert_close(got[k], w, rtol=2e-4, atol=2e-5, msg=k)
+
+
+def peft_model(base: str, arch: str, weights: dict[str, torch.Tensor], r: int = 4, alpha: float = 8):
+    """A peft model of `base` (eval mode) whose LoRA matrices are `weights`, by disco-ray's keys
+    (as `peft_train` returns them)."""
+    import peft
+    import transformers
+
+    from disco_ray.models import adapter
+
+    targets = sorted({k.split(".")[-3] for k in weights})
+    model = getattr(transformers, arch).from_pretrained(base)
+    cfg = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM"
+    )
+    pm = peft.get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(weights[adapter.PREFIX + n.split("model.layers.", 1)[1].replace(".default", "")])
+    return pm.eval()

@@ -23,6 +23,7 @@ from planner.verify import check, verify  # noqa: E402
 from tests import family_oracle as oracle  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
+from workloads.llm.lora import default_targets  # noqa: E402
 from workloads.llm.model import decode_graph  # noqa: E402
 from workloads.llm.train import LoraSpec, OptimSpec, train_graph  # noqa: E402
 
@@ -204,10 +205,11 @@ def test_lora_on_the_attention_equals_peft(mixtral, adapter, gpus, mode):
 
 
 def test_expert_targets_are_refused_by_name(mixtral):
-    with pytest.raises(UsageError, match=r"target\(s\) gate_proj are not supported for model_type 'mixtral'"):
-        train_graph(
-            Checkpoint(mixtral[0]), 1, 1, 8, 4, LoraSpec(targets=("q_proj", "gate_proj")), OptimSpec()
-        )
+    """The experts (peft's w1, w3, w2) take no adapters: the default targets are the attention's."""
+    ck = Checkpoint(mixtral[0])
+    assert default_targets(ck.config) == ("q_proj", "k_proj", "v_proj")
+    with pytest.raises(UsageError, match=r"target\(s\) w1 are not supported for model_type 'mixtral'"):
+        train_graph(ck, 1, 1, 8, 4, LoraSpec(targets=("q_proj", "w1")), OptimSpec())
 
 
 def test_the_route_gradient_equals_autograd():

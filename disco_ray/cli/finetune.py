@@ -51,9 +51,8 @@ def add_finetune(p) -> None:
     p.add_argument("--lora-alpha", type=float, default=32.0, metavar="A")
     p.add_argument(
         "--lora-targets",
-        default="q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj",
         metavar="M,...",
-        help="modules to adapt (default: q,k,v,gate,up,down projections)",
+        help="modules to adapt (default: q,k,v,gate,up,down projections: Phi-3's qkv_proj,gate_up_proj,down_proj)",
     )
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--weight-decay", type=float, default=0.0, metavar="W")
@@ -101,7 +100,14 @@ def cmd_finetune(args) -> int:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.out)
     data = _tokens(args.data)
-    spec = LoraSpec(args.lora_rank, args.lora_alpha, tuple(x for x in args.lora_targets.split(",") if x))
+    if args.lora_targets is None:  # the default projections, as the model's family names them
+        from workloads.llm.checkpoint import Checkpoint
+        from workloads.llm.lora import default_targets
+
+        targets = default_targets(Checkpoint(args.model).config)
+    else:
+        targets = tuple(x for x in args.lora_targets.split(",") if x)
+    spec = LoraSpec(args.lora_rank, args.lora_alpha, targets)
     optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)
     kw = model_run_kwargs(args, args.gpus)
     with closing_after_error(

@@ -83,9 +83,9 @@ def check_positions(model: str, lengths: list[tuple[str, int, int]]) -> None:
     from disco_ray.models.planned import positions_beyond
     from workloads.llm.checkpoint import Checkpoint
 
-    limit = Checkpoint(model).config.max_positions
+    cfg = Checkpoint(model).config
     for where, prompt, new in lengths:
-        why = positions_beyond(prompt, new, limit)
+        why = positions_beyond(prompt, new, cfg.max_positions, cfg.window_limit)
         if why is not None:
             raise UsageError(f"{where}: {why}")
 

@@ -27,7 +27,7 @@ WEIGHTS = "adapter_model.safetensors"
 
 def key(layer: int, module: str, which: str) -> str:
     """PEFT's key of adapter matrix `which` ("A" or "B") of `module` in decoder layer `layer`."""
-    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
     return f"{PREFIX}{layer}.{block}.{module}.lora_{which}.weight"
 
 
@@ -91,9 +91,9 @@ def load(
         targets=tuple(m for m in TARGETS if m in targets),
         rslora=bool(cfg.get("use_rslora", False)),
     )
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown:
-        raise UsageError(f"{cfg_path}: target_modules {unknown} are not among {', '.join(TARGETS)}")
+    unknown = sorted(set(targets) - set(dims))
+    if unknown:  # `dims`: the model's modules
+        raise UsageError(f"{cfg_path}: target_modules {unknown} are not among {', '.join(dims)}")
     spec.check()
     try:
         raw = load_file(str(path / WEIGHTS))

@@ -29,7 +29,8 @@ from actors.options import STALL_S
 from disco_ray.driver.program import Program
 from disco_ray.graph.errors import NonFiniteError, UsageError
 from planner import build_memgraph
-from workloads.llm.train import TARGETS, LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
+from workloads.llm.lora import check_targets, default_targets
+from workloads.llm.train import LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
 from . import adapter
 from .programs import Programs, one_request, open_checkpoint, plan_entry
@@ -80,12 +81,13 @@ class LoraTrainer(Programs):
         self.gpus, self.block, self.grad_sum = gpus, block, grad_sum
         self.optim = optim or OptimSpec()
         self.optim.check()
-        dims = {m: module_dims(self.config, m) for m in TARGETS}
+        dims = {m: module_dims(self.config, m) for m in self.config.spec.weights.modules()}
         if init_adapter is not None:
             self.lora, self._start = adapter.load(init_adapter, self.config.layers, dims)
         else:
-            self.lora = lora or LoraSpec()
+            self.lora = lora or LoraSpec(targets=default_targets(self.config))
             self.lora.check()
+            check_targets(self.config, self.lora.targets)
             self._start = adapter.init(self.lora, self.config.layers, dims, seed)
         super().__init__(
             engine, pool, cluster, capacity, host_capacity, backend, streams, ahead, weights, disk_dir, check

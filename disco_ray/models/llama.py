@@ -217,6 +217,7 @@ class LlamaModel(PlannedModel):
         """The logits [len(ids), vocab] (float32) of every position of the prompt `ids`;
         NonFiniteError naming the first position with a NaN or infinite one."""
         ids = self._ids(ids)
+        self.check_length([len(ids)], [0])  # a prompt past a window not built would be wrong logits
         blocks = math.ceil(len(ids) / self.block)
         logits, _, _ = self._run(("prefill", blocks, "all", False), ids, 0)
         check_logits(logits[: len(ids)], 0, row="position")

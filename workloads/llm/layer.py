@@ -72,6 +72,16 @@ class LayerWeights:
         """(role, name) of every weight, in `ROLES` order."""
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
 
+    def modules(self) -> dict[str, tuple[str, ...]]:
+        """The linear modules (PEFT's names, e.g. "q_proj" or Phi-3's "qkv_proj") -> the roles
+        each one's weight holds, in `ROLES` order (several: a fused projection)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for role, name in self.items():
+            if role in ROW_SPLIT or role in COL_SPLIT:
+                mod = name.split(".")[-2]
+                out[mod] = (*out.get(mod, ()), role)
+        return out
+
 
 ROLES = tuple(f.name for f in fields(LayerWeights))  # a layer's weights, by what they do
 EXPERT_ROLES = ("gate", "up", "down")  # a mixture's expert weights: `LayerWeights` names them with {n}
@@ -129,6 +139,22 @@ class LayerSpec:
             "down": (self.dim, self.ffn),
         }[role]
 
+    def offset(self, role: str) -> int:
+        """The first row of weight `role` in its checkpoint tensor: roles that name one tensor (a
+        fused projection: Phi-3's qkv_proj, gate_up_proj) are stacked by rows in `ROLES` order."""
+        name = getattr(self.weights, role)
+        return sum(self.whole(r)[0] for r, n in self.weights.items()[: ROLES.index(role)] if n == name)
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """A layer's checkpoint tensors (names after the layer's prefix) with their shapes."""
+        out: dict[str, tuple[int, ...]] = {}
+        for role, name in self.weights.items():
+            shape = self.whole(role)
+            if name in out:  # a fused projection: this role's rows follow the previous roles'
+                shape = (out[name][0] + shape[0], *shape[1:])
+            out[name] = shape
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Split:
@@ -168,9 +194,12 @@ class Split:
     def block(
         self, spec: LayerSpec, role: str, j: int
     ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all)."""
+        """(rows, columns) of GPU j's block of weight `role` stored [out, in] (None: all), in the
+        checkpoint tensor that holds it (offset by `LayerSpec.offset` in a fused one)."""
         if role in ROW_SPLIT:
-            return self.shard(role, j, spec.head_dim), None
+            lo, hi = self.shard(role, j, spec.head_dim)
+            at = spec.offset(role)  # the role's rows within a fused tensor (0 unless fused)
+            return (at + lo, at + hi), None
         if role in COL_SPLIT:
             return None, self.shard(role, j, spec.head_dim)
         return None, None

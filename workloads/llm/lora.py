@@ -11,6 +11,12 @@ Split over G GPUs as the base weights are (`workloads.llm.layer.Split`):
 The owner of layer i is GPU i mod G. Each adapter block's state packs the parameter and, for
 AdamW, its two moments ([3 r, in] for A): one tensor that one optimizer vertex updates and the
 worker keeps from step to step (`TaskGraph` states).
+
+A fused module (Phi-3's qkv_proj, gate_up_proj: `LayerWeights.modules`) has one adapter, as PEFT
+does: A [r, in] shared by its parts, B [q + 2 kv, r] whose rows are split into the parts (q, k,
+v) and each part's rows over the GPUs like the weight's. Each part computes y_p = x W_p^T +
+s (x A^T) B_p^T with x A^T made once; A's gradient is the sum of the parts' partials.
+The training graph names the layer's linear layers by LLaMA's module names (its "parts").
 """
 
 from __future__ import annotations
@@ -20,9 +26,21 @@ from dataclasses import dataclass
 
 from disco_ray.graph.errors import UsageError
 
+from .layer import EXPERT_ROLES
 from .model import _Builder
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# every family's linear modules: LLaMA's, then Phi-3's fused ones
+TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
 COLUMN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}  # rows split
 ROW = {"o_proj": "o", "down_proj": "down"}  # input columns split
 ROLES = COLUMN | ROW  # module -> the layer builder's name of its weight
@@ -30,9 +48,43 @@ GRAD_SUMS = ("sum_into", "add", "chain")  # sum_into: an `accumulate`, planned a
 
 
 def module_dims(cfg, mod: str) -> tuple[int, int]:
-    """(out, in) of a decoder layer's linear module `mod`, whole."""
-    out, inn = cfg.spec.whole(ROLES[mod])
-    return out, inn
+    """(out, in) of a decoder layer's linear module `mod` of `cfg`'s family, whole (a fused
+    module's rows are its parts')."""
+    spec = cfg.spec
+    roles = spec.weights.modules()[mod]
+    return sum(spec.whole(r)[0] for r in roles), spec.whole(roles[0])[1]
+
+
+def default_targets(cfg) -> tuple[str, ...]:
+    """`LoraSpec`'s default targets as `cfg`'s family names its modules (Phi-3: qkv_proj, ...)."""
+    want = {ROLES[m] for m in LoraSpec().targets}
+    if cfg.moe is not None:  # a mixture's experts take no adapters (`train_graph`)
+        want -= set(EXPERT_ROLES)
+    return tuple(m for m, roles in cfg.spec.weights.modules().items() if set(roles) <= want)
+
+
+def check_targets(cfg, targets: tuple[str, ...]) -> None:
+    """UsageError naming the targets that are not linear modules of `cfg`'s family."""
+    mods = cfg.spec.weights.modules()
+    bad = [t for t in targets if t not in mods]
+    if bad:
+        raise UsageError(
+            f"LoRA target module(s) {bad} are not modules of model_type {cfg.family!r} (its modules: "
+            f"{', '.join(mods)})"
+        )
+
+
+def check_trainable(cfg, seq: int, where: str) -> None:
+    """UsageError for what training does not build: a sequence past a sliding window the layers
+    lack, a nonzero dropout of config `where`."""
+    if cfg.window_limit is not None and seq > cfg.window_limit:
+        raise UsageError(
+            f"a training sequence of {seq} tokens is beyond the model's sliding_window {cfg.window_limit} "
+            "(its windowed attention is not built: sequences up to the window only)"
+        )
+    if cfg.dropout:
+        name, p = cfg.dropout[0]
+        raise UsageError(f"{where}: {name} {p}: training with dropout is not built (it trains with none)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +162,13 @@ class LoraLayers(_Builder):
             )
         if grad_sum not in GRAD_SUMS:
             raise UsageError(f"grad_sum {grad_sum!r} is not one of {', '.join(GRAD_SUMS)}")
+        check_targets(self.cfg, lora.targets)
         self.lora, self.optim, self.grad_sum = lora, optim, grad_sum
+        self.modules = self.cfg.spec.weights.modules()  # the family's modules -> roles
+        # a part (LLaMA's module name) -> the family's module holding it
+        self.module_of = {
+            part: m for m, roles in self.modules.items() for part in ROLES if ROLES[part] in roles
+        }
         self.params: list[Param] = []
         self.grads: dict[str, list[str]] = {}  # state id -> gradient partials on its GPU
         self._param_ids: dict[tuple[str, int], str] = {}  # (state, gpu) -> parameter value there
@@ -126,18 +184,25 @@ class LoraLayers(_Builder):
         """GPU j's rows of a row-split module's output, or columns of a column-split one's input."""
         return self.split.shard(ROLES[mod], j, self.cfg.head_dim)
 
-    def state(self, li: int, mod: str, which: str, j: int) -> str:
-        """The state input of one adapter block (made on first use): [slots * rows, cols]."""
-        sid = f"lora.l{li}.{mod}.{which}_g{j}"
+    def state(self, li: int, part: str, which: str, j: int) -> str:
+        """The state input of one adapter block of `part`'s module (made on first use):
+        [slots * rows, cols]; a fused module's B has one per part."""
+        mod = self.module_of[part]
+        fused = which == "B" and len(self.modules[mod]) > 1
+        sid = f"lora.l{li}.{mod}.B.{ROLES[part]}_g{j}" if fused else f"lora.l{li}.{mod}.{which}_g{j}"
         if sid not in self.g:
             out, inn = self.module_dims(mod)
             r = self.lora.rank
             if which == "A":
-                rows, cols = (0, r), self.shard(mod, j) if mod in ROW else (0, inn)
+                rows, cols = (0, r), self.shard(part, j) if part in ROW else (0, inn)
                 full = (r, inn)
             else:
-                rows, cols = self.shard(mod, j) if mod in COLUMN else (0, out), (0, r)
-                full = (out, r)
+                rows = (0, out)
+                if part in COLUMN:
+                    lo, hi = self.shard(part, j)
+                    at = self.cfg.spec.offset(ROLES[part])  # the part's rows in a fused module's B
+                    rows = (at + lo, at + hi)
+                cols, full = (0, r), (out, r)
             p = Param(sid, j, li, mod, which, rows, cols, full)
             self.params.append(p)
             n, m = p.shape
@@ -170,8 +235,8 @@ class LoraLayers(_Builder):
             part = self.g.transfer(part, home, id=f"{stem}_to{home}")
         self.grads[sid].append(part)
 
-    def targeted(self, mod: str) -> bool:
-        return mod in self.lora.targets
+    def targeted(self, part: str) -> bool:
+        return self.module_of[part] in self.lora.targets
 
     # ---- linear layers with adapters -----------------------------------------------------------
     def col_forward(self, li, mod, x: list[str], stem: str, keep: dict) -> list[str]:
@@ -183,7 +248,10 @@ class LoraLayers(_Builder):
             if self.targeted(mod):
                 a = self.param(self.state(li, mod, "A", self.owner(li)), j)
                 b = self.param(self.state(li, mod, "B", j), j)
-                u = keep[(mod, j)] = g.linear(x[j], a, id=f"{stem}.{mod}.u_g{j}")
+                m = self.module_of[mod]
+                if (m, j) not in keep:  # a fused module's parts share x A^T
+                    keep[(m, j)] = g.linear(x[j], a, id=f"{stem}.{m}.u_g{j}")
+                u = keep[(m, j)]
                 y = g.add(
                     y,
                     g.linear(u, b, id=f"{stem}.{mod}.l_g{j}", scale=self.lora.scaling),
@@ -231,7 +299,7 @@ class LoraLayers(_Builder):
             )
             if self.targeted(mod):
                 sa, sb = self.state(li, mod, "A", self.owner(li)), self.state(li, mod, "B", j)
-                u = keep[(mod, j)]
+                u = keep[(self.module_of[mod], j)]
                 self.grad(
                     sb,
                     g.kernel("linear_grad_w", dy[j], u, id=f"{stem}.{mod}.gB_g{j}", scale=sc),

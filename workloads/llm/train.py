@@ -35,8 +35,8 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
-from .layer import rope_tables
-from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, module_dims
+from .layer import EXPERT_ROLES, rope_tables
+from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, check_trainable, module_dims
 from .moe_train import moe_backward, moe_forward, moe_output
 
 IGNORE = -100  # transformers' ignored label
@@ -384,7 +384,9 @@ def train_graph(
     optim.check()
     if seq < 2:
         raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
-    experts = [t for t in lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
+    check_trainable(ck.config, seq, str(ck.path / "config.json"))
+    mods = ck.config.spec.weights.modules()
+    experts = [t for t in lora.targets if set(mods.get(t, ())) & set(EXPERT_ROLES)]
     if ck.config.moe is not None and experts:  # adapters on the attention only
         raise UsageError(
             f"finetune: LoRA target(s) {', '.join(experts)} are not supported for model_type "

@@ -15,8 +15,10 @@ from .base import Family
 from .config import ModelConfig
 from .llama import LLAMA
 from .mixtral import MIXTRAL
+from .phi3 import PHI3
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA,)}
+FAMILIES[PHI3.model_type] = PHI3
 FAMILIES[MIXTRAL.model_type] = MIXTRAL
 
 __all__ = ["FAMILIES", "Family", "ModelConfig", "family_of", "parse_config"]

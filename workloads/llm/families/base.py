@@ -68,5 +68,5 @@ class Family:
             want["lm_head.weight"] = (c.vocab, c.dim)
         spec = c.spec
         for i in range(c.layers):
-            want |= {f"model.layers.{i}.{name}": spec.whole(role) for role, name in spec.weights.items()}
+            want |= {f"model.layers.{i}.{name}": shape for name, shape in spec.tensors().items()}
         return want
