@@ -380,11 +380,6 @@ def train_graph(
     grad_sum: str = "sum_into",
 ) -> TrainGraph:
     """One optimizer step on `batch` sequences of `seq` tokens (row tiles of `block`)."""
-    lora.check()
-    optim.check()
-    if seq < 2:
-        raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
-    check_trainable(ck.config, seq, str(ck.path / "config.json"))
     mods = ck.config.spec.weights.modules()
     experts = [t for t in lora.targets if set(mods.get(t, ())) & set(EXPERT_ROLES)]
     if ck.config.moe is not None and experts:  # adapters on the attention only
@@ -392,6 +387,11 @@ def train_graph(
             f"finetune: LoRA target(s) {', '.join(experts)} are not supported for model_type "
             f"{ck.config.family!r} (a mixture of experts: adapters on q_proj, k_proj, v_proj, o_proj)"
         )
+    lora.check()
+    optim.check()
+    if seq < 2:
+        raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
+    check_trainable(ck.config, seq, str(ck.path / "config.json"))
     b = _Step(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
     b.forward()
     b.backward(b.loss())
