@@ -40,7 +40,7 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
-from .layer import Attend, Layer, LayerSpec, Split, rope_tables
+from .layer import EXPERT_ROLES, Attend, Layer, LayerSpec, Split, rope_tables
 
 
 @dataclass(slots=True)
@@ -105,6 +105,7 @@ class _Builder:
         self.g = TaskGraph(gpus)
         self.G = gpus
         self.layer = Layer(self.g, self.cfg.spec, self.split, self.layer_weights)
+        self.layer.experts = self.expert_weights
 
     def weight(self, id: str, name: str, j: int, rows=None, cols=None) -> str:
         if id not in self.g:
@@ -130,9 +131,24 @@ class _Builder:
     def layer_weights(self, li: int, j: int) -> dict[str, str]:
         """Layer li's weights on GPU j by role: GPU j's blocks of the checkpoint's tensors."""
         spec, p = self.cfg.spec, f"model.layers.{li}."
-        return {
+        out = {
             role: self.weight(f"l{li}.{role}_g{j}", p + name, j, *self.split.block(spec, role, j))
             for role, name in spec.weights.items()
+            if spec.moe is None or role not in EXPERT_ROLES
+        }
+        if spec.moe is not None:  # the router, whole on every GPU
+            out["router"] = self.weight(f"l{li}.router_g{j}", p + spec.moe.router, j)
+        return out
+
+    def expert_weights(self, li: int, j: int, n: int) -> dict[str, str]:
+        """Expert n of layer li's weights on GPU j by role (gate, up, down): its blocks."""
+        spec, p = self.cfg.spec, f"model.layers.{li}."
+        names = dict(spec.weights.items())
+        return {
+            role: self.weight(
+                f"l{li}.e{n}.{role}_g{j}", p + names[role].format(n=n), j, *self.split.block(spec, role, j)
+            )
+            for role in EXPERT_ROLES
         }
 
     def logits(self, x: str, j: int, id: str) -> str:
