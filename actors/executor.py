@@ -43,6 +43,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .backends.base import Backend, Mode
 from .carries import CarrySaves
+from .conditions import Conditions
 from .options import DEFAULT_WORKER, WorkerConfig
 from .plans import PlanKind, describe
 from .reporter import ReportThread
@@ -106,6 +107,7 @@ class Executor(GpuResources):
         self._watched: frozenset[int] = frozenset()  # vids whose completion the transport wants to know
         self._delay: tuple[float, float] | None = None
         self._inline: frozenset[int] = frozenset()  # skipped loads `_pump` completes, not their lane
+        self._cond = Conditions(self.mg, self.gpu, self.plans)  # vertices a run skips unless flagged
         self._rng = random.Random(0)
         self._finished = threading.Event()
         self._error: str | None = None
@@ -145,6 +147,7 @@ class Executor(GpuResources):
             ]
             self._acc_started = set()
             self._acc_first = {}
+            self._cond.begin()
             self._saves.begin()
             if check:
                 if self._sanitizer is None:
@@ -282,11 +285,15 @@ class Executor(GpuResources):
             san.begin_write(p.out_loc, vid)
         if self._delay is not None:  # inside the write: a writer overlapping it is seen
             time.sleep(self._rng.uniform(*self._delay))
+        if vid in self._cond.when and self._cond.skips(vid):
+            return  # not flagged: no bytes moved, no kernel run; the sanitizer saw its write
         k = p.kind
         if k is PlanKind.KERNEL and vid in self.core.groups and not self._acc_first[vid]:
             self.backend.kernel("add", p.out, [p.out, p.ins[0]], p.attrs)  # sum-into: add the operand
         elif k is PlanKind.KERNEL:
             self.backend.kernel(p.op, p.out, p.ins, p.attrs)
+            if vid in self._cond.writers:  # a flag: which of its columns some row chose
+                self._cond.flagged(vid, p.out)
             if vid in self._saves.deltas:  # a carried value's last writer: the bytes it changed
                 self._saves.wrote(vid, p)
         elif k is PlanKind.COPY:
@@ -348,6 +355,7 @@ class Executor(GpuResources):
                 self.spill.flush()
             self._saves.save(self.carries, self.mg)
             if self._error is None:
+                self._cond.forget(self.loads.tokens, self._skip)  # skipped loads left no value
                 self.loads.end(self.arena_slot)
         except BaseException as e:
             self._fail(None, RunError(f"gpu:{self.gpu}: saving the carried states failed: {e}"))
@@ -406,6 +414,7 @@ class Executor(GpuResources):
             "granule": self.granule,
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
             "loads_skipped": len(self._skip),
+            **({"conditional": self._cond.statistics(self._skip)} if self._cond.when else {}),
             # of those, loads of a state its last run wrote back into the range (actors/carries.py)
             "state_loads_skipped": sum(1 for v in self._skip if self.plans[v].value in self.loads.states),
             "store": self.store.statistics(),

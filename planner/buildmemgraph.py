@@ -22,6 +22,7 @@ from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .capacity import log_rounding
+from .conditions import condition
 from .export import export
 from .groups import MODES
 from .prune import WINDOW
@@ -105,6 +106,8 @@ def build_memgraph(
         mg.stats["sum_into_demoted"] = {
             m: sum(1 for x in p.demoted.values() if x == m) for m in ("deferred", "off")
         }
+    if tg.conditional:  # the vertices a run may skip, after their flags (planner.conditions)
+        mg = condition(mg, tg)
     mg._planned_for = id(tg)  # this process's own plan of tg: Program runs it unverified
     log.debug("plan: %d MemGraph vertices in %.3f s", len(mg), time.perf_counter() - started)
     return mg

@@ -33,6 +33,7 @@ from disco_ray.graph.taskgraph import Kind, TaskGraph
 
 from .arena import RESERVED, Arena, Block
 from .capacity import aligned, capacities, host_capacities, rounded
+from .conditions import after_flags
 from .dense import Dense, check_fits, check_order
 from .order import default
 from .records import DATA, MEM, OWN, STEP, Inst, Rec
@@ -76,6 +77,8 @@ class State:
             seq, self.order_name = default(d, self.caps, alignment)
         else:
             seq, self.order_name = [d.index[x] for x in check_order(tg, order)], "given"
+        if tg.conditional:  # a conditional vertex after its flags' writers (planner.conditions)
+            seq = after_flags(d, tg, seq)
         self.seq = self._serial(seq)
         # per step: the value whose range it allocates (-1: none, a sum-into member after the first)
         self.alloc_of = list(self.seq)

@@ -31,6 +31,7 @@ from disco_ray.graph.errors import VerifyError
 from disco_ray.graph.memgraph import DISK, HOST, INPUT, TIERS, Loc, MemGraph, MemVertex, MKind
 from disco_ray.graph.taskgraph import Kind, TaskGraph
 
+from .conditions import check_when
 from .reach import Reach
 from .verify_common import Full, Groups, Sink, describe, where
 from .verify_order import check_order
@@ -94,6 +95,7 @@ def _verify(tg: TaskGraph, mg: MemGraph, sink: Sink) -> None:
     _check_provenance(tg, mg, groups, sink)
     reach = Reach([list(set(ps)) for ps in preds], order)
     check_order(tg, mg, pos, reach, groups, sink)
+    check_when(tg, mg, pos, reach, sink)
 
 
 def _check_groups(tg: TaskGraph, mg: MemGraph, sink: Sink) -> Groups:

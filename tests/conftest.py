@@ -80,9 +80,12 @@ def tg2() -> TaskGraph:
     return two_gpu_graph()
 
 
-def run_cli(*args: str | os.PathLike, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Runs `python -m disco_ray ARGS` with this checkout first on the path."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def run_cli(
+    *args: str | os.PathLike, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Runs `python -m disco_ray ARGS` with this checkout first on the path, and `env` added."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "disco_ray", *map(str, args)],
         capture_output=True,

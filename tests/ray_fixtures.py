@@ -42,3 +42,18 @@ def pool():
         p.acquire(4)  # the most GPUs any test uses: actors are made once
         yield p
         p.discard()
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """The address of the module's local Ray (4 logical GPUs) for a subprocess's runs to join
+    (`joining`) instead of each starting and stopping a private Ray (seconds each)."""
+    with local_ray(4):
+        yield ray.get_runtime_context().gcs_address
+
+
+def joining(address: str) -> dict[str, str]:
+    """The environment variables that make a subprocess's runs join the Ray at `address`."""
+    # a driver joining a loopback-bound Ray must keep 127.0.0.1 as its own address: Ray would take
+    # the host's reachable one and wait for a raylet there (disco_ray.driver.pool.loopback_node)
+    return {"DISCO_RAY_ADDRESS": address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

@@ -14,7 +14,9 @@ placeholders name: `examples/` (the repository's), `ckpt/`, `CKPT_DIR` and `CKPT
 LLaMA checkpoint with a 32000-token vocabulary, made once per test session), `prompts.jsonl` and
 `in.jsonl` (two prompts), `tokens.npy` (int64 [4, 16] token ids). A path under `/tmp/` in a block
 is that directory's `tmp/`. Python blocks of one document share one interpreter: a later block uses
-an earlier one's names. A block that fails fails the test with its file and line.
+an earlier one's names. A block that fails fails the test with its file and line. Every block of
+every document joins one Ray started here (`DISCO_RAY_ADDRESS`, as a user's `ray start` would be
+joined) instead of each command starting and stopping a private one (docs/BENCHMARKS.md#start-up).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.ray_fixtures import joining, ray_address  # noqa: F401  (module fixture: the Ray the blocks join)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -109,8 +113,9 @@ def workdir(base: Path, files: Path | None = None) -> Path:
     return base
 
 
-def run_blocks(blocks: list[Block], where: Path) -> subprocess.CompletedProcess:
-    """Runs `blocks` in order in `where` (made by `workdir`): tests/docs_runner.py's result."""
+def run_blocks(blocks: list[Block], where: Path, address: str | None = None) -> subprocess.CompletedProcess:
+    """Runs `blocks` in order in `where` (made by `workdir`): tests/docs_runner.py's result. With
+    `address`, their Ray runs join the Ray there instead of each starting a private one."""
     local = [asdict(b) | {"code": b.code.replace("/tmp/", f"{where}/tmp/")} for b in blocks]
     (where / ".blocks.json").write_text(json.dumps(local))
     env = {
@@ -119,6 +124,8 @@ def run_blocks(blocks: list[Block], where: Path) -> subprocess.CompletedProcess:
         "PATH": os.pathsep.join([str(where / ".bin"), str(Path(sys.executable).parent), os.environ["PATH"]]),
         "MPLBACKEND": "Agg",
     }
+    if address is not None:
+        env |= joining(address)
     return subprocess.run(
         [sys.executable, str(ROOT / "tests" / "docs_runner.py"), str(where / ".blocks.json")],
         cwd=where,
@@ -142,8 +149,8 @@ RUNNABLE = [doc for doc in DOCS if tagged(doc)]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", RUNNABLE, ids=[d.name for d in RUNNABLE])
-def test_the_tagged_blocks_of_the_docs_run(doc, placeholders, tmp_path):
-    done = run_blocks(tagged(doc), workdir(tmp_path / "run", placeholders))
+def test_the_tagged_blocks_of_the_docs_run(doc, placeholders, ray_address, tmp_path):  # noqa: F811
+    done = run_blocks(tagged(doc), workdir(tmp_path / "run", placeholders), ray_address)
     assert done.returncode == 0, failure(done)
 
 

@@ -5,7 +5,8 @@ interrupted (SIGINT, SIGTERM), loses a worker (killed, stopped) or finds the dis
 removes its own file when its graph is unloaded, and the pool removes what a worker it killed
 left (`actors.tiers.sweep`). Outputs appear whole or not at all (`disco_ray.graph.files`): a
 failed write leaves the previous file, or nothing. The CLI cases run as a user runs them, in a
-process of their own with a private Ray and TMPDIR pointed at the test's directory.
+process of their own with TMPDIR pointed at the test's directory: with a private Ray where the
+signal ends it too or the workers must see that TMPDIR, else joining the module's running Ray.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from actors.tiers.spill import SpillFile
 from actors.tiers.sweep import TEMP_PREFIX, owner, remove_left, spill_name
 from disco_ray.graph.errors import RunError
 from tests.conftest import ROOT
+from tests.ray_fixtures import joining, ray_address  # noqa: F401  (module fixture: a Ray to join)
 
 LLAMA = ["preset=tiny", "layers=4", "seq=256", "tile=64"]  # spills with the tiers below
 TIERS = ["--capacity", "200KiB", "--host-capacity", "16KiB"]
@@ -47,9 +49,10 @@ def tmpdir_of_run():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _env(tmpdir: Path) -> dict:
+def _env(tmpdir: Path, address: str | None = None) -> dict:
+    """A CLI run's environment; with `address`, its runs join the Ray there (not a private one)."""
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmpdir)}
+    return {**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmpdir), **(joining(address) if address else {})}
 
 
 def _spill_left(tmpdir: Path, *dirs: Path) -> list[str]:
@@ -130,15 +133,17 @@ def test_a_full_disk_while_spilling_ends_the_run_naming_the_file(tmp_path, monke
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("disk", [True, False], ids=["disk-dir", "tmpdir"])
-def test_a_ray_run_that_spills_leaves_no_spill_file(tmp_path, tmpdir_of_run, disk):
+def test_a_ray_run_that_spills_leaves_no_spill_file(tmp_path, tmpdir_of_run, disk, request):
     spill = tmp_path / "spill"
     args = ["run", "llama_prefill", *LLAMA, *TIERS, "--out", str(tmp_path / "o.npz"), "--check-reference"]
     args += ["--disk", str(spill)] if disk else []
+    # without --disk the workers' TMPDIR is the run's: only a private Ray's workers inherit it
+    address = request.getfixturevalue("ray_address") if disk else None
     r = subprocess.run(
         [sys.executable, "-m", "disco_ray", *args],
         capture_output=True,
         text=True,
-        env=_env(tmpdir_of_run),
+        env=_env(tmpdir_of_run, address),
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -180,9 +185,11 @@ def _wait_for_spill_file(proc, spill: Path, seconds: float = 180) -> int:
     ids=["sigint", "sigterm", "killed-worker", "stopped-worker"],
 )
 def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(
-    checkpoint, tmp_path, tmpdir_of_run, fault, rc, word
+    checkpoint, tmp_path, tmpdir_of_run, fault, rc, word, request
 ):
     spill = tmp_path / "spill"
+    to_cli = fault in (signal.SIGINT, signal.SIGTERM)  # these end the CLI and the private Ray it made
+    address = None if to_cli else request.getfixturevalue("ray_address")
     args = ["generate", checkpoint, "--prompt-ids", "5,17,3,99,42,7,8,1,60,63", "--max-new-tokens", "600"]
     args += ["--capacity", "330000", "--block", "4", "--ignore-eos"]  # tight: the decode steps spill
     args += ["--host-capacity", "0", "--disk", str(spill), "--stall-timeout", "3"]
@@ -191,7 +198,7 @@ def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(tmpdir_of_run),
+        env=_env(tmpdir_of_run, address),
         start_new_session=True,  # its Ray's processes are found (and ended) by its session
         # Ctrl-C as at a terminal, even where this runs as a background job (which ignores SIGINT)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -200,7 +207,7 @@ def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(
     try:
         worker = _wait_for_spill_file(proc, spill)
         time.sleep(0.5)  # into the decode steps
-        os.kill(proc.pid if fault in (signal.SIGINT, signal.SIGTERM) else worker, fault)
+        os.kill(proc.pid if to_cli else worker, fault)
         err = proc.communicate(timeout=120)[1]
         assert proc.returncode == rc, err[-3000:]
         assert word in _one_error(err)

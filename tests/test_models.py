@@ -98,6 +98,14 @@ def test_checkpoints_are_what_the_tests_say(checkpoints):
     assert Checkpoint(checkpoints["gqa_llama3"][0]).config.rope["rope_type"] == "llama3"
 
 
+def test_a_relative_checkpoint_path_names_its_files_absolutely(checkpoints, monkeypatch):
+    """The workers of a running cluster read the weights from their own working directory."""
+    path = Path(checkpoints["mha"][0])
+    monkeypatch.chdir(path.parent)
+    files = {f for f, _, _ in Checkpoint(path.name).tensors.values()}
+    assert files == {str(path / "model.safetensors")}
+
+
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 @pytest.mark.parametrize("gpus", [1, 2])
 @pytest.mark.parametrize("mode", ["roomy", "tight"])

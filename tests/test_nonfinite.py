@@ -28,7 +28,7 @@ from disco_ray.models import LlamaModel, adapter  # noqa: E402
 from disco_ray.models.finetune import LoraTrainer  # noqa: E402
 from disco_ray.models.sampling import SamplingParams, check_logits, sample  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
-from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
+from tests.ray_fixtures import joining, pool, ray_address  # noqa: E402, F401  (module fixtures for the ray tests)
 from tests.test_models import make_checkpoint  # noqa: E402
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 
@@ -156,12 +156,13 @@ def test_under_ray_the_worker_names_the_tensor(good, tmp_path, pool, weights):  
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_as_a_user_runs_it(good, tmp_path):
-    """`python -m disco_ray` with the default ray engine: one line, exit 2, no file."""
+def test_as_a_user_runs_it(good, tmp_path, ray_address):  # noqa: F811
+    """`python -m disco_ray` with the default ray engine (joining a running Ray): one line, exit 2,
+    no file."""
     path = one_nan_norm(good, tmp_path / "ck")
     out = tmp_path / "logits.npz"
     argv = [a for a in _generate(path, out, "--weights", "disk") if a not in ("--engine", "local")]
-    r = run_cli(*argv)
+    r = run_cli(*argv, env=joining(ray_address))
     assert_one_line(r.returncode, r.stderr, NORM, "NaN")
     assert not out.exists()
 

@@ -86,6 +86,9 @@ class MemVertex:
     # a sum-into kernel: part k of n of an `accumulate` TaskGraph vertex (reads operand k, adds
     # it into the sum's range under a write lock; the first of the group to run writes it)
     acc: tuple[int, int] | None = None
+    # a conditional vertex: (the vertex that writes a flag, its column); skipped at run time unless
+    # some row of one of these columns is non-zero (FORMATS.md "Conditional vertices")
+    when: tuple[tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict:
         d = {
@@ -98,6 +101,8 @@ class MemVertex:
         }
         if self.acc is not None:
             d["accumulate"] = {"part": self.acc[0], "parts": self.acc[1]}
+        if self.when:
+            d["when"] = [{"src": u, "index": n} for u, n in self.when]
         return d
 
 
@@ -105,8 +110,8 @@ class MemVertex:
 # vertex (millions): they set the slots directly, skipping the frozen dataclass __init__'s
 # object.__setattr__ per field (2x faster). The objects are the same.
 _new = object.__new__
-_v_id, _v_kind, _v_value, _v_gpu, _v_ins, _v_out, _v_acc = (
-    getattr(MemVertex, f).__set__ for f in ("id", "kind", "value", "gpu", "ins", "out", "acc")
+_v_id, _v_kind, _v_value, _v_gpu, _v_ins, _v_out, _v_acc, _v_when = (
+    getattr(MemVertex, f).__set__ for f in ("id", "kind", "value", "gpu", "ins", "out", "acc", "when")
 )
 _r_value, _r_src, _r_loc = (getattr(Read, f).__set__ for f in ("value", "src", "loc"))
 
@@ -129,6 +134,7 @@ def new_vertex(
     _v_ins(v, ins)
     _v_out(v, out)
     _v_acc(v, acc)
+    _v_when(v, ())
     return v
 
 
@@ -333,7 +339,14 @@ class MemGraph:
                             f'{where}: "accumulate" must be {{"part": k, "parts": n}} (0 <= k < n) on a kernel'
                         )
                     acc = (acc["part"], acc["parts"])
-                verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where), acc))
+                when = r.get("when", [])
+                if not isinstance(when, list) or not all(
+                    isinstance(c, dict) and type(c.get("src")) is int and type(c.get("index")) is int
+                    for c in when
+                ):
+                    raise FormatError(f'{where}: "when" must be a list of {{"src": vertex id, "index": n}}')
+                cond = tuple((c["src"], c["index"]) for c in when)
+                verts.append(MemVertex(vid, kind, r["value"], gpu, ins, _loc(r["out"], where), acc, cond))
             edges = []
             for e in doc["edges"]:
                 if not (

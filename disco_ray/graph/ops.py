@@ -9,13 +9,14 @@ the general ops a torch model maps onto (activations, layer norm, broadcasting a
 copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
 optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
 activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
-`ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_quant` the
-dequantization of packed weights (`dequant`).
+`ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_moe` the
+mixture-of-experts ops (routing, combining, their backward); `ops_quant` the dequantization of
+packed weights (`dequant`).
 """
 
 from __future__ import annotations
 
-from . import ops_act, ops_headnorm, ops_llm, ops_nn, ops_quant, ops_sample, ops_train
+from . import ops_act, ops_headnorm, ops_llm, ops_moe, ops_nn, ops_quant, ops_sample, ops_train
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,
@@ -45,6 +46,7 @@ __all__ = [
     "ops_act",
     "ops_headnorm",
     "ops_llm",
+    "ops_moe",
     "ops_nn",
     "ops_quant",
     "ops_sample",

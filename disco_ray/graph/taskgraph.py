@@ -10,7 +10,10 @@ Additions to FORMATS.md (fields only; a reader that ignores them sees a valid ve
 - an input's `"state": true`: the value is the worker's saved state of that id (zeros until a
   run saves it), kept on the worker across runs and graphs; the caller does not supply it;
 - the graph's `"carry": {"value": "state id", ...}`: after a run, each value's final contents
-  are saved as that state on the value's GPU (e.g. a KV cache block a later graph reads).
+  are saved as that state on the value's GPU (e.g. a KV cache block a later graph reads);
+- a vertex's `"when": [{"value": flag, "index": n}, ...]` (`condition`): the vertex is
+  conditional, computed (loaded, moved) in a run only when column n of some flag is non-zero in
+  some row; otherwise it is skipped (docs/FORMATS.md, "Conditional vertices").
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import cast
 
 from . import ops
 from .builder import OpMethods
+from .conditions import condition
 from .dtypes import ITEMSIZE, nbytes
 from .errors import FormatError, GraphError, check_header
 from .sources import Source
@@ -50,6 +54,8 @@ class Vertex:
     attrs: Mapping[str, object] = field(default_factory=dict)
     source: Source | None = None  # input: read by the worker from this file block
     state: bool = False  # input: the worker's saved state of this id
+    # (flag value, column): skipped at run time unless some row of one flag's column is non-zero
+    when: tuple[tuple[str, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +80,8 @@ class Vertex:
             d["source"] = self.source.to_dict()
         if self.state:
             d["state"] = True
+        if self.when:
+            d["when"] = [{"value": f, "index": n} for f, n in self.when]
         return d
 
 
@@ -144,6 +152,16 @@ class TaskGraph(OpMethods):
                 f"{list(v.shape)} {v.dtype} on gpu {v.gpu}"
             )
         self.carry[value] = key
+
+    def condition(self, id: str, flag: str, index: int) -> None:
+        """Makes vertex `id` conditional on column `index` of `flag`
+        (`disco_ray.graph.conditions.condition`)."""
+        condition(self.vertices, id, flag, index)
+
+    @property
+    def conditional(self) -> bool:
+        """Whether some vertex is conditional (`condition`)."""
+        return any(v.when for v in self.vertices.values())
 
     # ---- queries ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -346,6 +364,11 @@ class TaskGraph(OpMethods):
                 raise FormatError(f'vertex {vid!r}: "inputs" must be a list of ids')
             if r.get("attrs") is not None and not isinstance(r.get("attrs"), dict):
                 raise FormatError(f'vertex {vid!r}: "attrs" must be an object')
+            when = r.get("when", [])
+            if not isinstance(when, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("value"), str) for c in when
+            ):
+                raise FormatError(f'vertex {vid!r}: "when" must be a list of {{"value": id, "index": n}}')
             if r.get("state", False) not in (True, False):
                 raise FormatError(f'vertex {vid!r}: "state" must be true or false, got {r.get("state")!r}')
             by_id[vid] = r
@@ -363,6 +386,9 @@ class TaskGraph(OpMethods):
                 source=None if r.get("source") is None else Source.from_dict(r["source"], f"vertex {vid!r}"),
                 state=bool(r.get("state", False)),
             )
+        for vid, r in by_id.items():
+            for c in r.get("when", []):
+                g.condition(vid, c["value"], c.get("index"))
         outs = doc.get("outputs", [])
         if not isinstance(outs, list):
             raise FormatError('taskgraph: "outputs" must be a list of ids')

@@ -60,7 +60,8 @@ class Checkpoint:
             raise UsageError(f"{path}: no model.safetensors or model.safetensors.index.json")
         self.tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}  # name -> (file, shape, dtype)
         for name in files:
-            fp = self.path / name
+            # absolute: a worker of a running cluster reads it from another working directory
+            fp = (self.path / name).absolute()
             try:
                 with safe_open(str(fp), framework="pt") as f:
                     for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)

@@ -104,6 +104,18 @@ class LayerWeights:
 
 ROLES = tuple(r for r, _ in LayerWeights().items())  # the weights every layer has, by what they do
 BIASES = {"q_bias": "q", "k_bias": "k", "v_bias": "v"}  # a bias -> its projection
+EXPERT_ROLES = ("gate", "up", "down")  # a mixture's expert weights: `LayerWeights` names them with {n}
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A sparse mixture-of-experts MLP (Mixtral): a router picks `top_k` of `experts` SwiGLU
+    experts per token; each expert's weights are named by `LayerWeights` gate/up/down with {n}."""
+
+    experts: int  # num_local_experts
+    top_k: int  # num_experts_per_tok
+    router: str = "block_sparse_moe.gate.weight"  # [experts, dim], after the layer's prefix
+    conditional: bool = True  # False: every expert is loaded and run at every step (a baseline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +143,8 @@ class LayerSpec:
     # Gemma 2: norms scaled by (norm_offset + w); attention scores soft-capped (None: not)
     norm_offset: float = 0.0
     softcap: float | None = None
+
+    moe: MoeSpec | None = None  # a mixture of experts instead of the MLP (None: the dense MLP)
 
     def window(self, li: int | None) -> int | None:
         """Layer li's sliding attention window: a query at position p sees keys in (p - window, p]
@@ -288,6 +302,8 @@ class Layer:
     ):
         self.g, self.spec, self.split, self.weights = g, spec, split, weights
         self.G = g.gpus
+        # a mixture's expert weights: experts(li, j, n) -> expert n's input ids by role (gate/up/down)
+        self.experts: Callable[[int, int, int], Mapping[str, str]] | None = None
 
     # ---- one step on one GPU -----------------------------------------------------------------
     def norm(self, li: int, role: str, x: str, j: int, id: str) -> str:
@@ -376,6 +392,8 @@ class Layer:
     def mlp(self, li: int, h: str, j: int, stem: str) -> str:
         """GPU j's partial of the gated MLP on its hidden state h (before the sum over GPUs)."""
         x = self.norm(li, "mlp_norm", h, j, f"{stem}.norm2_g{j}")
+        if self.spec.moe is not None:
+            return self.moe(li, x, j, stem)
         gate_id, up_id, mul_id = self.spec.mlp_ids
         gate = self.project(li, "gate", x, j, f"{stem}.{gate_id}_g{j}")
         if self.spec.order is Order.BY_GPU:
@@ -386,6 +404,38 @@ class Layer:
             up = self.project(li, "up", x, j, f"{stem}.{up_id}_g{j}")
         m = self.g.mul(a, up, id=f"{stem}.{mul_id}_g{j}")
         return self.project(li, "down", m, j, f"{stem}.down_g{j}")
+
+    def moe(self, li: int, x: str, j: int, stem: str, keep: dict | None = None) -> str:
+        """GPU j's partial of the mixture of experts on its normed input x: the router's choice
+        (`moe_route`), every expert's SwiGLU on GPU j's block of its units, each conditional on
+        the router's column for it (a step loads and runs only the experts some row chose), and
+        their weighted sum (`moe_combine`, which reads only the chosen ones).
+
+        `keep` (training): gets what the backward reads ("logits", "route", "experts": per expert
+        its gate, act, up and down); the weights are not conditional then (the forward and the
+        recomputation read them, and the recomputation's router comes after the forward) and no
+        sum is made ("")."""
+        moe, g, act = self.spec.moe, self.g, self.spec.act.value
+        assert moe is not None and self.experts is not None  # a mixture's builder gives its experts
+        logits = g.linear(x, self.weights(li, j)["router"], id=f"{stem}.router_g{j}")
+        route = g.kernel("moe_route", logits, id=f"{stem}.route_g{j}", top_k=moe.top_k)
+        outs, kept = [], []
+        for n in range(moe.experts):
+            w, e = self.experts(li, j, n), f"{stem}.e{n}"
+            gate = g.linear(x, w["gate"], id=f"{e}.gate_g{j}")
+            a = self.act(gate, f"{e}.{act}_g{j}")
+            up = g.linear(x, w["up"], id=f"{e}.up_g{j}")
+            m = g.mul(a, up, id=f"{e}.mul_g{j}")
+            down = g.linear(m, w["down"], id=f"{e}.down_g{j}")
+            for vid in (*(w.values() if keep is None else ()), gate, a, up, m, down):
+                if moe.conditional:
+                    g.condition(vid, route, n)
+            outs.append(down)
+            kept.append({"gate": gate, "a": a, "up": up, "down": down})
+        if keep is not None:
+            keep |= {"logits": logits, "route": route, "experts": kept}
+            return ""
+        return g.kernel("moe_combine", route, *outs, id=f"{stem}.moe_g{j}")
 
     # ---- moving between GPUs -----------------------------------------------------------------
     def broadcast(self, x: str, stem: str) -> list[str]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from disco_ray.graph.errors import UsageError
 
+from .layer import EXPERT_ROLES
 from .model import _Builder
 
 # every family's linear modules: LLaMA's, then Phi-3's fused ones
@@ -57,6 +58,8 @@ def module_dims(cfg, mod: str) -> tuple[int, int]:
 def default_targets(cfg) -> tuple[str, ...]:
     """`LoraSpec`'s default targets as `cfg`'s family names its modules (Phi-3: qkv_proj, ...)."""
     want = {ROLES[m] for m in LoraSpec().targets}
+    if cfg.moe is not None:  # a mixture's experts take no adapters (`train_graph`)
+        want -= set(EXPERT_ROLES)
     return tuple(m for m, roles in cfg.spec.weights.modules().items() if set(roles) <= want)
 
 
@@ -403,3 +406,16 @@ class LoraLayers(_Builder):
         for n, p in enumerate(parts[1:]):
             acc = g.add(acc, p, id=f"{stem}.c{n}", gpu=gpu)
         return acc
+
+    def mlp_backward(self, li: int, keep: dict, dys: list[str], w: int, stem: str) -> str:
+        """The gradient of the MLP's normed input on owner w, given dys[j] (its output's) per GPU."""
+        g, G = self.g, self.G
+        dm = self.row_backward(li, "down_proj", dys, keep["m"], keep, stem)
+        da = [g.mul(dm[j], keep["up"][j], id=f"{stem}.da_g{j}") for j in range(G)]
+        dup = [g.mul(dm[j], keep["a"][j], id=f"{stem}.dup_g{j}") for j in range(G)]
+        act = self.cfg.act.grad
+        dgt = [g.kernel(act, keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
+        dx2g = self.col_backward(li, "gate_proj", dgt, keep["x2"], keep, stem, True)
+        dx2u = self.col_backward(li, "up_proj", dup, keep["x2"], keep, stem, True)
+        dx2 = [g.add(dx2g[j], dx2u[j], id=f"{stem}.dx2_g{j}") for j in range(G)]
+        return self.reduce(dx2, [], w, f"{stem}.dx2")

@@ -41,7 +41,7 @@ from disco_ray.graph.quant import Quant
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
-from .layer import COL_SPLIT, ROW_SPLIT, Attend, Layer, LayerSpec, Split, rope_tables
+from .layer import COL_SPLIT, EXPERT_ROLES, ROW_SPLIT, Attend, Layer, LayerSpec, Split, rope_tables
 from .packed import dequantized, packed_linear
 
 PROJECTIONS = frozenset(ROW_SPLIT + COL_SPLIT)  # the weights a quantized checkpoint packs
@@ -109,6 +109,7 @@ class _Builder:
         self.g = TaskGraph(gpus)
         self.G = gpus
         self.layer = Layer(self.g, self.cfg.spec, self.split, self.layer_weights)
+        self.layer.experts = self.expert_weights
         # the embedding table and LM head: int8 whatever the layers' bits (their errors go
         # straight into the logits, as llama.cpp keeps its output matrix at more bits)
         q = self.ck.quant
@@ -167,7 +168,7 @@ class _Builder:
     def layer_weights(self, li: int, j: int) -> dict[str, str]:
         """Layer li's weights on GPU j by role: GPU j's blocks of the checkpoint's tensors."""
         spec, p = self.cfg.spec, f"model.layers.{li}."
-        return {
+        out = {
             role: self.weight(
                 f"l{li}.{role}_g{j}",
                 p + name,
@@ -176,6 +177,21 @@ class _Builder:
                 packed=self.ck.quant if role in PROJECTIONS else None,
             )
             for role, name in spec.weights.items()
+            if spec.moe is None or role not in EXPERT_ROLES
+        }
+        if spec.moe is not None:  # the router, whole on every GPU
+            out["router"] = self.weight(f"l{li}.router_g{j}", p + spec.moe.router, j)
+        return out
+
+    def expert_weights(self, li: int, j: int, n: int) -> dict[str, str]:
+        """Expert n of layer li's weights on GPU j by role (gate, up, down): its blocks."""
+        spec, p = self.cfg.spec, f"model.layers.{li}."
+        names = dict(spec.weights.items())
+        return {
+            role: self.weight(
+                f"l{li}.e{n}.{role}_g{j}", p + names[role].format(n=n), j, *self.split.block(spec, role, j)
+            )
+            for role in EXPERT_ROLES
         }
 
     def logits(self, x: str, j: int, id: str) -> str:

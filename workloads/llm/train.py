@@ -35,8 +35,9 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
-from .layer import rope_tables
+from .layer import EXPERT_ROLES, rope_tables
 from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, check_trainable, module_dims
+from .moe_train import moe_backward, moe_forward, moe_output
 
 IGNORE = -100  # transformers' ignored label
 __all__ = ["TARGETS", "LoraSpec", "OptimSpec", "Param", "TrainGraph", "module_dims", "train_graph"]
@@ -132,6 +133,13 @@ class _Step(LoraLayers):
         h1s = lay.broadcast(h1, f"{stem}.h1b")
         x2 = [lay.norm(li, "mlp_norm", h1s[j], j, f"{stem}.norm2_g{j}") for j in range(self.G)]
         keep["x2"] = x2
+        if self.cfg.spec.moe is not None:  # a mixture of experts (workloads.llm.moe_train)
+            moe_forward(self, li, x2, stem, keep)
+            if not full:
+                return ""
+            return self.reduce(
+                [moe_output(self, li, keep, j, stem) for j in range(self.G)], [h1], w, f"{stem}.h2"
+            )
         gt = self.col_forward(li, "gate_proj", x2, stem, keep)
         up = self.col_forward(li, "up_proj", x2, stem, keep)
         a = [lay.act(gt[j], f"{stem}.{lay.spec.act.value}_g{j}") for j in range(self.G)]
@@ -284,14 +292,10 @@ class _Step(LoraLayers):
             dys = self.layer.broadcast(
                 self.post_grad(li, "mlp_post_norm", keep, dh2[t], f"{stem}.dp2"), f"{stem}.dh2"
             )
-            dm = self.row_backward(li, "down_proj", dys, keep["m"], keep, stem)
-            da = [g.mul(dm[j], keep["up"][j], id=f"{stem}.da_g{j}") for j in range(G)]
-            dup = [g.mul(dm[j], keep["a"][j], id=f"{stem}.dup_g{j}") for j in range(G)]
-            dgt = [g.kernel(cfg.act.grad, keep["gate"][j], da[j], id=f"{stem}.dgate_g{j}") for j in range(G)]
-            dx2g = self.col_backward(li, "gate_proj", dgt, keep["x2"], keep, stem, True)
-            dx2u = self.col_backward(li, "up_proj", dup, keep["x2"], keep, stem, True)
-            dx2 = [g.add(dx2g[j], dx2u[j], id=f"{stem}.dx2_g{j}") for j in range(G)]
-            dx2w = self.reduce(dx2, [], w, f"{stem}.dx2")
+            if cfg.spec.moe is not None:
+                dx2w = moe_backward(self, li, keep, dys, w, stem)
+            else:
+                dx2w = self.mlp_backward(li, keep, dys, w, stem)
             mlp_norm = self.layer_weights(li, w)["mlp_norm"]
             dn2 = g.kernel(
                 "rmsnorm_grad", keep["h1"], mlp_norm, dx2w, id=f"{stem}.dn2", **self.layer.norm_attrs()
@@ -397,6 +401,13 @@ def train_graph(
     grad_sum: str = "sum_into",
 ) -> TrainGraph:
     """One optimizer step on `batch` sequences of `seq` tokens (row tiles of `block`)."""
+    mods = ck.config.spec.weights.modules()
+    experts = [t for t in lora.targets if set(mods.get(t, ())) & set(EXPERT_ROLES)]
+    if ck.config.moe is not None and experts:  # adapters on the attention only
+        raise UsageError(
+            f"finetune: LoRA target(s) {', '.join(experts)} are not supported for model_type "
+            f"{ck.config.family!r} (a mixture of experts: adapters on q_proj, k_proj, v_proj, o_proj)"
+        )
     lora.check()
     optim.check()
     if seq < 2:

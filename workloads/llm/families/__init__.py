@@ -16,6 +16,7 @@ from .config import ModelConfig
 from .gemma2 import GEMMA2
 from .llama import LLAMA
 from .mistral import MISTRAL
+from .mixtral import MIXTRAL
 from .phi3 import PHI3
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
@@ -29,6 +30,7 @@ FAMILIES: dict[str, Family] = {
         GEMMA2,
         QWEN2,
         QWEN3,
+        MIXTRAL,
     )
 }
 

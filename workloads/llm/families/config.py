@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from disco_ray.graph.errors import UsageError
 
-from ..layer import Activation, LayerSpec, LayerWeights
+from ..layer import Activation, LayerSpec, LayerWeights, MoeSpec
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -52,6 +52,7 @@ class ModelConfig:
     embed_scale: bool = False
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    moe: MoeSpec | None = None  # a sparse mixture of experts instead of the MLP (Mixtral)
 
     @property
     def spec(self) -> LayerSpec:
@@ -73,6 +74,7 @@ class ModelConfig:
             windows=self.windows,
             norm_offset=self.norm_offset,
             softcap=self.attn_softcap,
+            moe=self.moe,
         )
 
     def check_split(self, gpus: int) -> None:
