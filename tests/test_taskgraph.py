@@ -266,4 +266,4 @@ def test_round_trip_keeps_everything(tg2):
         assert (
             again.vertices == graph.vertices and again.outputs == graph.outputs and again.gpus == graph.gpus
         )
-    assert g["n"].attrs == {"eps": 1e-5}
+    assert g["n"].attrs == {"eps": 1e-5, "offset": 0.0}  # every attribute, defaults filled in
