@@ -215,7 +215,14 @@ def peft_model(base: str, arch: str, weights: dict[str, torch.Tensor], r: int = 
 
 
 def check_finetune_rows(
-    base: str, arch: str, targets: list[str], adapter_path: str, gpus: int, mode: str, data: torch.Tensor, save_to
+    base: str,
+    arch: str,
+    targets: list[str],
+    adapter_path: str,
+    gpus: int,
+    mode: str,
+    data: torch.Tensor,
+    save_to,
 ):
     """`check_finetune` with one row of `data` per AdamW step (each step its own tokens, so a
     mixture's routes differ between steps); then the adapter saved at `save_to` loads into peft
@@ -225,7 +232,9 @@ def check_finetune_rows(
 
     n, seq = data.shape
     want_losses, want_w = peft_train(base, arch, adapter_path, data, steps=n, batch=1)
-    tg = train_graph(Checkpoint(base), 1, 1, seq, BLOCK, LoraSpec(rank=4, alpha=8, targets=tuple(targets)), OptimSpec())
+    tg = train_graph(
+        Checkpoint(base), 1, 1, seq, BLOCK, LoraSpec(rank=4, alpha=8, targets=tuple(targets)), OptimSpec()
+    )
     roomy, least = roomy_capacity(tg.taskgraph)[0], min_capacity(tg.taskgraph)[0]
     cap = roomy if mode == "roomy" else max(least * 2, roomy // 10)
     with LoraTrainer(

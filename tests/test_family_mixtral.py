@@ -223,8 +223,12 @@ def test_lora_on_the_experts_equals_peft(mixtral, expert_adapter, gpus, mode):
 def sparse(tmp_path_factory):
     """Eight experts, one per token: a 6-token step leaves some unrouted."""
     path = tmp_path_factory.mktemp("sparse")
-    hf = oracle.save("MixtralForCausalLM", path, num_local_experts=8, num_experts_per_tok=1, intermediate_size=32)
-    ad = oracle.random_adapter(str(path), "MixtralForCausalLM", ["w1", "w2", "w3"], tmp_path_factory.mktemp("ad"))
+    hf = oracle.save(
+        "MixtralForCausalLM", path, num_local_experts=8, num_experts_per_tok=1, intermediate_size=32
+    )
+    ad = oracle.random_adapter(
+        str(path), "MixtralForCausalLM", ["w1", "w2", "w3"], tmp_path_factory.mktemp("ad")
+    )
     return str(path), hf, ad
 
 
@@ -239,14 +243,18 @@ def test_an_unrouted_experts_adapter_steps_as_torch_does(sparse, gpus, mode, tmp
         logits = hf(data, output_router_logits=True).router_logits[0].reshape(3, 6, -1)
     routed = [set(logits[k].argmax(-1).tolist()) for k in range(3)]
     assert routed[0] - routed[1] and len(routed[1]) < 8, routed  # routed at step 1, not at step 2
-    oracle.check_finetune_rows(path, "MixtralForCausalLM", ["w1", "w2", "w3"], ad, gpus, mode, data, tmp_path / "out")
+    oracle.check_finetune_rows(
+        path, "MixtralForCausalLM", ["w1", "w2", "w3"], ad, gpus, mode, data, tmp_path / "out"
+    )
 
 
 def test_expert_targets_are_all_or_none(mixtral):
     """The default targets are the attention's; w1 without w2 and w3 is refused by name."""
     ck = Checkpoint(mixtral[0])
     assert default_targets(ck.config) == ("q_proj", "k_proj", "v_proj")
-    with pytest.raises(UsageError, match=r"target\(s\) w1 of model_type 'mixtral': the experts take adapters on all"):
+    with pytest.raises(
+        UsageError, match=r"target\(s\) w1 of model_type 'mixtral': the experts take adapters on all"
+    ):
         train_graph(ck, 1, 1, 8, 4, LoraSpec(targets=("q_proj", "w1")), OptimSpec())
 
 

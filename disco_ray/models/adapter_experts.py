@@ -47,7 +47,9 @@ def check_config(cfg: dict, where: str) -> bool:
     for field, value in want.items():
         got = sorted(params) if field == "target_parameters" else cfg.get(field)
         if got != (sorted(value) if field == "target_parameters" else value):
-            raise UsageError(f"{where}: {field} {cfg.get(field)!r} is not supported (want {value!r}: Mixtral's experts)")
+            raise UsageError(
+                f"{where}: {field} {cfg.get(field)!r} is not supported (want {value!r}: Mixtral's experts)"
+            )
     return True
 
 

@@ -146,7 +146,9 @@ def _gate_up_backward(b, li, n, j, ex: dict, dm: str, x: str, e: str, s: float, 
     dup = g.mul(dm, ex["a"], id=f"{e}.dup_g{j}")
     dgt = g.kernel(b.cfg.act.grad, ex["gate"], da, id=f"{e}.dgate_g{j}")
     dx = g.add(
-        g.matmul(dgt, wt["gate"], id=f"{e}.dxg_g{j}"), g.matmul(dup, wt["up"], id=f"{e}.dxu_g{j}"), id=f"{e}.dxb_g{j}"
+        g.matmul(dgt, wt["gate"], id=f"{e}.dxg_g{j}"),
+        g.matmul(dup, wt["up"], id=f"{e}.dxu_g{j}"),
+        id=f"{e}.dxb_g{j}",
     )
     dus = []
     for part, dy in (("gate", dgt), ("up", dup)):

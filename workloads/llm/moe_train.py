@@ -14,7 +14,7 @@ softmax's backward) to the router logits' gradient, times the router weight: add
 
 from __future__ import annotations
 
-from .moe_lora import experts_backward, experts_forward, expert_targets
+from .moe_lora import expert_targets, experts_backward, experts_forward
 
 
 def moe_forward(b, li: int, x2: list[str], stem: str, keep: dict) -> None:
