@@ -212,7 +212,7 @@ def expert_adapter(mixtral, tmp_path_factory):
     return oracle.random_adapter(mixtral[0], "MixtralForCausalLM", ALL, tmp_path_factory.mktemp("ad"))
 
 
-@pytest.mark.parametrize("gpus, mode", [(1, "roomy"), (2, "tight"), (2, "roomy"), (1, "tight")])
+@pytest.mark.parametrize("gpus, mode", [(1, "roomy"), (2, "tight")])  # the others: the unrouted test
 def test_lora_on_the_experts_equals_peft(mixtral, expert_adapter, gpus, mode):
     """Each expert's own adapters on w1, w3 (peft's fused gate_up, rank 2r) and w2: losses and
     every adapter weight equal to peft's after three AdamW steps."""
@@ -246,6 +246,26 @@ def test_an_unrouted_experts_adapter_steps_as_torch_does(sparse, gpus, mode, tmp
     oracle.check_finetune_rows(
         path, "MixtralForCausalLM", ["w1", "w2", "w3"], ad, gpus, mode, data, tmp_path / "out"
     )
+
+
+def test_an_expert_adapter_with_other_patterns_is_refused(sparse, tmp_path):
+    """peft's expert layout is read only with its own rank and alpha pattern, and only for a model
+    with experts."""
+    import shutil
+
+    from disco_ray.models import adapter
+
+    ad = sparse[2]
+    dims = {"w1": (32, 64)}
+    shutil.copytree(ad, tmp_path / "ad")
+    cfg = json.loads((tmp_path / "ad" / adapter.CONFIG).read_text())
+    with pytest.raises(UsageError, match=r"target_parameters .*: the model has no experts"):
+        adapter.load(tmp_path / "ad", 2, dims, experts=0)
+    (tmp_path / "ad" / adapter.CONFIG).write_text(
+        json.dumps(cfg | {"rank_pattern": {r".*\.gate_up_proj": 3}})
+    )
+    with pytest.raises(UsageError, match=r"rank_pattern .* is not supported"):
+        adapter.load(tmp_path / "ad", 2, dims, experts=8)
 
 
 def test_expert_targets_are_all_or_none(mixtral):

@@ -81,6 +81,10 @@ def load(
     if not isinstance(cfg, dict):
         raise UsageError(f"{cfg_path}: want a JSON object")
     on_experts = ex.check_config(cfg, str(cfg_path))  # peft's patterns for Mixtral's experts
+    if on_experts and not experts:
+        raise UsageError(
+            f"{cfg_path}: target_parameters {cfg['target_parameters']!r}: the model has no experts"
+        )
     if cfg.get("peft_type", "LORA") != "LORA":
         raise UsageError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     for field, ok in (
