@@ -212,3 +212,51 @@ def peft_model(base: str, arch: str, weights: dict[str, torch.Tensor], r: int = 
             if "lora_" in n:
                 p.copy_(weights[adapter.PREFIX + n.split("model.layers.", 1)[1].replace(".default", "")])
     return pm.eval()
+
+
+def check_finetune_rows(
+    base: str,
+    arch: str,
+    targets: list[str],
+    adapter_path: str,
+    gpus: int,
+    mode: str,
+    data: torch.Tensor,
+    save_to,
+):
+    """`check_finetune` with one row of `data` per AdamW step (each step its own tokens, so a
+    mixture's routes differ between steps); then the adapter saved at `save_to` loads into peft
+    with the trained weights."""
+    import peft
+    import transformers
+
+    n, seq = data.shape
+    want_losses, want_w = peft_train(base, arch, adapter_path, data, steps=n, batch=1)
+    tg = train_graph(
+        Checkpoint(base), 1, 1, seq, BLOCK, LoraSpec(rank=4, alpha=8, targets=tuple(targets)), OptimSpec()
+    )
+    roomy, least = roomy_capacity(tg.taskgraph)[0], min_capacity(tg.taskgraph)[0]
+    cap = roomy if mode == "roomy" else max(least * 2, roomy // 10)
+    with LoraTrainer(
+        base, gpus=gpus, capacity=cap, init_adapter=adapter_path, optim=OptimSpec(lr=1e-2),
+        block=BLOCK, engine="local", check=True,
+    ) as tr:  # fmt: skip
+        losses = tr.train(data, steps=n, batch=1)
+        got = tr.adapter()
+        tr.save_adapter(str(save_to))
+    for a, b in zip(losses, want_losses):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses, want_losses)
+    assert set(got) == set(want_w)
+    for k, w in want_w.items():
+        torch.testing.assert_close(got[k], w, rtol=2e-4, atol=2e-5, msg=k)
+    pm = peft.PeftModel.from_pretrained(getattr(transformers, arch).from_pretrained(base), str(save_to))
+    from disco_ray.models import adapter
+
+    loaded = {
+        adapter.PREFIX + k.split("model.layers.", 1)[1].replace(".default", ""): p
+        for k, p in pm.named_parameters()
+        if "lora_" in k
+    }
+    assert set(loaded) == set(got)
+    for k, w in got.items():
+        torch.testing.assert_close(loaded[k], w, rtol=0, atol=0, msg=k)

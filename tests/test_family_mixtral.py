@@ -204,11 +204,77 @@ def test_lora_on_the_attention_equals_peft(mixtral, adapter, gpus, mode):
     oracle.check_finetune(mixtral[0], "MixtralForCausalLM", ATTENTION, adapter, gpus, mode)
 
 
-def test_expert_targets_are_refused_by_name(mixtral):
-    """The experts (peft's w1, w3, w2) take no adapters: the default targets are the attention's."""
+ALL = [*ATTENTION, "w1", "w2", "w3"]
+
+
+@pytest.fixture(scope="module")
+def expert_adapter(mixtral, tmp_path_factory):
+    return oracle.random_adapter(mixtral[0], "MixtralForCausalLM", ALL, tmp_path_factory.mktemp("ad"))
+
+
+@pytest.mark.parametrize("gpus, mode", [(1, "roomy"), (2, "tight")])  # the others: the unrouted test
+def test_lora_on_the_experts_equals_peft(mixtral, expert_adapter, gpus, mode):
+    """Each expert's own adapters on w1, w3 (peft's fused gate_up, rank 2r) and w2: losses and
+    every adapter weight equal to peft's after three AdamW steps."""
+    oracle.check_finetune(mixtral[0], "MixtralForCausalLM", ALL, expert_adapter, gpus, mode)
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory):
+    """Eight experts, one per token: a 6-token step leaves some unrouted."""
+    path = tmp_path_factory.mktemp("sparse")
+    hf = oracle.save(
+        "MixtralForCausalLM", path, num_local_experts=8, num_experts_per_tok=1, intermediate_size=32
+    )
+    ad = oracle.random_adapter(
+        str(path), "MixtralForCausalLM", ["w1", "w2", "w3"], tmp_path_factory.mktemp("ad")
+    )
+    return str(path), hf, ad
+
+
+@pytest.mark.parametrize("gpus, mode", [(1, "tight"), (2, "roomy")])
+def test_an_unrouted_experts_adapter_steps_as_torch_does(sparse, gpus, mode, tmp_path):
+    """An expert no token of a step routed to gets a zero gradient, and AdamW still steps its
+    adapter from its moments (peft's one tensor per layer holds every expert's): equal to peft
+    over steps whose routes differ; the saved adapter loads into peft."""
+    path, hf, ad = sparse
+    data = torch.randint(0, 128, (3, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # layer 0's routes do not depend on the (expert-only) adapter
+        logits = hf(data, output_router_logits=True).router_logits[0].reshape(3, 6, -1)
+    routed = [set(logits[k].argmax(-1).tolist()) for k in range(3)]
+    assert routed[0] - routed[1] and len(routed[1]) < 8, routed  # routed at step 1, not at step 2
+    oracle.check_finetune_rows(
+        path, "MixtralForCausalLM", ["w1", "w2", "w3"], ad, gpus, mode, data, tmp_path / "out"
+    )
+
+
+def test_an_expert_adapter_with_other_patterns_is_refused(sparse, tmp_path):
+    """peft's expert layout is read only with its own rank and alpha pattern, and only for a model
+    with experts."""
+    import shutil
+
+    from disco_ray.models import adapter
+
+    ad = sparse[2]
+    dims = {"w1": (32, 64)}
+    shutil.copytree(ad, tmp_path / "ad")
+    cfg = json.loads((tmp_path / "ad" / adapter.CONFIG).read_text())
+    with pytest.raises(UsageError, match=r"target_parameters .*: the model has no experts"):
+        adapter.load(tmp_path / "ad", 2, dims, experts=0)
+    (tmp_path / "ad" / adapter.CONFIG).write_text(
+        json.dumps(cfg | {"rank_pattern": {r".*\.gate_up_proj": 3}})
+    )
+    with pytest.raises(UsageError, match=r"rank_pattern .* is not supported"):
+        adapter.load(tmp_path / "ad", 2, dims, experts=8)
+
+
+def test_expert_targets_are_all_or_none(mixtral):
+    """The default targets are the attention's; w1 without w2 and w3 is refused by name."""
     ck = Checkpoint(mixtral[0])
     assert default_targets(ck.config) == ("q_proj", "k_proj", "v_proj")
-    with pytest.raises(UsageError, match=r"target\(s\) w1 are not supported for model_type 'mixtral'"):
+    with pytest.raises(
+        UsageError, match=r"target\(s\) w1 of model_type 'mixtral': the experts take adapters on all"
+    ):
         train_graph(ck, 1, 1, 8, 4, LoraSpec(targets=("q_proj", "w1")), OptimSpec())
 
 

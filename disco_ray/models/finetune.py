@@ -32,7 +32,7 @@ from planner import build_memgraph
 from workloads.llm.lora import check_targets, default_targets
 from workloads.llm.train import LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
-from . import adapter
+from . import adapter, adapter_experts
 from .programs import Programs, one_request, open_checkpoint, plan_entry
 
 
@@ -85,13 +85,14 @@ class LoraTrainer(Programs):
         self.optim = optim or OptimSpec()
         self.optim.check()
         dims = {m: module_dims(self.config, m) for m in self.config.spec.weights.modules()}
+        self._experts = self.config.moe.experts if self.config.moe is not None else 0
         if init_adapter is not None:
-            self.lora, self._start = adapter.load(init_adapter, self.config.layers, dims)
+            self.lora, self._start = adapter.load(init_adapter, self.config.layers, dims, self._experts)
         else:
             self.lora = lora or LoraSpec(targets=default_targets(self.config))
             self.lora.check()
             check_targets(self.config, self.lora.targets)
-            self._start = adapter.init(self.lora, self.config.layers, dims, seed)
+            self._start = adapter.init(self.lora, self.config.layers, dims, seed, self._experts)
         super().__init__(
             engine, pool, cluster, capacity, host_capacity, backend, streams, ahead, weights, disk_dir, check
         )
@@ -170,7 +171,7 @@ class LoraTrainer(Programs):
     def adapter(self) -> dict[str, torch.Tensor]:
         """The adapter now, whole matrices keyed as PEFT saves them (float32)."""
         if not self._programs:
-            return {k: v.clone() for k, v in self._start.items()}
+            return self._peft({k: v.clone() for k, v in self._start.items()})
         tgraph = next(iter(self._programs.values()))[0]
         out = {k: torch.zeros_like(v) for k, v in self._start.items()}
         for p in tgraph.params:
@@ -179,7 +180,13 @@ class LoraTrainer(Programs):
             out[adapter.key(p.layer, p.module, p.which)][p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]] = st[
                 :n
             ].float()
-        return out
+        return self._peft(out)
+
+    def _peft(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Expert adapters (kept per expert) fused as peft saves them (`adapter_experts`)."""
+        if not any(".mlp.experts." in k for k in tensors):
+            return tensors
+        return adapter_experts.fuse(tensors, self.config.layers, self._experts)
 
     def save_adapter(self, path: str) -> None:
         """Writes the adapter to directory `path` in PEFT's layout (whole files or nothing).

@@ -105,6 +105,7 @@ class LayerWeights:
 ROLES = tuple(r for r, _ in LayerWeights().items())  # the weights every layer has, by what they do
 BIASES = {"q_bias": "q", "k_bias": "k", "v_bias": "v"}  # a bias -> its projection
 EXPERT_ROLES = ("gate", "up", "down")  # a mixture's expert weights: `LayerWeights` names them with {n}
+EXPERT_TARGETS = ("w1", "w2", "w3")  # peft's names of Mixtral's experts' gate, down and up modules
 
 
 @dataclass(frozen=True, slots=True)

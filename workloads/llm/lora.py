@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from disco_ray.graph.errors import UsageError
 
-from .layer import EXPERT_ROLES
+from .layer import EXPERT_ROLES, EXPERT_TARGETS
 from .model import _Builder
 
-# every family's linear modules: LLaMA's, then Phi-3's fused ones
+# every family's linear modules: LLaMA's, Phi-3's fused ones, Mixtral's experts'
 TARGETS = (
     "q_proj",
     "k_proj",
@@ -40,6 +40,7 @@ TARGETS = (
     "down_proj",
     "qkv_proj",
     "gate_up_proj",
+    *EXPERT_TARGETS,
 )
 COLUMN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}  # rows split
 ROW = {"o_proj": "o", "down_proj": "down"}  # input columns split

@@ -14,10 +14,15 @@ softmax's backward) to the router logits' gradient, times the router weight: add
 
 from __future__ import annotations
 
+from .moe_lora import expert_targets, experts_backward, experts_forward
+
 
 def moe_forward(b, li: int, x2: list[str], stem: str, keep: dict) -> None:
     """Layer li's router and experts on every GPU's normed input x2[j]; `keep["moe"][j]` gets
     what the backward reads (`Layer.moe`)."""
+    if expert_targets(b.cfg, b.lora.targets):  # adapters on the experts (workloads.llm.moe_lora)
+        experts_forward(b, li, x2, stem, keep)
+        return
     keep["moe"] = []
     for j in range(b.G):
         rec: dict = {}
@@ -32,10 +37,9 @@ def moe_output(b, li: int, keep: dict, j: int, stem: str) -> str:
     return b.g.kernel("moe_combine", rec["route"], *downs, id=f"{stem}.moe_g{j}")
 
 
-def moe_backward(b, li: int, keep: dict, dys: list[str], w: int, stem: str) -> str:
-    """The gradient of layer li's normed MLP input on owner GPU w, given dys[j], the gradient
-    of the block's output on every GPU."""
-    g, moe = b.g, b.cfg.spec.moe
+def _experts_backward(b, li: int, keep: dict, dys: list[str], stem: str) -> tuple[list[str], list[str]]:
+    """Per GPU: the experts' partial of dx and the route's gradient partial (no adapters on them)."""
+    g = b.g
     dxs, dots = [], []
     for j in range(b.G):
         rec = keep["moe"][j]
@@ -56,6 +60,15 @@ def moe_backward(b, li: int, keep: dict, dys: list[str], w: int, stem: str) -> s
         dxs.append(g.kernel("moe_combine", route, *parts, id=f"{stem}.mdx_g{j}", weighted=False))
         downs = [e["down"] for e in rec["experts"]]
         dots.append(g.kernel("moe_route_dot", dys[j], route, *downs, id=f"{stem}.mdr_g{j}"))
+    return dxs, dots
+
+
+def moe_backward(b, li: int, keep: dict, dys: list[str], w: int, stem: str) -> str:
+    """The gradient of layer li's normed MLP input on owner GPU w, given dys[j], the gradient
+    of the block's output on every GPU."""
+    g, moe = b.g, b.cfg.spec.moe
+    backward = experts_backward if expert_targets(b.cfg, b.lora.targets) else _experts_backward
+    dxs, dots = backward(b, li, keep, dys, stem)
     dx = b.reduce(dxs, [], w, f"{stem}.mdx")
     droute = b.reduce(dots, [], w, f"{stem}.mdr")
     rec = keep["moe"][w]

@@ -35,8 +35,9 @@ from disco_ray.graph.errors import UsageError
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
-from .layer import EXPERT_ROLES, rope_tables
+from .layer import rope_tables
 from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, check_trainable, module_dims
+from .moe_lora import expert_targets
 from .moe_train import moe_backward, moe_forward, moe_output
 
 IGNORE = -100  # transformers' ignored label
@@ -401,13 +402,7 @@ def train_graph(
     grad_sum: str = "sum_into",
 ) -> TrainGraph:
     """One optimizer step on `batch` sequences of `seq` tokens (row tiles of `block`)."""
-    mods = ck.config.spec.weights.modules()
-    experts = [t for t in lora.targets if set(mods.get(t, ())) & set(EXPERT_ROLES)]
-    if ck.config.moe is not None and experts:  # adapters on the attention only
-        raise UsageError(
-            f"finetune: LoRA target(s) {', '.join(experts)} are not supported for model_type "
-            f"{ck.config.family!r} (a mixture of experts: adapters on q_proj, k_proj, v_proj, o_proj)"
-        )
+    expert_targets(ck.config, lora.targets)  # all of w1, w2, w3 or none
     lora.check()
     optim.check()
     if seq < 2:
