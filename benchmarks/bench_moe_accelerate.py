@@ -1,7 +1,7 @@
 """Mixtral decode under one memory limit: disco-ray against transformers + accelerate disk offload.
 
     PYTHONPATH=. python benchmarks/bench_moe_accelerate.py [--dir DIR] [--new 8] [--fraction 0.25]
-        [--limit-fraction 0.5] [--tools routed,all,accelerate]
+        [--limit-fraction 0.6] [--tools routed,all,accelerate]
 
 The checkpoint is `benchmarks/bench_moe.py`'s (random Mixtral, 8 experts, 4 layers, about 1.1 GB,
 made once in `--dir`). Each tool runs in its own child process inside its own cgroup-v1 memory
@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/disco_bench_moe", help="where the checkpoint is (made once)")
     ap.add_argument("--new", type=int, default=8, help="new tokens (decode steps + 1)")
     ap.add_argument("--fraction", type=float, default=0.25, help="arena (and accelerate cpu) / weights")
-    ap.add_argument("--limit-fraction", type=float, default=0.5, help="cgroup memory limit / weights")
+    ap.add_argument("--limit-fraction", type=float, default=0.6, help="cgroup memory limit / weights")
     ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated, of " + ", ".join(TOOLS))
     ap.add_argument("--offload", default="/tmp/disco_bench_moe_offload", help="accelerate's folder")
     ap.add_argument("--child", choices=TOOLS, help=argparse.SUPPRESS)
