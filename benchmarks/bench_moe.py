@@ -12,9 +12,8 @@ docs/FORMATS.md "Conditional vertices") and "all experts" (the conditions off: e
 loaded and run at every step). Printed per setting: decode tokens/s (the median step), and per
 decode step the expert bytes loaded and skipped (the workers' run statistics).
 
-transformers + accelerate disk offload under the same memory limit is not measured here:
-`systemd-run --scope -p MemoryMax=...` fails on this machine (systemd is not PID 1), so the limit
-would not hold.
+transformers + accelerate disk offload under the same memory limit: `bench_moe_accelerate.py`
+(each tool in its own memory cgroup).
 """
 
 from __future__ import annotations
