@@ -173,11 +173,7 @@ def check_finetune(base: str, arch: str, targets: list[str], adapter_path: str, 
         LoraSpec(rank=4, alpha=8, targets=tuple(targets)),
         OptimSpec(lr=1e-2),
     ).taskgraph
-    cap = (
-        roomy_capacity(tg)[0]
-        if mode == "roomy"
-        else max(min_capacity(tg)[0] * 2, roomy_capacity(tg)[0] // 10)
-    )
+    cap = train_capacity(tg, mode)
     with LoraTrainer(
         base, gpus=gpus, capacity=cap, init_adapter=adapter_path, optim=OptimSpec(lr=1e-2),
         block=BLOCK, engine="local", check=True,
@@ -186,11 +182,7 @@ def check_finetune(base: str, arch: str, targets: list[str], adapter_path: str, 
         got = tr.adapter()
         if mode == "tight":
             assert sum(p["bytes_reloaded"] for p in tr.plans) > 0, tr.plans
-    for a, b in zip(losses, want_losses):
-        assert abs(a - b) <= 1e-4 * abs(b), (losses, want_losses)
-    assert set(got) == set(want_w)
-    for k, w in want_w.items():
-        torch.testing.assert_close(got[k], w, rtol=2e-4, atol=2e-5, msg=k)
+    assert_matches_peft(losses, want_losses, got, want_w)
 
 
 def peft_model(base: str, arch: str, weights: dict[str, torch.Tensor], r: int = 4, alpha: float = 8):
@@ -244,11 +236,7 @@ def check_finetune_rows(
         losses = tr.train(data, steps=n, batch=1)
         got = tr.adapter()
         tr.save_adapter(str(save_to))
-    for a, b in zip(losses, want_losses):
-        assert abs(a - b) <= 1e-4 * abs(b), (losses, want_losses)
-    assert set(got) == set(want_w)
-    for k, w in want_w.items():
-        torch.testing.assert_close(got[k], w, rtol=2e-4, atol=2e-5, msg=k)
+    assert_matches_peft(losses, want_losses, got, want_w)
     pm = peft.PeftModel.from_pretrained(getattr(transformers, arch).from_pretrained(base), str(save_to))
     from disco_ray.models import adapter
 
@@ -260,3 +248,19 @@ def check_finetune_rows(
     assert set(loaded) == set(got)
     for k, w in got.items():
         torch.testing.assert_close(loaded[k], w, rtol=0, atol=0, msg=k)
+
+
+def train_capacity(tg, mode: str) -> int:
+    """A training graph's capacity: roomy (every tensor at once) or tight (offloads)."""
+    if mode == "roomy":
+        return roomy_capacity(tg)[0]
+    return max(min_capacity(tg)[0] * 2, roomy_capacity(tg)[0] // 10)
+
+
+def assert_matches_peft(losses, want_losses, got: dict, want_w: dict) -> None:
+    """Each step's loss within 1e-4 (relative) and every adapter matrix within float32 tolerance."""
+    for a, b in zip(losses, want_losses):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses, want_losses)
+    assert set(got) == set(want_w)
+    for k, w in want_w.items():
+        torch.testing.assert_close(got[k], w, rtol=2e-4, atol=2e-5, msg=k)

@@ -23,6 +23,7 @@ from disco_ray.models import LlamaModel  # noqa: E402
 from disco_ray.models.graphs import capacity_bounds  # noqa: E402
 from disco_ray.models.sampling import SamplingParams  # noqa: E402
 from planner import min_capacity, roomy_capacity  # noqa: E402
+from tests.family_oracle import greedy  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from tests.test_models import make_checkpoint, rel_err  # noqa: E402
 from workloads.llm.batch import batch_decode_graph, batch_prefill_graph  # noqa: E402
@@ -42,15 +43,6 @@ def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("batch")
     hf = make_checkpoint(path, num_key_value_heads=2, tie_word_embeddings=False)
     return str(path), hf
-
-
-def greedy(hf, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens: the argmax of a full forward per step."""
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(hf(torch.tensor([ids + out])).logits[0, -1].argmax()))
-    return out
 
 
 def last_logits(hf, ids: list[int]) -> torch.Tensor:
