@@ -85,7 +85,7 @@ def check_positions(model: str, lengths: list[tuple[str, int, int]]) -> None:
 
     cfg = Checkpoint(model).config
     for where, prompt, new in lengths:
-        why = positions_beyond(prompt, new, cfg.max_positions, cfg.window_limit)
+        why = positions_beyond(prompt, new, cfg.max_positions)
         if why is not None:
             raise UsageError(f"{where}: {why}")
 

@@ -22,15 +22,9 @@ from .graphs import bytes_moved, model_graph
 from .programs import Programs, plan_entry
 
 
-def positions_beyond(prompt: int, new: int, max_positions: int, window: int | None = None) -> str | None:
-    """Why `new` tokens after a prompt of `prompt` do not fit the model's positions, or its
-    sliding window that the layers do not build (`window`) (None: they do)."""
+def positions_beyond(prompt: int, new: int, max_positions: int) -> str | None:
+    """Why `new` tokens after a prompt of `prompt` do not fit the model's positions (None: they do)."""
     n = prompt + new
-    if window is not None and n > window:
-        return (
-            f"{prompt} prompt tokens + {new} new = {n} positions, beyond the model's sliding_window "
-            f"{window} (its windowed attention is not built: sequences up to the window only)"
-        )
     if n <= max_positions:
         return None
     return f"{prompt} prompt tokens + {new} new = {n} positions, beyond the model's max_position_embeddings {max_positions}"
@@ -69,7 +63,7 @@ class PlannedModel(Programs):
     def check_length(self, prompts: Sequence[int], maxes: Sequence[int]) -> None:
         """UsageError naming the sequence whose prompt and new tokens exceed the model's positions."""
         for i, (n, m) in enumerate(zip(prompts, maxes)):
-            why = positions_beyond(n, m, self.ck.config.max_positions, self.ck.config.window_limit)
+            why = positions_beyond(n, m, self.ck.config.max_positions)
             if why is not None:
                 raise UsageError(f"{f'sequence {i}: ' if len(maxes) > 1 else ''}max_new_tokens {m}: {why}")
 

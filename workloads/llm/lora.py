@@ -76,13 +76,7 @@ def check_targets(cfg, targets: tuple[str, ...]) -> None:
 
 
 def check_trainable(cfg, seq: int, where: str) -> None:
-    """UsageError for what training does not build: a sequence past a sliding window the layers
-    lack, a nonzero dropout of config `where`."""
-    if cfg.window_limit is not None and seq > cfg.window_limit:
-        raise UsageError(
-            f"a training sequence of {seq} tokens is beyond the model's sliding_window {cfg.window_limit} "
-            "(its windowed attention is not built: sequences up to the window only)"
-        )
+    """UsageError for what training does not build: a nonzero dropout of config `where`."""
     if cfg.dropout:
         name, p = cfg.dropout[0]
         raise UsageError(f"{where}: {name} {p}: training with dropout is not built (it trains with none)")
