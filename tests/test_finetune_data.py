@@ -8,8 +8,8 @@ finetune` end to end (progress on stderr, --json, --eval-every, --steps 0, the f
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import stat
 
@@ -25,6 +25,7 @@ from disco_ray.graph.files import new_directory, write_bytes  # noqa: E402
 from disco_ray.models.finetune import LoraTrainer  # noqa: E402
 from disco_ray.models.textdata import load_tokens  # noqa: E402
 from tests import family_oracle as oracle  # noqa: E402
+from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.train import OptimSpec  # noqa: E402
 
 ARCH = "LlamaForCausalLM"
@@ -165,6 +166,21 @@ def test_eval_loss_equals_the_forward_loss_of_peft_and_leaves_the_adapter(base, 
     assert after.perplexity == pytest.approx(
         torch.exp(torch.tensor(now, dtype=torch.float64)).item(), rel=1e-5
     )
+
+
+@pytest.mark.ray
+def test_the_ray_engine_evaluates_the_adapter_its_steps_left(base, init_adapter, pool):  # noqa: F811
+    rows = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    with LoraTrainer(
+        base, gpus=2, capacity=1 << 24, init_adapter=init_adapter, optim=OptimSpec(lr=1e-2), block=BLOCK,
+        engine="ray", pool=pool,
+    ) as tr:  # fmt: skip
+        tr.train(rows, steps=1)
+        got = tr.evaluate(rows)
+        trained = tr.adapter()
+    with torch.no_grad():
+        want = oracle.peft_model(base, ARCH, trained)(input_ids=rows, labels=rows).loss.item()
+    assert abs(got.loss - want) <= 1e-5
 
 
 def test_each_step_is_reported_as_it_ends(base):
