@@ -1,14 +1,18 @@
 """`disco-ray finetune`: LoRA fine-tuning of a Hugging Face LLaMA checkpoint.
 
-    disco-ray finetune MODEL_DIR --data TOKENS.npy --steps K --lr LR --capacity SIZE --out DIR
+    disco-ray finetune MODEL_DIR --data FILE --steps K --lr LR --capacity SIZE --out DIR
         [--init-adapter DIR | --lora-rank R --lora-alpha A --lora-targets q_proj,v_proj,...]
         [--optimizer adamw|sgd] [--weight-decay W] [--batch B] [--gpus G] [--json] ...
+        [--seq-len N] [--eval-data FILE [--eval-every N] [--eval-batch B]]
+    disco-ray finetune MODEL_DIR --steps 0 --eval-data FILE --capacity SIZE [--init-adapter DIR]
 
-TOKENS.npy is an int64 array [batch, seq]; the loss is the mean next-token cross-entropy
+FILE is an int64 array [batch, seq] (.npy) or a JSONL of documents packed into rows of --seq-len
+(`finetune_eval`, `disco_ray.models.textdata`); the loss is the mean next-token cross-entropy
 (transformers' labels=input_ids); a step is one optimizer step over the file's whole batch, or
 over --batch rows of it (cycling). --out receives the adapter in PEFT's layout
-(adapter_config.json + adapter_model.safetensors). Prints one loss per step, or with --json one
-object with "losses", seconds per step and the plan's statistics.
+(adapter_config.json + adapter_model.safetensors). Prints a line per step on stderr as it runs,
+then one loss per step (and the evaluations), or with --json one object with "losses", "steps"
+(each step's figures), "eval", seconds per step and the plan's statistics.
 """
 
 from __future__ import annotations
@@ -16,8 +20,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-
-from disco_ray.graph.errors import UsageError
 
 from .app import (
     add_capacity_args,
@@ -28,6 +30,7 @@ from .app import (
     seconds_arg,
     seed_arg,
 )
+from .finetune_eval import Progress, add_data_args, check_modes, read_data
 from .paths import writable_dir
 from .run import add_model_run_args, model_run_kwargs
 
@@ -35,17 +38,16 @@ from .run import add_model_run_args, model_run_kwargs
 @command(
     "finetune",
     help="LoRA fine-tuning of a Hugging Face LLaMA checkpoint",
-    description="Train a LoRA adapter of MODEL_DIR on TOKENS.npy for K optimizer steps and write it "
-    "to DIR in PEFT's layout.",
+    description="Train a LoRA adapter of MODEL_DIR on FILE (.npy token ids or JSONL documents) for K "
+    "optimizer steps and write it to DIR in PEFT's layout; or, with --steps 0, evaluate an adapter.",
 )
 def add_finetune(p) -> None:
     p.add_argument("model", metavar="MODEL_DIR")
-    p.add_argument("--data", required=True, metavar="TOKENS.npy", help="int64 token ids [batch, seq]")
-    p.add_argument("--steps", type=int, required=True, metavar="K")
-    p.add_argument("--lr", type=float, required=True, metavar="LR")
-    p.add_argument(
-        "--out", required=True, type=writable_dir("--out"), metavar="DIR", help="where to write the adapter"
-    )
+    p.add_argument("--data", metavar="FILE", help="int64 token ids [batch, seq] (.npy), or JSONL documents")
+    p.add_argument("--steps", type=int, required=True, metavar="K", help="0: evaluate --eval-data only")
+    p.add_argument("--lr", type=float, metavar="LR", help="needed to train")
+    p.add_argument("--out", type=writable_dir("--out"), metavar="DIR", help="where to write the adapter")
+    add_data_args(p)  # --seq-len, --eval-data, --eval-every, --eval-batch
     p.add_argument("--init-adapter", metavar="DIR", help="a PEFT adapter to start from")
     p.add_argument("--lora-rank", type=int, default=16, metavar="R")
     p.add_argument("--lora-alpha", type=float, default=32.0, metavar="A")
@@ -74,32 +76,14 @@ def add_finetune(p) -> None:
     add_model_run_args(p)  # --weights, the engine's and the cluster's options
 
 
-def _tokens(path: str):
-    import numpy as np
-    import torch
-
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--data {path}: not a readable .npy file ({e})") from None
-    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu" or arr.ndim != 2:
-        what = getattr(arr, "dtype", type(arr).__name__)
-        raise UsageError(
-            f"--data {path}: want an integer array [batch, seq], got {what} {list(getattr(arr, 'shape', []))}"
-        )
-    return torch.from_numpy(arr.astype(np.int64))
-
-
 def cmd_finetune(args) -> int:
     from disco_ray.models.finetune import LoraTrainer
     from workloads.llm.train import LoraSpec, OptimSpec
 
     capacity = capacity_of(args, args.gpus)
     assert capacity is not None  # argparse requires --capacity
-    if args.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {args.steps}")
-    out = Path(args.out)
-    data = _tokens(args.data)
+    check_modes(args)
+    data, held = read_data(args)
     if args.lora_targets is None:  # the default projections, as the model's family names them
         from workloads.llm.checkpoint import Checkpoint
         from workloads.llm.lora import default_targets
@@ -108,7 +92,9 @@ def cmd_finetune(args) -> int:
     else:
         targets = tuple(x for x in args.lora_targets.split(",") if x)
     spec = LoraSpec(args.lora_rank, args.lora_alpha, targets)
-    optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)
+    lr = OptimSpec().lr if args.lr is None else args.lr  # no --lr: --steps 0, no update
+    optim = OptimSpec(args.optimizer, lr, weight_decay=args.weight_decay)
+    progress = Progress(args, held)
     kw = model_run_kwargs(args, args.gpus)
     with closing_after_error(
         LoraTrainer(
@@ -125,14 +111,25 @@ def cmd_finetune(args) -> int:
             **kw,
         )
     ) as tr:
-        losses = tr.train(data, args.steps, args.batch, args.timeout)
-        tr.save_adapter(args.out)
+        progress.trainer = tr
+        losses = (
+            tr.train(data, args.steps, args.batch, args.timeout, on_step=progress.step)
+            if data is not None
+            else []
+        )
+        progress.finish()
+        if args.out is not None:
+            tr.save_adapter(args.out)
         stats = tr.statistics()
     if args.json:
-        print(json.dumps({**stats, "losses": losses, "out": str(out)}))
+        out = str(Path(args.out)) if args.out is not None else None
+        print(json.dumps({**stats, "losses": losses, **progress.json(), "out": out}))
     else:
         for k, loss in enumerate(losses, 1):
             print(f"step {k}: loss {loss:.6f}")
-        per = sorted(stats["step_s"])[len(stats["step_s"]) // 2]
-        print(f"wrote {args.out}; {len(losses)} steps, median {per:.3f} s per step", file=sys.stderr)
+        for line in progress.lines():
+            print(line)
+        if losses:
+            per = sorted(stats["step_s"])[len(stats["step_s"]) // 2]
+            print(f"wrote {args.out}; {len(losses)} steps, median {per:.3f} s per step", file=sys.stderr)
     return 0

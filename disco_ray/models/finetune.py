@@ -2,7 +2,8 @@
 
     trainer = disco_ray.models.finetune.LoraTrainer("ckpt/", gpus=2, capacity="64MiB",
                                                     lora=LoraSpec(rank=16, alpha=32), optim=OptimSpec(lr=1e-4))
-    losses = trainer.train(tokens, steps=10)     # tokens: int64 [batch, seq]
+    losses = trainer.train(tokens, steps=10)     # tokens: int64 [batch, seq] (`textdata.load_tokens`)
+    result = trainer.evaluate(eval_tokens)       # mean loss and perplexity, forward only
     trainer.save_adapter("adapter/")             # PEFT's layout: PeftModel.from_pretrained loads it
     trainer.close()
 
@@ -10,7 +11,9 @@ One step is one run of one TaskGraph (`workloads.llm.train`): forward, loss, bac
 optimizer on the batch's sequences. The graph is planned once per batch shape and reused for
 every step. The adapter's matrices and the optimizer's moments are worker states: written once
 before the first step, updated in place by every step's optimizer vertices, read back only when
-asked for (`adapter()`, `save_adapter`).
+asked for (`adapter()`, `save_adapter`). `evaluate` runs a forward-only graph
+(`workloads.llm.eval_graph`) that reads the same states and writes none. Every step's figures
+are kept (`records`, `progress.StepRecord`) and handed to `train`'s `on_step` as it ends.
 
 Each step's loss is checked: a NaN or infinite one raises `NonFiniteError` naming the step, and
 the adapter on the workers (updated by that step) is never written: `save_adapter` refuses it,
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,11 +32,14 @@ from actors.options import STALL_S
 from disco_ray.driver.program import Program
 from disco_ray.graph.errors import NonFiniteError, UsageError
 from planner import build_memgraph
+from workloads.llm.eval_graph import eval_graph
 from workloads.llm.lora import check_targets, default_targets
 from workloads.llm.train import LoraSpec, OptimSpec, TrainGraph, module_dims, train_graph
 
 from . import adapter, adapter_experts
+from .evaluate import evaluate as evaluate_rows
 from .programs import Programs, one_request, open_checkpoint, plan_entry
+from .progress import EvalResult, StepRecord
 
 
 class LoraTrainer(Programs):
@@ -101,27 +107,32 @@ class LoraTrainer(Programs):
         self.steps_done = 0
         self.losses: list[float] = []
         self.step_s: list[float] = []
+        self.records: list[StepRecord] = []  # one per step, as it ends
         self.bad_step: int | None = None  # the first step whose loss was not finite
 
-    def _program(self, batch: int, seq: int) -> tuple[TrainGraph, Program]:
-        got = self._programs.get((batch, seq))
+    def _program(self, batch: int, seq: int, evaluate: bool = False) -> tuple[TrainGraph, Program]:
+        """The step's graph and Program for tokens [batch, seq] (`evaluate`: the forward-only one)."""
+        key = ("eval", batch, seq) if evaluate else (batch, seq)
+        got = self._programs.get(key)
         if got is not None:
             return got
         t = time.perf_counter()
-        tgraph = train_graph(
+        build = eval_graph if evaluate else train_graph
+        tgraph = build(
             self.ck, self.gpus, batch, seq, self.block, self.lora, self.optim, self.dtype, self.grad_sum
         )
         tg = tgraph.taskgraph
         mg = build_memgraph(tg, self.capacity, order=list(tg.vertices), host_capacity=self.host_capacity)
         dt = time.perf_counter() - t
-        self.plans.append(plan_entry(f"train/{batch}x{seq}", tg, mg, dt, sum_into=mg.stats.get("sum_into")))
+        name = f"{'eval' if evaluate else 'train'}/{batch}x{seq}"
+        self.plans.append(plan_entry(name, tg, mg, dt, sum_into=mg.stats.get("sum_into")))
         prog = Program(tg, mg, **self._prog_kw)
         prog.engine  # noqa: B018  (loads the graph, and makes its states, now)
         if not self._written:
             for p in tgraph.params:
                 self.pool.write_state(p.gpu, p.state, self._packed(p))  # type: ignore[attr-defined]
             self._written = True
-        got = self._programs[(batch, seq)] = (tgraph, prog)
+        got = self._programs[key] = (tgraph, prog)
         return got
 
     def _packed(self, p) -> torch.Tensor:
@@ -143,6 +154,7 @@ class LoraTrainer(Programs):
         self.steps_done += 1
         loss = float(outs[tgraph.loss].float().reshape(-1)[0])
         self.losses.append(loss)
+        self.records.append(StepRecord(self.steps_done, loss, self.optim.lr, tokens.numel(), self.step_s[-1]))
         if not math.isfinite(loss):
             self.bad_step = self.bad_step or self.steps_done
             raise NonFiniteError(
@@ -152,10 +164,16 @@ class LoraTrainer(Programs):
 
     @one_request
     def train(
-        self, tokens: torch.Tensor, steps: int, batch: int | None = None, timeout: float | None = None
+        self,
+        tokens: torch.Tensor,
+        steps: int,
+        batch: int | None = None,
+        timeout: float | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
     ) -> list[float]:
         """`steps` optimizer steps over `tokens` [N, seq]: step k takes `batch` rows (default all N),
-        cycling through the file; returns each step's loss."""
+        cycling through the file; returns each step's loss. `on_step` is called with each step's
+        record as soon as the step ends (it may call `evaluate`)."""
         tokens = _check_tokens(tokens, self.config.vocab)
         n = tokens.shape[0]
         batch = n if batch is None else batch
@@ -165,7 +183,17 @@ class LoraTrainer(Programs):
         for k in range(steps):
             rows = [(k * batch + i) % n for i in range(batch)]
             out.append(self.step(tokens[rows], timeout))
+            if on_step is not None:
+                on_step(self.records[-1])
         return out
+
+    @one_request
+    def evaluate(
+        self, tokens: torch.Tensor, batch: int | None = None, timeout: float | None = None
+    ) -> EvalResult:
+        """The adapter's mean next-token loss (over every labelled token) and perplexity on
+        `tokens` [N, seq], forward only, `batch` rows a run (default all N); the adapter stays."""
+        return evaluate_rows(self, _check_tokens(tokens, self.config.vocab), batch, timeout)
 
     @one_request
     def adapter(self) -> dict[str, torch.Tensor]:
