@@ -264,10 +264,13 @@ def output_path(text: str) -> Path:
     return path
 
 
-def capacity_arg(text: str) -> int | list[int]:
-    """argparse type for `SIZE` (every GPU) or `SIZE,SIZE,...` (one per GPU)."""
+def capacity_arg(text: str) -> int | list[int] | str:
+    """argparse type for `SIZE` (every GPU), `SIZE,SIZE,...` (one per GPU), or `auto` / `P%`
+    (of each GPU's free memory, kept as the string: `disco_ray.driver.free_memory`)."""
+    from disco_ray.driver.free_memory import relative
+
     try:
-        return parse_capacity(text)
+        return relative(text) or parse_capacity(text)
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -281,8 +284,9 @@ def add_capacity_args(
         "--capacity",
         type=capacity_arg,
         required=required,
-        metavar="SIZE[,SIZE...]",
-        help="arena bytes of every GPU (e.g. 64MiB, 1.5GiB, 2GB), or one per GPU (64MiB,32MiB)"
+        metavar="SIZE[,SIZE...]|auto|P%",
+        help="arena bytes of every GPU (e.g. 64MiB, 1.5GiB, 2GB), one per GPU (64MiB,32MiB), or of each "
+        "GPU's free memory: auto (the most that fits, less a margin) or a share (60%%)"
         + (f" (default: {default})" if default else ""),
     )
     p.add_argument(
@@ -294,10 +298,19 @@ def add_capacity_args(
     )
 
 
-def capacity_of(args: argparse.Namespace, gpus: int) -> int | list[int] | None:
-    """The planner's capacity from `add_capacity_args`' options: one size, a list per GPU, or None
-    (not given: the command's default)."""
+def capacity_of(args: argparse.Namespace, gpus: int, measured: bool = True) -> int | list[int] | str | None:
+    """The planner's capacity from `add_capacity_args`' options: one size, a list per GPU, "auto"
+    or "P%" (where the command runs on this machine's devices: `measured`), or None (not given:
+    the command's default)."""
     cap = args.capacity
+    if isinstance(cap, str):
+        if not measured:
+            raise UsageError(
+                f"--capacity {cap}: {getattr(args, 'command', 'this command')} makes no run, so there is no device to measure; give a size"
+            )
+        if args.capacity_gpu:
+            raise UsageError(f"--capacity-gpu overrides a size, not --capacity {cap}: give sizes")
+        return cap
     if isinstance(cap, list) and len(cap) != gpus:
         raise UsageError(f"--capacity gives {len(cap)} sizes for {gpus} GPU(s)")
     if not args.capacity_gpu:

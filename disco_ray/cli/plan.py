@@ -169,8 +169,8 @@ def cmd_plan(args) -> int:
     if Path(args.output).resolve() == Path(args.taskgraph).resolve():
         raise UsageError(f"{args.output}: -o names the TaskGraph file itself (it would be overwritten)")
     tg = formats.load_taskgraph(args.taskgraph)
-    caps = capacity_of(args, tg.gpus)
-    assert caps is not None  # `plan` requires --capacity (add_capacity_args(required=True))
+    caps = capacity_of(args, tg.gpus, measured=False)
+    assert caps is not None and not isinstance(caps, str)  # `plan` requires a size (add_capacity_args)
     order = read_order(args.order) if args.order else None
     from planner import build_memgraph
 

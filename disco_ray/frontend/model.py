@@ -25,6 +25,7 @@ from disco_ray.driver.api import compile
 from disco_ray.driver.program import Program, RunResult
 from disco_ray.graph.errors import FrontendError, RunError
 from disco_ray.graph.taskgraph import TaskGraph
+from planner.capacity import CapacityBounds
 
 from .capture import capture
 from .lower import Lowered, Lowering, declared_weights
@@ -128,11 +129,10 @@ class TorchModel:
         other.program = compile(self.taskgraph, capacity, **self._program_kw)
         return other
 
-    def capacity_bounds(self) -> tuple[list[int], list[int]]:
-        """Per GPU, (the least capacity any plan works with, room for every tensor at once)."""
-        from planner import min_capacity, roomy_capacity
-
-        return min_capacity(self.taskgraph), roomy_capacity(self.taskgraph)
+    def capacity_bounds(self) -> CapacityBounds:
+        """Per GPU, the least capacity any plan works with (`min`) and room for every tensor at
+        once (`roomy`)."""
+        return CapacityBounds.of([self.taskgraph])
 
     def statistics(self) -> dict:
         return {"taskgraph": self.taskgraph.statistics(), **self.program.statistics()}
