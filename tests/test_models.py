@@ -86,7 +86,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def capacity(path: str, gpus: int, mode: str, new_tokens: int) -> list[int]:
     b = capacity_bounds(path, gpus=gpus, prompt=len(PROMPT), new_tokens=new_tokens, block=BLOCK)
     if mode == "roomy":
-        return b.roomy
+        return list(b.roomy)
     return [max(lo + 4096, hi // 8) for lo, hi in zip(b.min, b.roomy)]
 
 

@@ -67,35 +67,36 @@ class FreeMemory:
     source: str
 
 
-def host_available() -> tuple[int, str] | None:
+def host_available(root: Path = Path("/")) -> tuple[int, str] | None:
     """(bytes this process may still allocate, how that was read): MemAvailable, lowered to the
-    memory cgroup's limit less its usage when that is less; None where neither can be read."""
+    memory cgroup's limit less its usage when that is less; None where neither can be read.
+    `root`: where /proc and /sys are (a test's own tree)."""
     found: list[tuple[int, str]] = []
     with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (root / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 found.append((int(line.split()[1]) * 1024, "MemAvailable"))
     if not found:  # no /proc: the pages free now
         with contextlib.suppress(ValueError, OSError, AttributeError):
             found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages"))
-    left = _cgroup_left()
+    left = _cgroup_left(root)
     if left is not None:
         found.append((left, "the memory cgroup's limit less its usage"))
     return min(found) if found else None
 
 
-def _cgroup_left() -> int | None:
+def _cgroup_left(root: Path) -> int | None:
     """The memory cgroup's limit less its usage (v2, else v1); None without a limit."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
         lines = []
     own = {ctl: path.lstrip("/") for _, ctl, path in (ln.split(":", 2) for ln in lines if ln.count(":") >= 2)}
     v2, v1 = own.get("", ""), next((p for c, p in own.items() if "memory" in c.split(",")), "")
     candidates = [  # the process's own cgroup, then the namespace's root (a container's)
-        *((Path("/sys/fs/cgroup", d), "memory.max", "memory.current") for d in (v2, "")),
+        *((root / "sys/fs/cgroup" / d, "memory.max", "memory.current") for d in (v2, "")),
         *(
-            (Path("/sys/fs/cgroup/memory", d), "memory.limit_in_bytes", "memory.usage_in_bytes")
+            (root / "sys/fs/cgroup/memory" / d, "memory.limit_in_bytes", "memory.usage_in_bytes")
             for d in (v1, "")
         ),
     ]
