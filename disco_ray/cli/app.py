@@ -276,17 +276,19 @@ def capacity_arg(text: str) -> int | list[int] | str:
 
 
 def add_capacity_args(
-    p: argparse.ArgumentParser, required: bool = False, default: str = "", group=None
+    p: argparse.ArgumentParser, required: bool = False, default: str = "", group=None, measured: bool = True
 ) -> None:
     """`--capacity SIZE[,SIZE...]` and `--capacity-gpu G=SIZE`: one syntax on every command.
-    `group`: a required mutually exclusive group that `--capacity` joins (one of it is needed)."""
+    `group`: a required mutually exclusive group that `--capacity` joins (one of it is needed).
+    `measured`: the command runs here, so `auto` / `P%` of the devices' free memory apply."""
+    share = ", or of each GPU's free memory: auto (the most that fits, less a margin) or a share (60%%)"
     (group or p).add_argument(
         "--capacity",
         type=capacity_arg,
         required=required,
-        metavar="SIZE[,SIZE...]|auto|P%",
-        help="arena bytes of every GPU (e.g. 64MiB, 1.5GiB, 2GB), one per GPU (64MiB,32MiB), or of each "
-        "GPU's free memory: auto (the most that fits, less a margin) or a share (60%%)"
+        metavar="SIZE[,SIZE...]",
+        help="arena bytes of every GPU (e.g. 64MiB, 1.5GiB, 2GB), or one per GPU (64MiB,32MiB)"
+        + (share if measured else "")
         + (f" (default: {default})" if default else ""),
     )
     p.add_argument(

@@ -135,7 +135,7 @@ def summary_lines(st: dict, what: str) -> list[str]:
 )
 def add_plan(p) -> None:
     p.add_argument("taskgraph", metavar="TASKGRAPH", help="TaskGraph file (.json or .msgpack)")
-    add_capacity_args(p, required=True)
+    add_capacity_args(p, required=True, measured=False)
     add_tier_args(p, disk=False)
     p.add_argument(
         "--order",
