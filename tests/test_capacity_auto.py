@@ -185,6 +185,7 @@ def test_a_share_below_roomy_offloads_and_one_below_the_minimum_is_refused(ckpt,
     free = max(max(b.min) + 4096, min(b.roomy) // 8)  # above each minimum, far below roomy
     _host(monkeypatch, 2 * free)
     with LlamaModel(path, gpus=2, capacity="100%", engine="local", block=oracle.BLOCK) as model:
+        assert model.capacity == [0, 0] and model.capacity_limit() == [free // 256 * 256] * 2  # grows to it
         gen = model.run_generate(oracle.PROMPT, 9, stop_at_eos=False)
         assert gen.tokens == want and gen.bytes_reloaded > 0
         assert model.statistics()["capacity"] == [free // 256 * 256] * 2

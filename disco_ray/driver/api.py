@@ -36,6 +36,9 @@ def compile(
 ) -> Program:
     """Plans `tg` with planner.build_memgraph for `capacity` bytes per GPU; `kw` go to Program.
 
+    `capacity`: None (everything fits), a size per GPU, or "auto" / "P%" of each GPU's free
+    memory on the engine `kw` names (`free_memory`; the choice in `prog.capacity_choice`).
+
     `host_capacity`: each GPU's host-store budget (the same forms as `capacity`; None: unbounded);
     offloads beyond it go to the worker's spill file (`disk_dir=`, a Program option)."""
     try:

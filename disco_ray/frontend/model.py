@@ -157,7 +157,8 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
             and dtypes are the graph's.
         gpus: GPUs to split over. split: "tensor" (linear layers tensor-parallel, the rest on GPU
             0) or "layers" (consecutive ops in stages of equal weight bytes).
-        capacity: arena bytes per GPU ("64MiB", a list per GPU; default: everything fits).
+        capacity: arena bytes per GPU ("64MiB", a list per GPU; default: everything fits), or
+            "auto" / "60%" of each GPU's free memory (`disco_ray.driver.free_memory`).
         weights: None (the module's own tensors), a mapping name -> tensor (a state_dict), or a
             .safetensors file or directory whose tensors the workers read themselves, each only
             its block.
@@ -170,6 +171,7 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
     Raises:
         FrontendError: torch.export fails, an aten op has no mapping (naming op and node), or a
             weight is missing or of another shape.
+        CapacityError: "auto" / "60%" of the free memory is below the graph's least capacity.
     """
     return TorchModel(module, example_inputs, **kw)
 

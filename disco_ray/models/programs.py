@@ -155,6 +155,11 @@ class Programs:
             self.capacity = grown
             log.info("%s, for %s", self.capacity_choice.describe(), what)
 
+    def capacity_limit(self) -> int | list[int]:
+        """The most capacity the next plans may have: the budget under "auto" / "P%" (the
+        capacity grows to it as graphs need), else the capacity."""
+        return list(self.auto.budget) if self.auto is not None else self.capacity
+
     def _close_programs(self) -> None:
         for _, prog in self._programs.values():
             prog.close()
