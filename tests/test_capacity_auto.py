@@ -120,8 +120,10 @@ def test_cuda_free_memory_is_each_devices_mem_get_info(monkeypatch):
     assert asked.budget == tuple(
         (f - int(MARGIN * f) - CUDA_RESERVE) // 256 * 256 for f in asked.free.per_gpu
     )
-    with pytest.raises(UsageError, match=r"3 CUDA device\(s\) \(2 visible here\)"):
-        fm.measure("auto", backend="cuda", gpus=3)
+    with pytest.raises(UsageError, match=r"capacity 60%: 3 CUDA device\(s\) to measure, 2 visible"):
+        fm.measure("60%", backend="cuda", gpus=3)
+    with pytest.raises(UsageError, match="a cluster elsewhere"):
+        fm.measure("auto", backend="cuda", gpus=2, remote=True)
 
 
 # ---- real runs ---------------------------------------------------------------------------------------

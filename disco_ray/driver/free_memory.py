@@ -113,9 +113,14 @@ def _cgroup_left(root: Path) -> int | None:
 
 
 def free_memory(
-    backend: str, gpus: int, host_capacity: int | list[int | None] | None = None, remote: bool = False
+    backend: str,
+    gpus: int,
+    host_capacity: int | list[int | None] | None = None,
+    remote: bool = False,
+    asked: str = AUTO,
 ) -> FreeMemory:
-    """Each GPU's free memory now (see the module docstring for the sources).
+    """Each GPU's free memory now (see the module docstring for the sources); `asked`: what the
+    capacity was asked as, for the messages.
 
     Raises:
         UsageError: the memory cannot be measured from this process (cuda not visible here, fewer
@@ -124,11 +129,15 @@ def free_memory(
     if backend == "cuda":
         import torch
 
-        seen = torch.cuda.device_count() if torch.cuda.is_available() and not remote else 0
-        if seen < gpus:
-            where = "the cluster's machines" if remote else "this process"
+        if remote:
             raise UsageError(
-                f"capacity auto: {where} cannot measure {gpus} CUDA device(s) ({seen} visible here); "
+                f"capacity {asked}: the workers run on a cluster elsewhere, whose CUDA devices this "
+                "process cannot measure; give the capacity as a size (e.g. 20GiB)"
+            )
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if seen < gpus:
+            raise UsageError(
+                f"capacity {asked}: {gpus} CUDA device(s) to measure, {seen} visible to this process; "
                 "give the capacity as a size (e.g. 20GiB)"
             )
         free = tuple(torch.cuda.mem_get_info(d)[0] for d in range(gpus))
@@ -139,7 +148,7 @@ def free_memory(
     got = None if remote else host_available()
     if got is None:
         raise UsageError(
-            "capacity auto: this process cannot tell the workers' free memory "
+            f"capacity {asked}: this process cannot tell the workers' free memory "
             f"({'a cluster on another machine' if remote else 'the OS does not say'}); give a size "
             "or a host_capacity budget"
         )
@@ -234,4 +243,4 @@ def measure(
     remote: bool = False,
 ) -> RelativeCapacity:
     """`asked` ("auto" or "P%", see `relative`) against each GPU's free memory now."""
-    return RelativeCapacity.of(asked, free_memory(backend, gpus, host_capacity, remote), backend)
+    return RelativeCapacity.of(asked, free_memory(backend, gpus, host_capacity, remote, asked), backend)
