@@ -307,8 +307,9 @@ def capacity_of(args: argparse.Namespace, gpus: int, measured: bool = True) -> i
     cap = args.capacity
     if isinstance(cap, str):
         if not measured:
+            what = getattr(args, "command", "this command")
             raise UsageError(
-                f"--capacity {cap}: {getattr(args, 'command', 'this command')} makes no run, so there is no device to measure; give a size"
+                f"--capacity {cap}: {what} makes no run, so there is no device to measure; give a size"
             )
         if args.capacity_gpu:
             raise UsageError(f"--capacity-gpu overrides a size, not --capacity {cap}: give sizes")
