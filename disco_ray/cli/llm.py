@@ -101,6 +101,7 @@ def model_stats(args, stats: dict) -> dict:
         "dtype": stats["dtype"],
         "resizes": stats["resizes"],
         "clamped_plans": stats["clamped_plans"],
+        "capacity_choice": stats["capacity_choice"],
     }
 
 

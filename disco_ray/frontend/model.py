@@ -25,6 +25,7 @@ from disco_ray.driver.api import compile
 from disco_ray.driver.program import Program, RunResult
 from disco_ray.graph.errors import FrontendError, RunError
 from disco_ray.graph.taskgraph import TaskGraph
+from planner.capacity import CapacityBounds
 
 from .capture import capture
 from .lower import Lowered, Lowering, declared_weights
@@ -128,11 +129,10 @@ class TorchModel:
         other.program = compile(self.taskgraph, capacity, **self._program_kw)
         return other
 
-    def capacity_bounds(self) -> tuple[list[int], list[int]]:
-        """Per GPU, (the least capacity any plan works with, room for every tensor at once)."""
-        from planner import min_capacity, roomy_capacity
-
-        return min_capacity(self.taskgraph), roomy_capacity(self.taskgraph)
+    def capacity_bounds(self) -> CapacityBounds:
+        """Per GPU, the least capacity any plan works with (`min`) and room for every tensor at
+        once (`roomy`)."""
+        return CapacityBounds.of([self.taskgraph])
 
     def statistics(self) -> dict:
         return {"taskgraph": self.taskgraph.statistics(), **self.program.statistics()}
@@ -157,7 +157,8 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
             and dtypes are the graph's.
         gpus: GPUs to split over. split: "tensor" (linear layers tensor-parallel, the rest on GPU
             0) or "layers" (consecutive ops in stages of equal weight bytes).
-        capacity: arena bytes per GPU ("64MiB", a list per GPU; default: everything fits).
+        capacity: arena bytes per GPU ("64MiB", a list per GPU; default: everything fits), or
+            "auto" / "60%" of each GPU's free memory (`disco_ray.driver.free_memory`).
         weights: None (the module's own tensors), a mapping name -> tensor (a state_dict), or a
             .safetensors file or directory whose tensors the workers read themselves, each only
             its block.
@@ -170,6 +171,7 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
     Raises:
         FrontendError: torch.export fails, an aten op has no mapping (naming op and node), or a
             weight is missing or of another shape.
+        CapacityError: "auto" / "60%" of the free memory is below the graph's least capacity.
     """
     return TorchModel(module, example_inputs, **kw)
 

@@ -63,11 +63,11 @@ class LoraTrainer(Programs):
         path: str,
         *,
         gpus: int = 1,
-        capacity: int | str | Sequence[int],
+        capacity: int | str | Sequence[int] = "auto",
         lora: LoraSpec | None = None,
         init_adapter: str | None = None,
         optim: OptimSpec | None = None,
-        dtype: str | None = None,
+        dtype: str | torch.dtype | None = None,
         block: int = 64,
         seed: int = 0,
         grad_sum: str = "sum_into",
@@ -122,6 +122,7 @@ class LoraTrainer(Programs):
             self.ck, self.gpus, batch, seq, self.block, self.lora, self.optim, self.dtype, self.grad_sum
         )
         tg = tgraph.taskgraph
+        self.fit_capacity(tg, f"the training step of {batch}x{seq} tokens")  # "auto": grows to fit
         mg = build_memgraph(tg, self.capacity, order=list(tg.vertices), host_capacity=self.host_capacity)
         dt = time.perf_counter() - t
         name = f"{'eval' if evaluate else 'train'}/{batch}x{seq}"
@@ -242,6 +243,8 @@ class LoraTrainer(Programs):
             "losses": list(self.losses),
             "step_s": [round(s, 6) for s in self.step_s],
             "plans": list(self.plans),
+            "capacity": self.capacity,
+            "capacity_choice": None if self.capacity_choice is None else self.capacity_choice.statistics(),
         }
 
 

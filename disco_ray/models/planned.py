@@ -93,6 +93,8 @@ class PlannedModel(Programs):
             t = time.perf_counter()
             mgraph = model_graph(self.ck, self.gpus, key, self.block, self.dtype, self.tile)
             tg = mgraph.taskgraph
+            self.fit_capacity(tg, f"graph {'/'.join(str(k) for k in key)}")  # "auto": grows to fit
+            caps = self._caps()
             need = min_capacity(tg)
             if self.resizes and any(c < n for c, n in zip(caps, need)):
                 # an elastic budget below what one vertex needs: run at that minimum, not fail
@@ -127,13 +129,14 @@ class PlannedModel(Programs):
         if got is not None:
             return got
         moved: dict[int, int | str] = {}
-        m = 1
-        while m <= rows:
-            try:
-                moved[m] = bytes_moved(self._plan((kind, rows, blocks, m, *extra))[1])
-            except (CapacityError, UsageError) as e:  # this split does not plan: the others may
-                moved[m] = str(e)
-            m *= 2
+        while not moved or tuple(self._caps()) != caps:  # "auto" grew the capacity: compare again
+            caps, m = tuple(self._caps()), 1
+            while m <= rows:
+                try:
+                    moved[m] = bytes_moved(self._plan((kind, rows, blocks, m, *extra))[1])
+                except (CapacityError, UsageError) as e:  # this split does not plan: the others may
+                    moved[m] = str(e)
+                m *= 2
         fits = [m for m, b in moved.items() if isinstance(b, int)]
         if not fits:
             raise CapacityError(f"{kind} of {rows} rows plans with no micro-batch count: {moved[1]}")
@@ -162,6 +165,8 @@ class PlannedModel(Programs):
             else:
                 self._plan(key)
         except CapacityError as e:
+            if self.auto is not None:  # the budget's own message names the numbers
+                raise CapacityError(f"{what}: {e}") from None
             one = key if key[-1] is not None else (*key[:3], 1)
             mgraph = model_graph(self.ck, self.gpus, one, self.block, self.dtype, self.tile)
             need, caps = min_capacity(mgraph.taskgraph), self._caps()
