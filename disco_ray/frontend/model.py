@@ -59,7 +59,8 @@ class TorchModel:
         **program_kw,
     ):
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        kwargs = dict(example_kwargs or {})
+        kwargs = without_cache(module, dict(example_kwargs or {}))
+        self._kwargs = kwargs  # their order is the capture's; the non-tensor ones are fixed
         self.blocks = capture(module, args, kwargs, blocks)
         declared = declared_weights(self.blocks)
         tensors: dict[str, torch.Tensor] = {}
@@ -86,7 +87,7 @@ class TorchModel:
     def inputs_for(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The TaskGraph inputs of one call: the module's tensor arguments by input id, and the
         weights the workers do not hold yet."""
-        flat = _flat((args, kwargs))
+        flat = _flat((args, self._ordered(kwargs)))
         if len(flat) != len(self.lowered.inputs):
             raise RunError(f"the module was captured with {len(self.lowered.inputs)} inputs, got {len(flat)}")
         out: dict[str, torch.Tensor] = {}
@@ -100,6 +101,25 @@ class TorchModel:
             out[id] = x.detach()
         held = self.program.held
         out.update({k: v for k, v in self.weights.values().items() if k not in held})
+        return out
+
+    def _ordered(self, kwargs: Mapping[str, object]) -> dict[str, object]:
+        """A call's keyword arguments in the capture's order; a non-tensor one left out takes its
+        captured value (e.g. use_cache=False)."""
+        unknown = sorted(set(kwargs) - set(self._kwargs))
+        if unknown:
+            raise RunError(
+                f"keyword argument(s) {', '.join(unknown)} were not given when captured (captured with: "
+                f"{', '.join(self._kwargs) or 'none'}): capture again with them in example_kwargs"
+            )
+        out = {}
+        for k, captured in self._kwargs.items():
+            if k in kwargs:
+                out[k] = kwargs[k]
+            elif isinstance(captured, torch.Tensor):
+                raise RunError(f"keyword argument {k!r} (a tensor when captured) is missing")
+            else:
+                out[k] = captured
         return out
 
     def run(self, *args, **kwargs) -> TorchResult:
@@ -172,6 +192,21 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
             weight is missing or of another shape.
     """
     return TorchModel(module, example_inputs, **kw)
+
+
+def without_cache(module: nn.Module, kwargs: dict[str, object]) -> dict[str, object]:
+    """`kwargs` with use_cache=False added when the forward takes `use_cache` (a Hugging Face
+    model) and it is not given: a key/value cache is for decoding a token at a time, which a
+    graph of static shapes does not do, and torch.export cannot return the cache object."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "use_cache" in params and "use_cache" not in kwargs:
+        return {**kwargs, "use_cache": False}
+    return kwargs
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
