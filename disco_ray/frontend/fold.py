@@ -41,9 +41,8 @@ class Const:
 
 
 def _name(target) -> str:
-    return getattr(getattr(target, "overloadpacket", None), "__name__", None) or getattr(
-        target, "__name__", str(target)
-    )
+    packet = getattr(target, "overloadpacket", None)
+    return str(getattr(packet, "__name__", None) or getattr(target, "__name__", target))
 
 
 def foldable(target, args, kwargs) -> bool:

@@ -184,11 +184,15 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
         blocks: capture these submodules one at a time, in order, each fed the previous one's
             outputs (for a forward torch.export cannot capture whole); an nn.Sequential falls
             back to its children by itself.
-        example_kwargs: keyword arguments of the forward.
+        example_kwargs: keyword arguments of the forward (a call passes them by name; a
+            non-tensor one is fixed at its value here and may be left out of a call). A forward
+            that takes `use_cache` (a Hugging Face model) is captured with use_cache=False unless
+            it is given.
         engine, backend, streams, pool, ...: as `disco_ray.compile` (engine "ray" or "local").
 
     Raises:
-        FrontendError: torch.export fails, an aten op has no mapping (naming op and node), or a
+        FrontendError: torch.export fails, an aten op that reads a value of the call has no
+            mapping (naming op and node; one on constants alone is folded at capture), or a
             weight is missing or of another shape.
     """
     return TorchModel(module, example_inputs, **kw)

@@ -32,7 +32,7 @@ def _where(out, ins, attrs):
 
 def _index(out, ins, attrs):
     x = ins[0]
-    at: list = [slice(None)] * x.dim()
+    at = [slice(None)] * x.dim()
     for d, i in zip(attrs["dims"], ins[1:]):
         at[d] = i
     out.copy_(x[tuple(at)])
