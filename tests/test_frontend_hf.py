@@ -159,6 +159,39 @@ def test_torchs_encoder_layer_with_a_float_src_mask_and_a_bool_key_padding_mask(
     model.close()
 
 
+class IntegerOps(nn.Module):
+    """Integer and bool arithmetic on the call's own tensors: ids moved and compared, a keep mask
+    combined, sin/cos of positions, an RMSNorm written out with rsqrt."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+
+    def forward(self, ids, keep):
+        j = ids * 2 + 1 - ids  # int64 arithmetic with Python ints
+        j = torch.where(j > 30, j - 30, j)
+        pos = ids / 7  # int / int: float
+        h = self.emb(j) + (torch.sin(pos) * torch.cos(pos))[..., None]
+        ok = ((ids != 3) & keep) | ~keep.logical_not().logical_or(ids < 2)
+        h = h.masked_fill(~ok[..., None], -1.5)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_integer_and_bool_arithmetic_on_the_calls_values():
+    torch.manual_seed(0)
+    net = IntegerOps().eval()
+    gen = torch.Generator().manual_seed(2)
+    ids, keep = torch.randint(0, 40, (2, 8), generator=gen), torch.rand(2, 8, generator=gen) > 0.3
+    model = disco_ray.from_torch(net, (ids, keep), gpus=2, engine="local")
+    used = {v.op for v in model.taskgraph if v.kind.value == "kernel"}
+    assert {"gt", "ne", "lt", "where", "logical_and", "logical_not", "sin", "rsqrt"} <= used, used
+    for _ in range(2):  # other values of the same shapes
+        with torch.no_grad():
+            _close(model(ids, keep), net(ids, keep))
+        ids, keep = torch.randint(0, 40, (2, 8), generator=gen), torch.rand(2, 8, generator=gen) > 0.5
+    model.close()
+
+
 @pytest.mark.parametrize("dims", [[0], [1], [0, 1], [0, 2], [1, 2], [0, 1, 2]])
 def test_the_index_op_is_torchs_advanced_indexing(dims):
     gen = torch.Generator().manual_seed(len(dims))
