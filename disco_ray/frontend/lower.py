@@ -14,8 +14,9 @@ Two ways to split (`split=`):
   about equal weight bytes; each op runs on its stage's GPU and values cross a stage boundary by
   transfer.
 
-Every op of a block is mapped by `aten.ATEN`; an op there is none for raises FrontendError naming
-the aten op, the node and, where torch recorded it, the line of the model's code.
+Every op of a block that reads a value of the call is mapped by `aten.ATEN`; one on constants
+alone is run at capture (`fold`). An op there is no handler for raises FrontendError naming the
+aten op, the node and, where torch recorded it, the line of the model's code.
 """
 
 from __future__ import annotations

@@ -59,7 +59,9 @@ class TorchModel:
         **program_kw,
     ):
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        kwargs = without_cache(module, dict(example_kwargs or {}))
+        kwargs = dict(example_kwargs or {})
+        if blocks is None:  # blocks[0] gets the kwargs: its forward may take no use_cache
+            kwargs = without_cache(module, kwargs)
         self._kwargs = kwargs  # their order is the capture's; the non-tensor ones are fixed
         self.blocks = capture(module, args, kwargs, blocks)
         declared = declared_weights(self.blocks)
