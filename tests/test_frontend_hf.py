@@ -59,13 +59,14 @@ def _offloading(model):
     return model.with_capacity([n + 512 for n in least])
 
 
-@pytest.mark.parametrize("name", HF)
-def test_a_causal_lm_gives_its_forwards_logits_on_2_gpus_at_an_offloading_capacity(name):
+@pytest.mark.parametrize(
+    "name, split", [*((n, "tensor") for n in HF), ("gpt2", "layers"), ("phi3", "layers")]
+)
+def test_a_causal_lm_gives_its_forwards_logits_on_2_gpus_at_an_offloading_capacity(name, split):
     net = _hf(name)
     # use_cache left out: captured with use_cache=False (a cache object is no tensor output)
-    model = disco_ray.from_torch(
-        net, (IDS,), example_kwargs={"attention_mask": PADDED}, gpus=2, engine="local"
-    )
+    kw = {"attention_mask": PADDED}
+    model = disco_ray.from_torch(net, (IDS,), example_kwargs=kw, gpus=2, split=split, engine="local")
     assert model.output_names == ["logits"]
     tight = _offloading(model)
     for mask in (PADDED, FULL):  # the mask is an input of the graph: any values, one capture
