@@ -14,8 +14,9 @@ Two ways to split (`split=`):
   about equal weight bytes; each op runs on its stage's GPU and values cross a stage boundary by
   transfer.
 
-Every op of a block is mapped by `aten.ATEN`; an op there is none for raises FrontendError naming
-the aten op, the node and, where torch recorded it, the line of the model's code.
+Every op of a block that reads a value of the call is mapped by `aten.ATEN`; one on constants
+alone is run at capture (`fold`). An op there is no handler for raises FrontendError naming the
+aten op, the node and, where torch recorded it, the line of the model's code.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.export.graph_signature import InputKind
 
 from disco_ray.graph.dtypes import from_torch
 from disco_ray.graph.errors import FrontendError
 
-from . import aten
+from . import (
+    aten,
+    aten_hf,  # noqa: F401 (registers its handlers into aten.ATEN)
+    fold,
+)
 from .capture import Block
 from .values import Graph, Part, Value
 from .weights import Weights
@@ -100,6 +106,7 @@ class Lowering:
         self.g = Graph(gpus, weights)
         self.stage = _stages(blocks, gpus) if split == "layers" and gpus > 1 else {}
         self.node: torch.fx.Node | None = None
+        self.params: set[str] = set()  # the placeholders of the block's parameters (never folded)
         self.gpu = 0
         self.stem = ""
 
@@ -195,8 +202,10 @@ class Lowering:
         outs: list[object] = []
         for i, blk in enumerate(self.blocks):
             sig = blk.program.graph_signature
-            user = list(sig.user_inputs)
+            # a non-tensor argument's placeholder is named by its spec (user_inputs holds its value)
+            user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
             names = weight_targets(blk)
+            self.params = set(sig.inputs_to_parameters)
             env: dict[str, object] = {}
             for node in blk.program.graph.nodes:
                 self.node, self.stem = node, f"{blk.tag}{node.name}"
@@ -217,8 +226,12 @@ class Lowering:
     def _placeholder(self, node, names, user, block, example, carried, inputs):
         val = node.meta.get("val")
         if node.name in names:
+            name = names[node.name]
+            known = self.g.weights.known(name)
+            if known is not None and node.name not in self.params:  # a buffer or constant: foldable
+                return fold.Const(known, name, weight=name)
             shape, dtype = tuple(int(d) for d in val.shape), from_torch(val.dtype)
-            return Value(shape, dtype, names[node.name], weight=names[node.name])
+            return Value(shape, dtype, name, weight=name)
         k = user.index(node.name)
         if block > 0:
             return carried[k]
@@ -234,11 +247,17 @@ class Lowering:
         key = getattr(getattr(node.target, "overloadpacket", None), "__name__", None) or getattr(
             node.target, "__name__", str(node.target)
         )
+        args = [_mapped(a, env) for a in node.args]
+        kwargs = {k: _mapped(a, env) for k, a in node.kwargs.items()}
+        if fold.foldable(node.target, args, kwargs):  # no value of the call in it: run it now
+            return fold.evaluate(node.target, args, kwargs, self.stem)
+        try:
+            args, kwargs = fold.as_values(self, (args, kwargs), keep_empty=key in ("cat", "concat"))
+        except ValueError as e:
+            raise FrontendError(f"{_where(node)}: aten op {node.target} {e}{_code(node)}") from None
         fn = aten.ATEN.get(key)
         if fn is None:
             raise FrontendError(f"{_where(node)}: aten op {node.target} is not supported{_code(node)}")
-        args = [_mapped(a, env) for a in node.args]
-        kwargs = {k: _mapped(a, env) for k, a in node.kwargs.items()}
         try:
             got = fn(self, *args, **kwargs)
         except aten.Unsupported as e:
@@ -260,6 +279,8 @@ class Lowering:
         names = output_names(spec, len(outs))
         res = []
         for name, v in zip(names, outs):
+            if isinstance(v, fold.Const):
+                v = fold.as_value(self, v)
             if not isinstance(v, Value):
                 raise FrontendError(f"output {name!r} is not a tensor ({type(v).__name__})")
             ids = [p.id for p in v.parts] if v.split else [self.g.on(v, self.g.home(v))]

@@ -61,6 +61,9 @@ class TorchModel:
     ):
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         kwargs = dict(example_kwargs or {})
+        if blocks is None:  # blocks[0] gets the kwargs: its forward may take no use_cache
+            kwargs = without_cache(module, kwargs)
+        self._kwargs = kwargs  # their order is the capture's; the non-tensor ones are fixed
         self.blocks = capture(module, args, kwargs, blocks)
         declared = declared_weights(self.blocks)
         tensors: dict[str, torch.Tensor] = {}
@@ -87,7 +90,7 @@ class TorchModel:
     def inputs_for(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The TaskGraph inputs of one call: the module's tensor arguments by input id, and the
         weights the workers do not hold yet."""
-        flat = _flat((args, kwargs))
+        flat = _flat((args, self._ordered(kwargs)))
         if len(flat) != len(self.lowered.inputs):
             raise RunError(f"the module was captured with {len(self.lowered.inputs)} inputs, got {len(flat)}")
         out: dict[str, torch.Tensor] = {}
@@ -101,6 +104,25 @@ class TorchModel:
             out[id] = x.detach()
         held = self.program.held
         out.update({k: v for k, v in self.weights.values().items() if k not in held})
+        return out
+
+    def _ordered(self, kwargs: Mapping[str, object]) -> dict[str, object]:
+        """A call's keyword arguments in the capture's order; a non-tensor one left out takes its
+        captured value (e.g. use_cache=False)."""
+        unknown = sorted(set(kwargs) - set(self._kwargs))
+        if unknown:
+            raise RunError(
+                f"keyword argument(s) {', '.join(unknown)} were not given when captured (captured with: "
+                f"{', '.join(self._kwargs) or 'none'}): capture again with them in example_kwargs"
+            )
+        out = {}
+        for k, captured in self._kwargs.items():
+            if k in kwargs:
+                out[k] = kwargs[k]
+            elif isinstance(captured, torch.Tensor):
+                raise RunError(f"keyword argument {k!r} (a tensor when captured) is missing")
+            else:
+                out[k] = captured
         return out
 
     def run(self, *args, **kwargs) -> TorchResult:
@@ -165,15 +187,34 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
         blocks: capture these submodules one at a time, in order, each fed the previous one's
             outputs (for a forward torch.export cannot capture whole); an nn.Sequential falls
             back to its children by itself.
-        example_kwargs: keyword arguments of the forward.
+        example_kwargs: keyword arguments of the forward (a call passes them by name; a
+            non-tensor one is fixed at its value here and may be left out of a call). A forward
+            that takes `use_cache` (a Hugging Face model) is captured with use_cache=False unless
+            it is given.
         engine, backend, streams, pool, ...: as `disco_ray.compile` (engine "ray" or "local").
 
     Raises:
-        FrontendError: torch.export fails, an aten op has no mapping (naming op and node), or a
+        FrontendError: torch.export fails, an aten op that reads a value of the call has no
+            mapping (naming op and node; one on constants alone is folded at capture), or a
             weight is missing or of another shape.
         CapacityError: "auto" / "60%" of the free memory is below the graph's least capacity.
     """
     return TorchModel(module, example_inputs, **kw)
+
+
+def without_cache(module: nn.Module, kwargs: dict[str, object]) -> dict[str, object]:
+    """`kwargs` with use_cache=False added when the forward takes `use_cache` (a Hugging Face
+    model) and it is not given: a key/value cache is for decoding a token at a time, which a
+    graph of static shapes does not do, and torch.export cannot return the cache object."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "use_cache" in params and "use_cache" not in kwargs:
+        return {**kwargs, "use_cache": False}
+    return kwargs
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -19,6 +19,10 @@ from .kernels_headnorm import TEMPS as HEADNORM_TEMPS
 from .kernels_llm import CHANGED as CHANGED
 from .kernels_llm import KERNELS as LLM_KERNELS
 from .kernels_llm import TEMPS as LLM_TEMPS
+from .kernels_mask import KERNELS as MASK_KERNELS
+from .kernels_mask import TEMPS as MASK_TEMPS
+from .kernels_math import KERNELS as MATH_KERNELS
+from .kernels_math import TEMPS as MATH_TEMPS
 from .kernels_moe import KERNELS as MOE_KERNELS
 from .kernels_nn import KERNELS as NN_KERNELS
 from .kernels_nn import TEMPS as NN_TEMPS
@@ -32,8 +36,8 @@ Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # the op families' kernels live beside them: kernels_llm (transformer ops), kernels_nn (general
 # ops), kernels_train (training ops), kernels_sample (token choice), kernels_act (the activations
 # and soft-capping of families beyond LLaMA), kernels_headnorm (per-head RMSNorm), kernels_moe
-# (the mixture-of-experts ops), kernels_quant (dequantization); this module has those of the base
-# op set (`ops`)
+# (the mixture-of-experts ops), kernels_quant (dequantization), kernels_mask (masks and
+# positions), kernels_math (elementwise math); this module has those of the base op set (`ops`)
 IMPLS: dict[str, Impl] = {
     **LLM_KERNELS,
     **NN_KERNELS,
@@ -43,6 +47,8 @@ IMPLS: dict[str, Impl] = {
     **HEADNORM_KERNELS,
     **MOE_KERNELS,
     **QUANT_KERNELS,
+    **MASK_KERNELS,
+    **MATH_KERNELS,
 }
 
 
@@ -166,6 +172,8 @@ TEMPS: dict[str, TempBytes] = {
     **ACT_TEMPS,
     **HEADNORM_TEMPS,
     **QUANT_TEMPS,
+    **MASK_TEMPS,
+    **MATH_TEMPS,
 }
 IN_PLACE = frozenset({"matmul", "add", "mul", "scale", "softmax", "silu", "transpose", "concat", "linear"})
 

@@ -11,12 +11,25 @@ optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows
 activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
 `ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_moe` the
 mixture-of-experts ops (routing, combining, their backward); `ops_quant` the dequantization of
-packed weights (`dequant`).
+packed weights (`dequant`); `ops_mask` the integer and boolean ops of masks and positions
+(comparisons, logical ops, `where`, `index`, `expand`, `sdpa_mask`); `ops_math` elementwise math
+(`rsqrt`, `sqrt`, `exp`, `sin`, `cos`).
 """
 
 from __future__ import annotations
 
-from . import ops_act, ops_headnorm, ops_llm, ops_moe, ops_nn, ops_quant, ops_sample, ops_train
+from . import (
+    ops_act,
+    ops_headnorm,
+    ops_llm,
+    ops_mask,
+    ops_math,
+    ops_moe,
+    ops_nn,
+    ops_quant,
+    ops_sample,
+    ops_train,
+)
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,
@@ -46,6 +59,8 @@ __all__ = [
     "ops_act",
     "ops_headnorm",
     "ops_llm",
+    "ops_mask",
+    "ops_math",
     "ops_moe",
     "ops_nn",
     "ops_quant",
