@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from . import ops
 from .kernels_act import KERNELS as ACT_KERNELS
 from .kernels_act import TEMPS as ACT_TEMPS
+from .kernels_conv import KERNELS as CONV_KERNELS
+from .kernels_conv import TEMPS as CONV_TEMPS
 from .kernels_headnorm import KERNELS as HEADNORM_KERNELS
 from .kernels_headnorm import TEMPS as HEADNORM_TEMPS
 from .kernels_llm import CHANGED as CHANGED
@@ -32,8 +34,8 @@ Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # the op families' kernels live beside them: kernels_llm (transformer ops), kernels_nn (general
 # ops), kernels_train (training ops), kernels_sample (token choice), kernels_act (the activations
 # and soft-capping of families beyond LLaMA), kernels_headnorm (per-head RMSNorm), kernels_moe
-# (the mixture-of-experts ops), kernels_quant (dequantization); this module has those of the base
-# op set (`ops`)
+# (the mixture-of-experts ops), kernels_quant (dequantization), kernels_conv (the CNN ops and
+# those of ops_math); this module has those of the base op set (`ops`)
 IMPLS: dict[str, Impl] = {
     **LLM_KERNELS,
     **NN_KERNELS,
@@ -43,6 +45,7 @@ IMPLS: dict[str, Impl] = {
     **HEADNORM_KERNELS,
     **MOE_KERNELS,
     **QUANT_KERNELS,
+    **CONV_KERNELS,
 }
 
 
@@ -166,6 +169,7 @@ TEMPS: dict[str, TempBytes] = {
     **ACT_TEMPS,
     **HEADNORM_TEMPS,
     **QUANT_TEMPS,
+    **CONV_TEMPS,
 }
 IN_PLACE = frozenset({"matmul", "add", "mul", "scale", "softmax", "silu", "transpose", "concat", "linear"})
 

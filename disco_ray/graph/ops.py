@@ -11,12 +11,24 @@ optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows
 activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
 `ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_moe` the
 mixture-of-experts ops (routing, combining, their backward); `ops_quant` the dequantization of
-packed weights (`dequant`).
+packed weights (`dequant`); `ops_conv` the convolutional-network ops (conv, batch and group norm,
+pooling); `ops_math` log_softmax, leaky_relu, hardswish, powers, cumsum and `full`.
 """
 
 from __future__ import annotations
 
-from . import ops_act, ops_headnorm, ops_llm, ops_moe, ops_nn, ops_quant, ops_sample, ops_train
+from . import (
+    ops_act,
+    ops_conv,
+    ops_headnorm,
+    ops_llm,
+    ops_math,
+    ops_moe,
+    ops_nn,
+    ops_quant,
+    ops_sample,
+    ops_train,
+)
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,
@@ -44,8 +56,10 @@ __all__ = [
     "get",
     "numel",
     "ops_act",
+    "ops_conv",
     "ops_headnorm",
     "ops_llm",
+    "ops_math",
     "ops_moe",
     "ops_nn",
     "ops_quant",
