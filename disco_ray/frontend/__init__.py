@@ -6,6 +6,7 @@ planned and run (`from_torch`). Modules: `capture` (torch.export, whole or a blo
 Layer 3, as `disco_ray.models`: it imports the graph, planner and driver packages, never the CLI.
 """
 
+from .aten import register_aten, unregister_aten
 from .model import TorchModel, TorchResult, from_torch
 
-__all__ = ["TorchModel", "TorchResult", "from_torch"]
+__all__ = ["TorchModel", "TorchResult", "from_torch", "register_aten", "unregister_aten"]

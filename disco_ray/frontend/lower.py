@@ -127,7 +127,7 @@ class Lowering:
             for p in v.parts
         )
         shape, dtype = self.meta()
-        return Value(shape, dtype, self.stem, parts=parts)
+        return Value(shape, dtype, self.stem, parts=parts, axis=v.axis)
 
     def add(self, a: Value, b: Value) -> Value:
         """a + b: per part when both are split alike; into one summand when a is a partial sum
@@ -136,6 +136,7 @@ class Lowering:
         if (
             a.split
             and b.split
+            and a.axis == b.axis
             and [(p.gpu, p.lo, p.hi) for p in a.parts] == [(p.gpu, p.lo, p.hi) for p in b.parts]
         ):
             parts = tuple(
@@ -147,7 +148,7 @@ class Lowering:
                 )
                 for p, q in zip(a.parts, b.parts)
             )
-            return Value(shape, dtype, self.stem, parts=parts)
+            return Value(shape, dtype, self.stem, parts=parts, axis=a.axis)
         for x, y in ((a, b), (b, a)):
             if x.summed and not y.summed and not y.split and x.shape == shape:
                 g0, first = x.partial[0]
@@ -166,7 +167,7 @@ class Lowering:
         assert w.weight is not None
         n_out, n_in = w.shape
         ws, fresh, tg = self.g.weights, self.g.fresh, self.g.tg
-        if x.split and [(p.lo, p.hi) for p in x.parts] == _tiles(n_in, len(x.parts)):
+        if x.last_split and [(p.lo, p.hi) for p in x.parts] == _tiles(n_in, len(x.parts)):
             summands = []
             for k, p in enumerate(x.parts):  # row-parallel: the bias joins one summand
                 ins = [p.id, ws.input(tg, w.weight, p.gpu, fresh, cols=(p.lo, p.hi))]
@@ -190,6 +191,7 @@ class Lowering:
     # ---- the walk -----------------------------------------------------------------------------
     def run(self, example: Sequence[object]) -> Lowered:
         """Maps every block in order, the outputs of one feeding the next."""
+        missing(self.blocks)
         inputs: list[tuple[str, str | None, object]] = []
         carried: list[object] = []
         outs: list[object] = []
@@ -231,12 +233,8 @@ class Lowering:
         return self.g.whole(id, 0)
 
     def _call(self, node, env):
-        key = getattr(getattr(node.target, "overloadpacket", None), "__name__", None) or getattr(
-            node.target, "__name__", str(node.target)
-        )
-        fn = aten.ATEN.get(key)
-        if fn is None:
-            raise FrontendError(f"{_where(node)}: aten op {node.target} is not supported{_code(node)}")
+        fn = aten.lookup(node.target)
+        assert fn is not None  # `missing` refused the graph before the walk
         args = [_mapped(a, env) for a in node.args]
         kwargs = {k: _mapped(a, env) for k, a in node.kwargs.items()}
         try:
@@ -262,12 +260,32 @@ class Lowering:
         for name, v in zip(names, outs):
             if not isinstance(v, Value):
                 raise FrontendError(f"output {name!r} is not a tensor ({type(v).__name__})")
-            ids = [p.id for p in v.parts] if v.split else [self.g.on(v, self.g.home(v))]
+            ids = [p.id for p in v.parts] if v.last_split else [self.g.on(v, self.g.home(v))]
             for id in ids:
                 if id not in self.g.tg.outputs:
                     self.g.tg.output(id)
             res.append((name, ids))
         return res
+
+
+def missing(blocks: Sequence[Block]) -> None:
+    """Refuses the graph when ops have no mapping: one error naming all of them, each with its
+    count and where it is first used."""
+    found: dict[str, list] = {}  # op -> [count, first node]
+    for blk in blocks:
+        for node in blk.program.graph.nodes:
+            if node.op == "call_function" and aten.lookup(node.target) is None:
+                found.setdefault(str(node.target), [0, node])[0] += 1
+    if not found:
+        return
+    each = "; ".join(
+        f"{op} x{n} (first: {', '.join([_where(node), *_origin(node)])})"
+        for op, (n, node) in sorted(found.items())
+    )
+    raise FrontendError(
+        f"{len(found)} aten op(s) have no mapping: {each}. Map one onto an op of your own with "
+        "disco_ray.frontend.register_aten (docs/FRONTEND.md#your-own-mapping)"
+    )
 
 
 def _tiles(n: int, k: int) -> list[tuple[int, int]]:
@@ -292,6 +310,12 @@ def _where(node) -> str:
 
 def _code(node) -> str:
     """' (in MODULE: TYPE, at FILE:LINE: CODE)' from what torch recorded of the node's origin."""
+    where = _origin(node)
+    return f" ({', '.join(where)})" if where else ""
+
+
+def _origin(node) -> list[str]:
+    """['in MODULE: TYPE', 'at FILE:LINE: CODE'], what torch recorded of them."""
     where = []
     stack = node.meta.get("nn_module_stack") or {}
     if stack:
@@ -301,7 +325,7 @@ def _code(node) -> str:
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
     if len(lines) >= 2 and lines[-2].startswith("File "):
         where.append(f"at {lines[-2].removeprefix('File ')}: {lines[-1]}")
-    return f" ({', '.join(where)})" if where else ""
+    return where
 
 
 def output_names(spec, n: int) -> list[str]:

@@ -38,6 +38,11 @@ def _infer_float_unary(name: str, key: str | None = None):
     return infer
 
 
+def _infer_pow_scalar(shapes, dtypes, attrs):
+    e = _number("pow_scalar", attrs, "exponent")
+    return shapes[0], _same_dtype("pow_scalar", dtypes, floats=not (e.is_integer() and e >= 0))
+
+
 def _infer_pow(shapes, dtypes, attrs):
     return broadcast("pow", shapes), _same_dtype("pow", dtypes)
 
@@ -101,10 +106,11 @@ register(
         "pow_scalar",
         1,
         1,
-        _infer_float_unary("pow_scalar", "exponent"),
+        _infer_pow_scalar,
         attrs={"exponent": REQUIRED},
         flops=elementwise(4),
-        doc="x ** exponent for any finite real exponent (torch.pow(x, e))",
+        doc="x ** exponent for any finite real exponent (torch.pow(x, e); an integer x to a power "
+        "0, 1, 2, ...)",
     )
 )
 register(
