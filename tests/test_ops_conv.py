@@ -1,6 +1,6 @@
 """The CNN ops (`ops_conv`) and those of `ops_math`, each against the torch function a module's
 forward calls, in float32 and bfloat16: convolutions with stride, padding, dilation, groups and
-bias over 1 and 2 dims, batch norm in eval mode, max/avg/adaptive pooling (ceil mode, padding),
+bias over 1 to 3 dims, batch norm in eval mode, max/avg/adaptive pooling (ceil mode, padding),
 group norm, log_softmax, leaky_relu, hardswish, powers, cumsum and full; the shape inference
 against torch's own output shapes, and the refusals of operands that do not fit."""
 
@@ -40,6 +40,7 @@ CONVS = [  # (x shape, w shape, bias, stride, padding, dilation, groups)
     ((1, 3, 9, 10), (8, 3, 3, 3), True, [2, 1], [1, 2], 1, 1),
     ((2, 6, 8, 8), (6, 1, 3, 3), True, 1, 1, [1, 2], 6),  # depthwise, dilated
     ((1, 4, 7, 7), (4, 2, 1, 1), False, 2, 0, 1, 2),
+    ((1, 2, 5, 6, 7), (3, 2, 2, 3, 3), True, [1, 2, 1], 1, 1, 1),
 ]
 
 
@@ -49,7 +50,7 @@ def test_conv_is_torch_conv(case, dtype):
     xs, ws, bias, stride, pad, dil, groups = CONVS[case]
     x, w = _rand(*xs, dtype=dtype, seed=1), _rand(*ws, dtype=dtype, seed=2)
     b = _rand(ws[0], dtype=dtype, seed=3) if bias else None
-    fn = F.conv1d if len(xs) == 3 else F.conv2d
+    fn = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[len(xs)]
     want = fn(x, w, b, stride, pad, dil, groups)
     got = _run(
         "conv", [x, w, *([b] if bias else [])], stride=stride, padding=pad, dilation=dil, groups=groups
@@ -133,7 +134,9 @@ def test_elementwise_math_is_torchs(dtype):
     for op, ins, attrs, want in cases:
         got = _run(op, ins, **attrs)
         assert got.dtype == want.dtype, op
-        torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m, op=op: f"{op} {attrs}: {m}")
+        torch.testing.assert_close(
+            got, want, **TOL[dtype], msg=lambda m, op=op, attrs=attrs: f"{op} {attrs}: {m}"
+        )
 
 
 def test_cumsum_of_integers_and_full():

@@ -333,7 +333,7 @@ def lookup(target) -> Handler | None:
     """The handler of an FX node's target: one `register_aten` gave, else the built-in mapping of
     an aten op (or of operator.getitem); None when there is none."""
     packet = getattr(target, "overloadpacket", None)
-    name = getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
+    name = str(getattr(packet, "__name__", None) or getattr(target, "__name__", str(target)))
     if packet is not None and getattr(target, "namespace", "aten") != "aten":
         return OWN.get(str(target))  # a custom op named like an aten op is not that op
     return OWN.get(str(target)) or OWN.get(name) or ATEN.get(name)

@@ -72,7 +72,8 @@ def _convolution(cx, x, w, b, stride, padding, dilation, transposed, output_padd
 def _conv_by_channels(cx, x: Value, w: Value, b: Value | None, attrs: dict) -> Value:
     """Column-parallel: GPU j convolves the whole input with its rows of the weight (module doc)."""
     assert w.weight is not None
-    g, shape, dtype = cx.g, *cx.meta()
+    g = cx.g
+    shape, dtype = cx.meta()
     parts = []
     for j, (lo, hi) in enumerate(_tiles(w.shape[0], cx.gpus)):
         ins = [g.on(x, j), g.weights.input(g.tg, w.weight, j, g.fresh, rows=(lo, hi))]
@@ -101,7 +102,8 @@ def _batchnorm(cx, x: Value, w, b, mean, var, eps) -> Value:
     per_channel = [v for v in (mean, var, w, b) if v is not None]
     if not (_by_channel(x) and all(v.weight is not None for v in per_channel)):
         return cx.op("batchnorm", x, *per_channel, eps=float(eps))
-    g, shape, dtype = cx.g, *cx.meta()
+    g = cx.g
+    shape, dtype = cx.meta()
     parts = []
     for p in x.parts:  # each GPU normalizes its channels with its entries of the statistics
         ins = [
