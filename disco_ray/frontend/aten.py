@@ -337,6 +337,3 @@ def lookup(target) -> Handler | None:
     if packet is not None and getattr(target, "namespace", "aten") != "aten":
         return OWN.get(str(target))  # a custom op named like an aten op is not that op
     return OWN.get(str(target)) or OWN.get(name) or ATEN.get(name)
-
-
-from . import aten_cnn  # noqa: E402,F401  (registers the CNN ops' handlers into ATEN)

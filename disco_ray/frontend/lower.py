@@ -28,7 +28,7 @@ import torch
 from disco_ray.graph.dtypes import from_torch
 from disco_ray.graph.errors import FrontendError
 
-from . import aten
+from . import aten, aten_cnn  # noqa: F401  (aten_cnn registers its handlers into aten.ATEN)
 from .capture import Block
 from .values import Graph, Part, Value
 from .weights import Weights
