@@ -234,3 +234,44 @@ def test_an_in_place_op_is_mapped_only_when_nothing_else_sees_the_update():
         FrontendError, match=r"aten op aten.relu_.default on 'linear', which slice_1 read too"
     ):
         disco_ray.from_torch(_ReadAfter().eval(), torch.randn(2, 4), engine="local")
+
+
+class _LowLevel(nn.Module):
+    """The aten forms a decomposed or hand-written graph holds: convolution, the no-training batch
+    norm, conv3d, the _like and new_ constants, in-place arithmetic, _log_softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.c3 = nn.Conv3d(1, 2, 2)
+
+    def forward(self, x, v):
+        a = torch.ops.aten.convolution(
+            x, self.conv.weight, self.conv.bias, [1, 1], [1, 1], [1, 1], False, [0, 0], 1
+        )
+        bn = self.bn
+        a = torch.ops.aten._native_batch_norm_legit_no_training(
+            a, bn.weight, bn.bias, bn.running_mean, bn.running_var, 0.1, 1e-5
+        )[0]
+        a = torch.ops.aten._adaptive_avg_pool2d(a, [2, 2]).flatten(1)  # [N, 16]
+        b = self.c3(v).flatten(1)[:, :16]
+        c = a * 2
+        c.mul_(torch.ones_like(a)).sub_(a.new_ones((16,))).div_(
+            torch.full_like(a, 2.0) + a.new_full((16,), 1.0)
+        )
+        return torch.ops.aten._log_softmax(c + b + a.new_zeros((16,)), 1, False)
+
+
+def test_the_low_level_aten_forms_map_too():
+    torch.manual_seed(0)
+    net = _LowLevel().eval()
+    args = (torch.randn(2, 3, 8, 8), torch.randn(2, 1, 4, 4, 4))
+    with torch.no_grad():
+        net.bn.running_var.uniform_(0.5, 1.5)
+        want = net(*args)
+    model = disco_ray.from_torch(net, args, gpus=2, engine="local")
+    assert {"conv", "batchnorm", "adaptive_avg_pool2d", "full", "log_softmax"} <= {
+        v.op for v in model.taskgraph if v.kind.value == "kernel"
+    }
+    torch.testing.assert_close(model(*args), want, **TOL)
