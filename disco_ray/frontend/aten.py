@@ -1,4 +1,5 @@
-"""The ATen ops `from_torch` maps onto the op set, one handler each (`ATEN`, by op name).
+"""The ATen ops `from_torch` maps onto the op set, one handler each (`ATEN`, by op name; the CNN
+ops' are in `aten_cnn`), and the mappings of one's own (`register_aten`, looked up first).
 
 A handler gets the lowering state (`lower.Lowering`: the graph, the node's GPU, `op`, `unary`,
 `add`, `linear`, `meta`) and the node's arguments, tensors as `Value`s; it returns a Value, a

@@ -14,8 +14,9 @@ Two ways to split (`split=`):
   about equal weight bytes; each op runs on its stage's GPU and values cross a stage boundary by
   transfer.
 
-Every op of a block is mapped by `aten.ATEN`; an op there is none for raises FrontendError naming
-the aten op, the node and, where torch recorded it, the line of the model's code.
+Every op of a block is mapped by `aten.lookup` (the built-in handlers of `aten` and `aten_cnn`,
+and those `register_aten` added); ops with none are refused before the walk by one FrontendError
+naming all of them, each with its count and its first node, submodule and line of code.
 """
 
 from __future__ import annotations
