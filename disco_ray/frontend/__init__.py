@@ -7,6 +7,7 @@ capture), `lower` (the TaskGraph, split tensor-parallel or by layer), `values`
 Layer 3, as `disco_ray.models`: it imports the graph, planner and driver packages, never the CLI.
 """
 
+from .aten import register_aten, unregister_aten
 from .model import TorchModel, TorchResult, from_torch
 
-__all__ = ["TorchModel", "TorchResult", "from_torch"]
+__all__ = ["TorchModel", "TorchResult", "from_torch", "register_aten", "unregister_aten"]

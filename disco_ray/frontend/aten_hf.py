@@ -173,21 +173,6 @@ for _op in ("add", "sub", "rsub", "mul", "div"):
     ATEN[_op] = _arith(ATEN[_op])
 
 
-def _pow_cube(prev):
-    """x ** 3 (GPT-2's gelu_new) as x * x * x, torch's own CPU and CUDA kernels' form; other
-    exponents go to aten's handler."""
-
-    def handler(cx, x, exponent):
-        if isinstance(x, Value) and not isinstance(exponent, Value) and exponent == 3:
-            return cx.op("mul", cx.op("mul", x, x), x)
-        return prev(cx, x, exponent)
-
-    return handler
-
-
-ATEN["pow"] = _pow_cube(ATEN["pow"])
-
-
 # ---- attention with a mask --------------------------------------------------------------------------
 def _sdpa_masked(prev):
     """scaled_dot_product_attention with `attn_mask` (bool, or added to the scores) as `sdpa_mask`;

@@ -40,7 +40,7 @@ class Const:
         return tuple(self.tensor.shape)
 
 
-def _name(target) -> str:
+def op_name(target) -> str:
     packet = getattr(target, "overloadpacket", None)
     return str(getattr(packet, "__name__", None) or getattr(target, "__name__", target))
 
@@ -52,7 +52,7 @@ def foldable(target, args, kwargs) -> bool:
     if torch.Tag.nondeterministic_seeded in tags:
         return False
     leaves = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, (Const, Value)))
-    return not any(isinstance(x, Value) for x in leaves) or _name(target) in SHAPE_ONLY
+    return not any(isinstance(x, Value) for x in leaves) or op_name(target) in SHAPE_ONLY
 
 
 def evaluate(target, args, kwargs, stem: str):

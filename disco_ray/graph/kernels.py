@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from . import ops
 from .kernels_act import KERNELS as ACT_KERNELS
 from .kernels_act import TEMPS as ACT_TEMPS
+from .kernels_conv import KERNELS as CONV_KERNELS
+from .kernels_conv import TEMPS as CONV_TEMPS
 from .kernels_headnorm import KERNELS as HEADNORM_KERNELS
 from .kernels_headnorm import TEMPS as HEADNORM_TEMPS
 from .kernels_llm import CHANGED as CHANGED
@@ -37,7 +39,8 @@ Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # ops), kernels_train (training ops), kernels_sample (token choice), kernels_act (the activations
 # and soft-capping of families beyond LLaMA), kernels_headnorm (per-head RMSNorm), kernels_moe
 # (the mixture-of-experts ops), kernels_quant (dequantization), kernels_mask (masks and
-# positions), kernels_math (elementwise math); this module has those of the base op set (`ops`)
+# positions), kernels_math (elementwise math), kernels_conv (the CNN ops and the rest of
+# ops_math); this module has those of the base op set (`ops`)
 IMPLS: dict[str, Impl] = {
     **LLM_KERNELS,
     **NN_KERNELS,
@@ -49,6 +52,7 @@ IMPLS: dict[str, Impl] = {
     **QUANT_KERNELS,
     **MASK_KERNELS,
     **MATH_KERNELS,
+    **CONV_KERNELS,
 }
 
 
@@ -174,6 +178,7 @@ TEMPS: dict[str, TempBytes] = {
     **QUANT_TEMPS,
     **MASK_TEMPS,
     **MATH_TEMPS,
+    **CONV_TEMPS,
 }
 IN_PLACE = frozenset({"matmul", "add", "mul", "scale", "softmax", "silu", "transpose", "concat", "linear"})
 

@@ -12,14 +12,16 @@ activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, t
 `ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_moe` the
 mixture-of-experts ops (routing, combining, their backward); `ops_quant` the dequantization of
 packed weights (`dequant`); `ops_mask` the integer and boolean ops of masks and positions
-(comparisons, logical ops, `where`, `index`, `expand`, `sdpa_mask`); `ops_math` elementwise math
-(`rsqrt`, `sqrt`, `exp`, `sin`, `cos`).
+(comparisons, logical ops, `where`, `index`, `expand`, `sdpa_mask`); `ops_conv` the
+convolutional-network ops (conv, batch and group norm, pooling); `ops_math` elementwise math,
+powers, cumsum and `full` (`rsqrt`, `sqrt`, `exp`, `sin`, `cos`, log_softmax, leaky_relu, hardswish).
 """
 
 from __future__ import annotations
 
 from . import (
     ops_act,
+    ops_conv,
     ops_headnorm,
     ops_llm,
     ops_mask,
@@ -57,6 +59,7 @@ __all__ = [
     "get",
     "numel",
     "ops_act",
+    "ops_conv",
     "ops_headnorm",
     "ops_llm",
     "ops_mask",
