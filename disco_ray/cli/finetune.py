@@ -3,12 +3,16 @@
     disco-ray finetune MODEL_DIR --data TOKENS.npy --steps K --lr LR --capacity SIZE --out DIR
         [--init-adapter DIR | --lora-rank R --lora-alpha A --lora-targets q_proj,v_proj,...]
         [--optimizer adamw|sgd] [--weight-decay W] [--batch B] [--gpus G] [--json] ...
+        [--lr-schedule constant|linear|cosine --warmup-steps W] [--grad-accum K] [--max-grad-norm C]
+        [--save-every N] [--resume OUT/step-N]
 
 TOKENS.npy is an int64 array [batch, seq]; the loss is the mean next-token cross-entropy
 (transformers' labels=input_ids); a step is one optimizer step over the file's whole batch, or
 over --batch rows of it (cycling). --out receives the adapter in PEFT's layout
 (adapter_config.json + adapter_model.safetensors). Prints one loss per step, or with --json one
-object with "losses", seconds per step and the plan's statistics.
+object with "losses", seconds per step and the plan's statistics. --save-every N writes a
+checkpoint OUT/step-N every N steps (`disco_ray.models.train_state`); --resume OUT/step-N
+continues it to step --steps (counted from the run's start, as transformers' max_steps).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from .app import (
     seconds_arg,
     seed_arg,
 )
+from .finetune_args import add_schedule_args, check_resumed_lora, schedule_kwargs
 from .paths import writable_dir
 from .run import add_model_run_args, model_run_kwargs
 
@@ -47,8 +52,8 @@ def add_finetune(p) -> None:
         "--out", required=True, type=writable_dir("--out"), metavar="DIR", help="where to write the adapter"
     )
     p.add_argument("--init-adapter", metavar="DIR", help="a PEFT adapter to start from")
-    p.add_argument("--lora-rank", type=int, default=16, metavar="R")
-    p.add_argument("--lora-alpha", type=float, default=32.0, metavar="A")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="(default 16)")
+    p.add_argument("--lora-alpha", type=float, metavar="A", help="(default 32)")
     p.add_argument(
         "--lora-targets",
         metavar="M,...",
@@ -56,7 +61,9 @@ def add_finetune(p) -> None:
     )
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--weight-decay", type=float, default=0.0, metavar="W")
-    p.add_argument("--batch", type=int, metavar="B", help="sequences per step (default: all)")
+    p.add_argument("--batch", type=int, metavar="B", help="sequences per micro-batch (default: all / K)")
+    # --lr-schedule, --warmup-steps, --grad-accum, --max-grad-norm, --save-every, --resume
+    add_schedule_args(p)
     p.add_argument("--gpus", type=int, default=1, metavar="G")
     add_capacity_args(p, required=True)
     add_tier_args(p)  # --host-capacity, --disk
@@ -100,15 +107,21 @@ def cmd_finetune(args) -> int:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.out)
     data = _tokens(args.data)
-    if args.lora_targets is None:  # the default projections, as the model's family names them
+    if args.resume is not None:  # the checkpoint's adapter and LoRA settings
+        targets = None
+    elif args.lora_targets is None:  # the default projections, as the model's family names them
         from workloads.llm.checkpoint import Checkpoint
         from workloads.llm.lora import default_targets
 
         targets = default_targets(Checkpoint(args.model).config)
     else:
         targets = tuple(x for x in args.lora_targets.split(",") if x)
-    spec = LoraSpec(args.lora_rank, args.lora_alpha, targets)
-    optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)
+    rank = 16 if args.lora_rank is None else args.lora_rank
+    alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
+    spec = None if targets is None else LoraSpec(rank, alpha, targets)
+    optim = OptimSpec(
+        args.optimizer, args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm
+    )
     kw = model_run_kwargs(args, args.gpus)
     with closing_after_error(
         LoraTrainer(
@@ -122,10 +135,23 @@ def cmd_finetune(args) -> int:
             block=args.block,
             seed=args.seed,
             grad_sum=args.grad_sum,
+            **schedule_kwargs(args),
             **kw,
         )
     ) as tr:
-        losses = tr.train(data, args.steps, args.batch, args.timeout)
+        check_resumed_lora(args, tr.lora)
+        if tr.steps_done > args.steps:
+            raise UsageError(
+                f"--resume {args.resume}: the checkpoint is at step {tr.steps_done}, past --steps {args.steps}"
+            )
+        losses = tr.train(
+            data,
+            args.steps - tr.steps_done,
+            args.batch,
+            args.timeout,
+            save_every=args.save_every,
+            out=args.out,
+        )
         tr.save_adapter(args.out)
         stats = tr.statistics()
     if args.json:

@@ -280,7 +280,11 @@ class LoraTrainer(Programs):
             raise NonFiniteError(f"{path}: not written: step {self.bad_step}'s loss was not finite")
         states = self._states() if self._programs else None
         tensors = self._peft({k: v[0] for k, v in states.items()}) if states else self.adapter()
-        moments = {k: (v[1], v[2]) for k, v in states.items()} if states and self.optim.slots == 3 else {}
+        if states is None:  # nothing ran since the start (zero moments) or the resumed checkpoint
+            zero = {k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in self._start.items()}
+            moments = dict(self._state.moments or zero) if self.optim.slots == 3 else {}
+        else:
+            moments = {k: (v[1], v[2]) for k, v in states.items()} if self.optim.slots == 3 else {}
         settings = {**self._settings(), "losses": list(self.losses), "total_steps": self.total_steps}
         state = TrainState(
             self.steps_done, self.data_position, self._data_rows, settings, moments, torch.get_rng_state()
