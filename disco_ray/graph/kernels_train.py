@@ -1,4 +1,4 @@
-"""Torch implementations of the training ops (`ops_train`, `ops_optim`), each writing into a given output view.
+"""Torch implementations of the training ops (`ops_train`; AdamW and SGD of `ops_optim`), each writing into a given output view.
 
 `KERNELS` maps op names to functions `(out, ins, attrs)`; `kernels` merges it into its `IMPLS`
 (this module imports nothing of the project, so no cycle). As there, the same code runs on the CPU
@@ -245,22 +245,6 @@ def _sgd(out, ins, attrs):
         torch.addcmul(param, grad, lr.neg().to(param.dtype), out=out)
 
 
-def _sum_squares(out, ins, attrs):
-    out.copy_(ins[0].float().square().sum().reshape(1))
-
-
-def _clip_coef(out, ins, attrs):
-    # clip_grad_norm_: the norm of all gradients as one vector; coef = max_norm / (norm + 1e-6), at most 1
-    norm = torch.stack([x.reshape(()) for x in ins]).sum().sqrt()
-    out[0] = norm
-    out[1] = torch.clamp(attrs["max_norm"] / (norm + 1e-6), max=1.0)
-
-
-def _scale_grad(out, ins, attrs):
-    grad, clip = ins
-    torch.mul(grad, clip[1].to(grad.dtype), out=out)
-
-
 def _slice(out, ins, attrs):
     out.copy_(ins[0].narrow(attrs["axis"], attrs["start"], attrs["stop"] - attrs["start"]))
 
@@ -278,8 +262,5 @@ KERNELS: dict[str, Impl] = {
     "embedding_grad": _embedding_grad,
     "adamw": _adamw,
     "sgd": _sgd,
-    "sum_squares": _sum_squares,
-    "clip_coef": _clip_coef,
-    "scale_grad": _scale_grad,
     "slice": _slice,
 }
