@@ -1,4 +1,5 @@
-"""Torch implementations of the training ops (`ops_train`; AdamW and SGD of `ops_optim`), each writing into a given output view.
+"""Torch implementations of the training ops (`ops_train`; AdamW and SGD of `ops_optim`), each
+writing into a given output view.
 
 `KERNELS` maps op names to functions `(out, ins, attrs)`; `kernels` merges it into its `IMPLS`
 (this module imports nothing of the project, so no cycle). As there, the same code runs on the CPU
