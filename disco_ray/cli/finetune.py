@@ -157,7 +157,7 @@ def cmd_finetune(args) -> int:
     if args.json:
         print(json.dumps({**stats, "losses": losses, "out": str(out)}))
     else:
-        for k, loss in enumerate(losses, 1):
+        for k, loss in enumerate(losses, stats["steps"] - len(losses) + 1):  # a resumed run's steps go on
             print(f"step {k}: loss {loss:.6f}")
         per = sorted(stats["step_s"])[len(stats["step_s"]) // 2]
         print(f"wrote {args.out}; {len(losses)} steps, median {per:.3f} s per step", file=sys.stderr)

@@ -59,6 +59,8 @@ class LoraTrainer(Programs):
             `disco_ray.models.LlamaModel` (quantize: LoRA on a frozen quantized base, as QLoRA).
     """
 
+    total_steps: int | None  # the run's last step: where a decaying schedule reaches 0
+
     def __init__(
         self,
         path: str,
@@ -315,8 +317,7 @@ class LoraTrainer(Programs):
         self.grad_accum = grad_accum
         self.lr_schedule = lr_schedule or LrSchedule()
         self.lr_schedule.check()
-        self.total_steps: int | None = total_steps
-        self._total = total_steps
+        self.total_steps = self._total = total_steps
         self._data_rows = 0
 
     def _resume(self, path: str, lora: LoraSpec | None, dims: dict) -> None:
