@@ -42,8 +42,8 @@ def base(tmp_path_factory):
 
 
 def trainer(base, **kw) -> LoraTrainer:
-    args = dict(capacity="64MiB", lora=LORA, optim=OPTIM, lr_schedule=SCHEDULE, block=4)
-    return LoraTrainer(base, grad_sum="add", engine="local", seed=3, **(args | kw))
+    args = dict(capacity="64MiB", lora=LORA, optim=OPTIM, lr_schedule=SCHEDULE, block=4, engine="local")
+    return LoraTrainer(base, grad_sum="add", seed=3, **(args | kw))
 
 
 @pytest.fixture(scope="module")
