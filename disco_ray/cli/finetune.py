@@ -4,6 +4,8 @@
         [--init-adapter DIR | --lora-rank R --lora-alpha A --lora-targets q_proj,v_proj,...]
         [--optimizer adamw|sgd] [--weight-decay W] [--batch B] [--gpus G] [--json] ...
         [--seq-len N] [--eval-data FILE [--eval-every N] [--eval-batch B]]
+        [--lr-schedule constant|linear|cosine --warmup-steps W] [--grad-accum K] [--max-grad-norm C]
+        [--save-every N] [--resume OUT/step-N]
     disco-ray finetune MODEL_DIR --steps 0 --eval-data FILE --capacity SIZE [--init-adapter DIR]
 
 FILE is an int64 array [batch, seq] (.npy) or a JSONL of documents packed into rows of --seq-len
@@ -12,7 +14,9 @@ FILE is an int64 array [batch, seq] (.npy) or a JSONL of documents packed into r
 over --batch rows of it (cycling). --out receives the adapter in PEFT's layout
 (adapter_config.json + adapter_model.safetensors). Prints a line per step on stderr as it runs,
 then one loss per step (and the evaluations), or with --json one object with "losses", "steps"
-(each step's figures), "eval", seconds per step and the plan's statistics.
+(each step's figures), "eval", seconds per step and the plan's statistics. --save-every N writes a
+checkpoint OUT/step-N every N steps (`disco_ray.models.train_state`); --resume OUT/step-N
+continues it to step --steps (counted from the run's start, as transformers' max_steps).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from disco_ray.graph.errors import UsageError
 
 from .app import (
     add_capacity_args,
@@ -30,6 +36,7 @@ from .app import (
     seconds_arg,
     seed_arg,
 )
+from .finetune_args import add_schedule_args, check_resumed_lora, schedule_kwargs
 from .finetune_eval import Progress, add_data_args, check_modes, read_data
 from .paths import writable_dir
 from .run import add_model_run_args, model_run_kwargs
@@ -49,8 +56,8 @@ def add_finetune(p) -> None:
     p.add_argument("--out", type=writable_dir("--out"), metavar="DIR", help="where to write the adapter")
     add_data_args(p)  # --seq-len, --eval-data, --eval-every, --eval-batch
     p.add_argument("--init-adapter", metavar="DIR", help="a PEFT adapter to start from")
-    p.add_argument("--lora-rank", type=int, default=16, metavar="R")
-    p.add_argument("--lora-alpha", type=float, default=32.0, metavar="A")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="(default 16)")
+    p.add_argument("--lora-alpha", type=float, metavar="A", help="(default 32)")
     p.add_argument(
         "--lora-targets",
         metavar="M,...",
@@ -58,7 +65,9 @@ def add_finetune(p) -> None:
     )
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--weight-decay", type=float, default=0.0, metavar="W")
-    p.add_argument("--batch", type=int, metavar="B", help="sequences per step (default: all)")
+    p.add_argument("--batch", type=int, metavar="B", help="sequences per micro-batch (default: all / K)")
+    # --lr-schedule, --warmup-steps, --grad-accum, --max-grad-norm, --save-every, --resume
+    add_schedule_args(p)
     p.add_argument("--gpus", type=int, default=1, metavar="G")
     add_capacity_args(p, required=True)
     add_tier_args(p)  # --host-capacity, --disk
@@ -84,16 +93,20 @@ def cmd_finetune(args) -> int:
     assert capacity is not None  # argparse requires --capacity
     check_modes(args)
     data, held = read_data(args)
-    if args.lora_targets is None:  # the default projections, as the model's family names them
+    if args.resume is not None:  # the checkpoint's adapter and LoRA settings
+        targets = None
+    elif args.lora_targets is None:  # the default projections, as the model's family names them
         from workloads.llm.checkpoint import Checkpoint
         from workloads.llm.lora import default_targets
 
         targets = default_targets(Checkpoint(args.model).config)
     else:
         targets = tuple(x for x in args.lora_targets.split(",") if x)
-    spec = LoraSpec(args.lora_rank, args.lora_alpha, targets)
+    rank = 16 if args.lora_rank is None else args.lora_rank
+    alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
+    spec = None if targets is None else LoraSpec(rank, alpha, targets)
     lr = OptimSpec().lr if args.lr is None else args.lr  # no --lr: --steps 0, no update
-    optim = OptimSpec(args.optimizer, lr, weight_decay=args.weight_decay)
+    optim = OptimSpec(args.optimizer, lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
     progress = Progress(args, held)
     kw = model_run_kwargs(args, args.gpus)
     with closing_after_error(
@@ -108,12 +121,26 @@ def cmd_finetune(args) -> int:
             block=args.block,
             seed=args.seed,
             grad_sum=args.grad_sum,
+            **schedule_kwargs(args),
             **kw,
         )
     ) as tr:
         progress.trainer = tr
+        check_resumed_lora(args, tr.lora)
+        if tr.steps_done > args.steps:
+            raise UsageError(
+                f"--resume {args.resume}: the checkpoint is at step {tr.steps_done}, past --steps {args.steps}"
+            )
         losses = (
-            tr.train(data, args.steps, args.batch, args.timeout, on_step=progress.step)
+            tr.train(
+                data,
+                args.steps - tr.steps_done,
+                args.batch,
+                args.timeout,
+                save_every=args.save_every,
+                out=args.out,
+                on_step=progress.step,
+            )
             if data is not None
             else []
         )
@@ -125,7 +152,7 @@ def cmd_finetune(args) -> int:
         out = str(Path(args.out)) if args.out is not None else None
         print(json.dumps({**stats, "losses": losses, **progress.json(), "out": out}))
     else:
-        for k, loss in enumerate(losses, 1):
+        for k, loss in enumerate(losses, stats["steps"] - len(losses) + 1):  # a resumed run's steps go on
             print(f"step {k}: loss {loss:.6f}")
         for line in progress.lines():
             print(line)

@@ -28,6 +28,7 @@ from .kernels_math import TEMPS as MATH_TEMPS
 from .kernels_moe import KERNELS as MOE_KERNELS
 from .kernels_nn import KERNELS as NN_KERNELS
 from .kernels_nn import TEMPS as NN_TEMPS
+from .kernels_optim import KERNELS as OPTIM_KERNELS
 from .kernels_quant import KERNELS as QUANT_KERNELS
 from .kernels_quant import TEMPS as QUANT_TEMPS
 from .kernels_sample import KERNELS as SAMPLE_KERNELS
@@ -36,15 +37,16 @@ from .kernels_train import KERNELS as TRAIN_KERNELS
 
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # the op families' kernels live beside them: kernels_llm (transformer ops), kernels_nn (general
-# ops), kernels_train (training ops), kernels_sample (token choice), kernels_act (the activations
-# and soft-capping of families beyond LLaMA), kernels_headnorm (per-head RMSNorm), kernels_moe
-# (the mixture-of-experts ops), kernels_quant (dequantization), kernels_mask (masks and
-# positions), kernels_math (elementwise math), kernels_conv (the CNN ops and the rest of
-# ops_math); this module has those of the base op set (`ops`)
+# ops), kernels_train (training ops), kernels_optim (gradient clipping), kernels_sample (token
+# choice), kernels_act (the activations and soft-capping of families beyond LLaMA),
+# kernels_headnorm (per-head RMSNorm), kernels_moe (the mixture-of-experts ops), kernels_quant
+# (dequantization), kernels_mask (masks and positions), kernels_math (elementwise math),
+# kernels_conv (the CNN ops and the rest of ops_math); this module has those of the base op set (`ops`)
 IMPLS: dict[str, Impl] = {
     **LLM_KERNELS,
     **NN_KERNELS,
     **TRAIN_KERNELS,
+    **OPTIM_KERNELS,
     **SAMPLE_KERNELS,
     **ACT_KERNELS,
     **HEADNORM_KERNELS,

@@ -6,8 +6,8 @@ the runtime can run them on arena views on the CPU or a GPU. An op of one's own 
 registers FORMATS.md's ops and the elementwise and normalisation ops; `ops_llm` the transformer
 ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups); `ops_nn`
 the general ops a torch model maps onto (activations, layer norm, broadcasting arithmetic, shape
-copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
-optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
+copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy);
+`ops_optim` the optimizer steps and gradient clipping; `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
 activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
 `ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_moe` the
 mixture-of-experts ops (routing, combining, their backward); `ops_quant` the dequantization of
@@ -28,6 +28,7 @@ from . import (
     ops_math,
     ops_moe,
     ops_nn,
+    ops_optim,
     ops_quant,
     ops_sample,
     ops_train,
@@ -66,6 +67,7 @@ __all__ = [
     "ops_math",
     "ops_moe",
     "ops_nn",
+    "ops_optim",
     "ops_quant",
     "ops_sample",
     "ops_train",

@@ -77,6 +77,6 @@ def eval_graph(
         raise UsageError(f"an evaluated sequence needs at least 2 tokens, got {seq}")
     check_trainable(ck.config, seq, str(ck.path / "config.json"))
     b = _Eval(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
-    b.forward()
+    b.forward(range(batch))
     b.loss_sum()
     return TrainGraph(b.g, batch, seq, block, b.tiles, b.params, "loss", b.dtype, optim)

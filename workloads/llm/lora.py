@@ -110,6 +110,7 @@ class OptimSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    max_grad_norm: float | None = None  # clip the global L2 norm of all gradients to it (None: no clipping)
 
     def check(self) -> None:
         if self.name not in ("adamw", "sgd"):
@@ -118,6 +119,9 @@ class OptimSpec:
             raise UsageError(f"learning rate must be a positive number, got {self.lr!r}")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise UsageError(f"weight decay must be >= 0, got {self.weight_decay!r}")
+        c = self.max_grad_norm
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < math.inf):
+            raise UsageError(f"max grad norm must be a positive number, got {c!r}")
 
     @property
     def slots(self) -> int:
