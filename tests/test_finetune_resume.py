@@ -139,6 +139,7 @@ def test_a_resume_of_another_model_lora_or_optimizer_is_refused_by_name(base, un
 
 
 def test_the_cli_resumes_to_the_uninterrupted_adapter(base, tmp_path):
+    """With --save-every or --resume the gradient sums default to a fixed order ("add")."""
     data = tmp_path / "data.npy"
     import numpy as np
 
@@ -146,7 +147,7 @@ def test_the_cli_resumes_to_the_uninterrupted_adapter(base, tmp_path):
     common = [
         "finetune", base, "--data", data, "--lr", "1e-2", "--capacity", "64MiB", "--engine", "local",
         "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,down_proj", "--batch", "2",
-        "--lr-schedule", "cosine", "--warmup-steps", "1", "--grad-sum", "add", "--block", "4", "--steps", "6",
+        "--lr-schedule", "cosine", "--warmup-steps", "1", "--block", "4", "--steps", "6",
         "--max-grad-norm", "0.5", "--save-every", "3",
     ]  # fmt: skip
     a, b = tmp_path / "a", tmp_path / "b"

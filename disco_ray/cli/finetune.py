@@ -77,8 +77,8 @@ def add_finetune(p) -> None:
     p.add_argument(
         "--grad-sum",
         choices=["sum_into", "add", "chain"],
-        default="sum_into",
-        help="how gradient partials are summed: sum-into kernels (default), one n-ary add, a chain of adds",
+        help="how gradient partials are summed: sum-into kernels (default), one n-ary add (the default "
+        "with --save-every or --resume: a fixed order, so a resumed run ends bit for bit as one run), a chain of adds",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a step after S seconds")
@@ -120,7 +120,7 @@ def cmd_finetune(args) -> int:
             dtype=args.dtype,
             block=args.block,
             seed=args.seed,
-            grad_sum=args.grad_sum,
+            grad_sum=args.grad_sum or ("add" if args.save_every or args.resume else "sum_into"),
             **schedule_kwargs(args),
             **kw,
         )
