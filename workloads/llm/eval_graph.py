@@ -12,12 +12,8 @@ weighted by tokens, as one forward over all of them would be.
 
 from __future__ import annotations
 
-from disco_ray.graph.errors import UsageError
-
 from .checkpoint import Checkpoint
-from .lora import check_trainable
-from .moe_lora import expert_targets
-from .train import LoraSpec, OptimSpec, TrainGraph, _Step
+from .train import LoraSpec, OptimSpec, TrainGraph, _Step, check_step
 
 
 class _Eval(_Step):
@@ -70,12 +66,7 @@ def eval_graph(
     """The summed loss of `batch` sequences of `seq` tokens (row tiles of `block`) under the
     adapter held in the training graph's states (`optim`: their layout, the parameter and its
     moments; `grad_sum`: how the tiles' sums are added)."""
-    expert_targets(ck.config, lora.targets)
-    lora.check()
-    optim.check()
-    if seq < 2:
-        raise UsageError(f"an evaluated sequence needs at least 2 tokens, got {seq}")
-    check_trainable(ck.config, seq, str(ck.path / "config.json"))
+    check_step(ck, lora, optim, seq, "an evaluated sequence")
     b = _Eval(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
     b.forward(range(batch))
     b.loss_sum()

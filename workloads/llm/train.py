@@ -379,6 +379,17 @@ class _Step(LoraLayers):
         return g.add(dh1, dn1, id=f"{stem}.dh", gpu=w)
 
 
+def check_step(ck: Checkpoint, lora: LoraSpec, optim: OptimSpec, seq: int, what: str) -> None:
+    """UsageError for a step the graphs do not build: LoRA and optimizer settings, a sequence of
+    fewer than 2 tokens (`what` names it), what the checkpoint's config rules out for training."""
+    expert_targets(ck.config, lora.targets)  # all of w1, w2, w3 or none
+    lora.check()
+    optim.check()
+    if seq < 2:
+        raise UsageError(f"{what} needs at least 2 tokens, got {seq}")
+    check_trainable(ck.config, seq, str(ck.path / "config.json"))
+
+
 def train_graph(
     ck: Checkpoint,
     gpus: int,
@@ -394,12 +405,7 @@ def train_graph(
     """One optimizer step on `batch` sequences of `seq` tokens (row tiles of `block`), in `micro`
     micro-batches of batch // micro sequences each: forward, loss and backward of one after the
     other, their gradient partials summed into the same sums (gradient accumulation)."""
-    expert_targets(ck.config, lora.targets)  # all of w1, w2, w3 or none
-    lora.check()
-    optim.check()
-    if seq < 2:
-        raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
-    check_trainable(ck.config, seq, str(ck.path / "config.json"))
+    check_step(ck, lora, optim, seq, "a training sequence")
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or batch % micro:
         raise UsageError(f"a batch of {batch} sequences does not split into {micro!r} equal micro-batches")
     b = _Step(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
