@@ -61,7 +61,9 @@ def add_finetune(p) -> None:
     add_capacity_args(p, required=True)
     add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
-    p.add_argument("--block", type=int, default=64, metavar="N", help="row tile, in tokens (64)")
+    p.add_argument(
+        "--block", type=int, metavar="N", help="row tile, in tokens (default: tiles of at most 512, equal)"
+    )
     p.add_argument("--seed", type=seed_arg, default=0, help="of a new adapter's initial A")
     p.add_argument(
         "--grad-sum",
@@ -72,6 +74,7 @@ def add_finetune(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a step after S seconds")
     add_model_run_args(p)  # --weights, the engine's and the cluster's options
+    p.set_defaults(streams=None)  # the trainer's own default (`default_streams`)
 
 
 def _tokens(path: str):
@@ -91,7 +94,7 @@ def _tokens(path: str):
 
 
 def cmd_finetune(args) -> int:
-    from disco_ray.models.finetune import LoraTrainer
+    from disco_ray.models.finetune import LoraTrainer, default_streams
     from workloads.llm.train import LoraSpec, OptimSpec
 
     capacity = capacity_of(args, args.gpus)
@@ -109,6 +112,8 @@ def cmd_finetune(args) -> int:
         targets = tuple(x for x in args.lora_targets.split(",") if x)
     spec = LoraSpec(args.lora_rank, args.lora_alpha, targets)
     optim = OptimSpec(args.optimizer, args.lr, weight_decay=args.weight_decay)
+    if args.streams is None:
+        args.streams = default_streams(args.backend)
     kw = model_run_kwargs(args, args.gpus)
     with closing_after_error(
         LoraTrainer(

@@ -35,6 +35,8 @@ from workloads.llm.train import LoraSpec, OptimSpec, TrainGraph, module_dims, tr
 from . import adapter, adapter_experts
 from .programs import Programs, one_request, open_checkpoint, plan_entry
 
+TRAIN_TILE = 512  # the default tile's most tokens: large matmuls, and a tile's scores stay small
+
 
 class LoraTrainer(Programs):
     """A checkpoint with a LoRA adapter on `gpus` workers, trained one optimizer step per run.
@@ -47,7 +49,12 @@ class LoraTrainer(Programs):
         seed: of a new adapter's A matrices (B starts at zero, as PEFT does).
         grad_sum: how a weight gradient's partials are summed ("sum_into", the default: sum-into
             kernels, each adding one partial as soon as it exists; "add": one n-ary add; "chain").
-        capacity, host_capacity, disk_dir, gpus, dtype, block, engine, backend, streams, ahead,
+        block: the row tile, in tokens; None: each sequence in the fewest tiles of at most
+            `TRAIN_TILE` tokens (`train_block`). Smaller tiles plan into smaller arenas; larger
+            ones run fewer, larger kernels.
+        streams: compute streams per GPU; None: 1 on the cpu backend (one kernel at a time, each
+            on all the cores, as torch runs a step; see docs/TRAINING.md "Speed"), 5 otherwise.
+        capacity, host_capacity, disk_dir, gpus, dtype, engine, backend, ahead,
             weights, pool, check, stall_timeout, quantize, quant_group: as for
             `disco_ray.models.LlamaModel` (quantize: LoRA on a frozen quantized base, as QLoRA).
     """
@@ -62,13 +69,13 @@ class LoraTrainer(Programs):
         init_adapter: str | None = None,
         optim: OptimSpec | None = None,
         dtype: str | None = None,
-        block: int = 64,
+        block: int | None = None,
         seed: int = 0,
         grad_sum: str = "sum_into",
         engine: str = "ray",
         backend: str = "cpu",
         weights: str = "host",
-        streams: int = 5,
+        streams: int | None = None,
         ahead: int | None = None,
         pool: object | None = None,
         check: bool = False,
@@ -82,6 +89,9 @@ class LoraTrainer(Programs):
         self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine, quantize, quant_group)
         self.config = self.ck.config
         self.gpus, self.block, self.grad_sum = gpus, block, grad_sum
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise UsageError(f"block must be a whole number of tokens >= 1, got {block!r}")
+        streams = default_streams(backend) if streams is None else streams
         self.optim = optim or OptimSpec()
         self.optim.check()
         dims = {m: module_dims(self.config, m) for m in self.config.spec.weights.modules()}
@@ -108,8 +118,9 @@ class LoraTrainer(Programs):
         if got is not None:
             return got
         t = time.perf_counter()
+        block = self.block or train_block(seq)
         tgraph = train_graph(
-            self.ck, self.gpus, batch, seq, self.block, self.lora, self.optim, self.dtype, self.grad_sum
+            self.ck, self.gpus, batch, seq, block, self.lora, self.optim, self.dtype, self.grad_sum
         )
         tg = tgraph.taskgraph
         mg = build_memgraph(tg, self.capacity, order=list(tg.vertices), host_capacity=self.host_capacity)
@@ -215,6 +226,19 @@ class LoraTrainer(Programs):
             "step_s": [round(s, 6) for s in self.step_s],
             "plans": list(self.plans),
         }
+
+
+def default_streams(backend: str) -> int:
+    """Compute streams per GPU for training: one on the cpu backend, where concurrent kernels
+    would share the same cores (each kernel uses them all), TURNIP's five on a GPU."""
+    return 1 if backend == "cpu" else 5
+
+
+def train_block(seq: int) -> int:
+    """The default row tile for sequences of `seq` tokens: the fewest tiles of at most
+    `TRAIN_TILE` tokens, equal in size, so that little is padded."""
+    tiles = -(-seq // TRAIN_TILE)
+    return -(-seq // tiles)
 
 
 def _check_tokens(tokens, vocab: int) -> torch.Tensor:
