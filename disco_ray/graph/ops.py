@@ -9,6 +9,7 @@ the general ops a torch model maps onto (activations, layer norm, broadcasting a
 copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
 optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
 activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
+`ops_attn_grad` the fused attention backward of a query tile;
 `ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_moe` the
 mixture-of-experts ops (routing, combining, their backward); `ops_quant` the dequantization of
 packed weights (`dequant`).
@@ -16,7 +17,7 @@ packed weights (`dequant`).
 
 from __future__ import annotations
 
-from . import ops_act, ops_headnorm, ops_llm, ops_moe, ops_nn, ops_quant, ops_sample, ops_train
+from . import ops_act, ops_attn_grad, ops_headnorm, ops_llm, ops_moe, ops_nn, ops_quant, ops_sample, ops_train
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,
@@ -44,6 +45,7 @@ __all__ = [
     "get",
     "numel",
     "ops_act",
+    "ops_attn_grad",
     "ops_headnorm",
     "ops_llm",
     "ops_moe",
