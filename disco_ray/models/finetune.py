@@ -118,7 +118,7 @@ class LoraTrainer(Programs):
         if got is not None:
             return got
         t = time.perf_counter()
-        block = self.block or train_block(seq)
+        block = self.tile(seq)
         tgraph = train_graph(
             self.ck, self.gpus, batch, seq, block, self.lora, self.optim, self.dtype, self.grad_sum
         )
@@ -134,6 +134,10 @@ class LoraTrainer(Programs):
             self._written = True
         got = self._programs[(batch, seq)] = (tgraph, prog)
         return got
+
+    def tile(self, seq: int) -> int:
+        """The row tile of sequences of `seq` tokens: `block`, or by default `train_block(seq)`."""
+        return self.block or train_block(seq)
 
     def _packed(self, p) -> torch.Tensor:
         full = self._start[adapter.key(p.layer, p.module, p.which)]
