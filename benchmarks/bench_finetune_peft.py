@@ -19,8 +19,11 @@ Each run lives in a process of its own (its peak RSS is its own) with `torch.set
 step in turn, --steps rounds, the order rotating every round, so that the box's load (printed,
 with each step's time) hits them alike. Printed: the median seconds per step, its ratio to
 `peft-ckpt`, the CPU seconds per step (the processes' user + system time, children included),
-peak RSS and the first step's loss (equal in every row: the same model, data and adapter init
-up to peft's random A, so equal to 4 digits). A benchmark: it measures and prints.
+peak RSS (of the driver's process: "-" for the ray engine, whose kernels run in its worker) and
+the first step's loss (the same model and data; B starts at zero, so equal to 4 digits). A run
+`local:B:S` or `ray:B:S` is disco-ray with tiles of B tokens and S streams (default: --block,
+--streams, which default to LoraTrainer's own defaults for 512 tokens). A benchmark: it measures
+and prints.
 """
 
 from __future__ import annotations
@@ -134,9 +137,11 @@ def main(args) -> int:
 
     path = str(checkpoint(Path(args.dir)))
     kinds = args.runs.split(",")
-    bad = [k for k in kinds if k not in RUNS]
+    bad = [k for k in kinds if _run_of(k, args) is None]
     if bad:
-        print(f"--runs: unknown run {bad[0]!r} (known: {', '.join(RUNS)})", file=sys.stderr)
+        print(
+            f"--runs: unknown run {bad[0]!r} (known: {', '.join(RUNS)}, local:B:S, ray:B:S)", file=sys.stderr
+        )
         return 2
     print(f"checkpoint {path}; batch {args.batch} x {args.seq} tokens; LoRA rank 16 on {','.join(TARGETS)}")
     print(
@@ -146,8 +151,9 @@ def main(args) -> int:
     procs = {}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in kinds:
-        cmd = [sys.executable, __file__, "_serve", k, path, str(args.batch), str(args.seq)]
-        cmd += [str(args.threads), str(args.block), str(args.streams)]
+        kind, block, streams = _run_of(k, args) or (k, 0, 0)
+        cmd = [sys.executable, __file__, "_serve", kind, path, str(args.batch), str(args.seq)]
+        cmd += [str(args.threads), str(block), str(streams)]
         procs[k] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         _answer(procs[k])
     figs: dict[str, list[dict]] = {k: [] for k in kinds}
@@ -166,13 +172,29 @@ def main(args) -> int:
             assert p.stdin is not None
             p.stdin.close()
             p.wait()
-    _table(kinds, figs)
+    _table(kinds, figs, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "steps": figs}, indent=1))
     return 0
 
 
-def _table(kinds: list[str], figs: dict[str, list[dict]]) -> None:
+def _run_of(k: str, args) -> tuple[str, int, int] | None:
+    """(kind, block, streams) of a --runs entry: a name of RUNS, or local:B:S / ray:B:S (tiles of
+    B tokens, S streams); None if it is neither."""
+    kind, *rest = k.split(":")
+    if kind not in RUNS or (rest and (kind.startswith("peft") or len(rest) != 2)):
+        return None
+    if not all(x.isdigit() and int(x) > 0 for x in rest):
+        return None
+    return (kind, int(rest[0]), int(rest[1])) if rest else (kind, args.block, args.streams)
+
+
+def _name(k: str, args) -> str:
+    kind, block, streams = _run_of(k, args) or (k, 0, 0)
+    return RUNS[kind] + ("" if kind.startswith("peft") else f", tiles of {block}, {streams} stream(s)")
+
+
+def _table(kinds: list[str], figs: dict[str, list[dict]], args) -> None:
     med = {k: statistics.median(f["s"] for f in figs[k] if not f.get("warmup")) for k in kinds}
     base = med.get("peft-ckpt")
     print("| run | s / step (median) | vs peft-ckpt | CPU s / step | peak RSS MB | loss of step 1 |")
@@ -182,7 +204,11 @@ def _table(kinds: list[str], figs: dict[str, list[dict]]) -> None:
         cpu = statistics.median(f["cpu_s"] for f in steps)
         ratio = f"{med[k] / base:.2f}x" if base else "-"
         rss = max(f["rss_mb"] for f in figs[k])
-        print(f"| {RUNS[k]} | {med[k]:.2f} | {ratio} | {cpu:.2f} | {rss:.0f} | {figs[k][0]['loss']:.4f} |")
+        if k.startswith("ray"):  # its kernels run in the worker's process, not the driver's
+            cpu_s = rss_s = "-"
+        else:
+            cpu_s, rss_s = f"{cpu:.2f}", f"{rss:.0f}"
+        print(f"| {_name(k, args)} | {med[k]:.2f} | {ratio} | {cpu_s} | {rss_s} | {figs[k][0]['loss']:.4f} |")
 
 
 if __name__ == "__main__":
