@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     micros = [int(m) for m in args.micros.split(",")]
     skip = set(args.skip.split(","))
     blocks = (args.prompt + args.new - 2) // BLOCK + 1  # the last step's cache blocks
-    third = max(capacity_bounds(str(path), prompt=args.prompt, new_tokens=args.new)["min"][0], weights // 3)
+    third = max(capacity_bounds(str(path), prompt=args.prompt, new_tokens=args.new).min[0], weights // 3)
     print(
         f"checkpoint {path}: {weights / 1e9:.2f} GB float32; prompt {args.prompt}, {args.new} new tokens; "
         f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, CPU only (shared machine)"
@@ -289,7 +289,7 @@ def _part_b(path: Path, args, out: dict) -> None:
 
     b = 16
     batch = prompts(b, args.prompt)
-    roomy = capacity_bounds(str(path), prompt=args.prompt, new_tokens=args.new)["roomy"][0] * b
+    roomy = capacity_bounds(str(path), prompt=args.prompt, new_tokens=args.new).roomy[0] * b
     print(f"\n(b) roomy arena, local engine, batch {b}, against transformers' batched generate")
     hf = bench_transformers(path, batch, args.new, args.repeat)
     with LlamaModel(str(path), capacity=roomy, engine="local") as model:

@@ -31,8 +31,8 @@ def section_elastic(path: Path, ids: list[int], new: int, engine: str, out: dict
     from disco_ray.models.graphs import capacity_bounds
 
     bounds = capacity_bounds(str(path), prompt=len(ids), new_tokens=new)
-    roomy = bounds["roomy"][0]
-    least = bounds["min"][0]
+    roomy = bounds.roomy[0]
+    least = bounds.min[0]
     print(
         f"\n== elastic: greedy decode after a {len(ids)}-token prompt, {new} new tokens, {engine} engine =="
     )

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = prompt_ids(args.prompt)
     weights = Checkpoint(path).weight_bytes()
     bounds = capacity_bounds(str(path), prompt=args.prompt, new_tokens=args.new)
-    caps = {"roomy": bounds["roomy"][0], "third": max(bounds["min"][0], weights // 3)}
+    caps = {"roomy": bounds.roomy[0], "third": max(bounds.min[0], weights // 3)}
     print(f"checkpoint {path}: {weights / 1e9:.2f} GB float32; prompt {args.prompt}, {args.new} new tokens")
     print(f"machine: {torch.get_num_threads()} torch threads, torch {torch.__version__}, CPU only")
     results: dict = {"weights_bytes": weights, "prompt": args.prompt, "new": args.new, "runs": {}}

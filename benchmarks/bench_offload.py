@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     path = checkpoint(Path(args.dir))
     weights = Checkpoint(path).weight_bytes()
     bounds = capacity_bounds(str(path), prompt=args.prompt, new_tokens=1)
-    budget = max(bounds["min"][0], weights // 3)
+    budget = max(bounds.min[0], weights // 3)
     ids = torch.randint(0, SHAPE["vocab_size"], (args.prompt,), generator=torch.Generator().manual_seed(0))
     bw = probe(path)
     print(
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"disco-ray, weights from the checkpoint (reloaded {moved / 1e9:.2f} GB)"
     rows.append((name, first, disco, rel_err(got, ref)))
     # disco-ray with everything in memory: its own compute, apart from the streaming
-    first, best, got, _ = run_disco(path, ids, args.repeat, capacity=bounds["roomy"][0])
+    first, best, got, _ = run_disco(path, ids, args.repeat, capacity=bounds.roomy[0])
     rows.append(
         (
             "disco-ray, in memory (arena holds all, weights kept in host memory)",

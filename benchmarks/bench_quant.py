@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch in map(int, args.batches.split(",")):
         b = capacity_bounds(path, prompt=args.prompt, new_tokens=args.new, batch=batch)
-        capacity = max(b["min"][0], weights // 4)
+        capacity = max(b.min[0], weights // 4)
         base = None
         for mode in args.modes.split(","):
             r = run(path, mode, batch, args, capacity)

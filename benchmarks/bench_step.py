@@ -67,7 +67,7 @@ def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1, str
 
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8)["roomy"][0]
+    cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8).roomy[0]
     with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine, streams=streams) as m:
         g = m.run_generate(ids, 4, stop_at_eos=False)  # plans, weights into the arena
         key = max(k for k in m._programs if k[0] == "decode")
@@ -136,7 +136,7 @@ def measure_calls(
 
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8, batch=1)["roomy"][0]
+    cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8, batch=1).roomy[0]
     with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine, streams=streams) as m:
         g = m.run_generate_batch([ids], 4, stop_at_eos=False, steps_per_call=k)  # plans, weights in
         layout = BatchLayout.of([prompt], m.block, 1)

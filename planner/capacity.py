@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from disco_ray.graph.errors import GraphError
 from disco_ray.graph.taskgraph import Kind, TaskGraph, Vertex
@@ -46,6 +47,38 @@ def roomy_capacity(tg: TaskGraph, alignment: int = ALIGN) -> list[int]:
     for v in tg:
         cap[v.gpu] += aligned(v.nbytes, alignment)
     return cap
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityBounds:
+    """Per GPU, the least capacity any plan works with (`min`: the largest vertex fits) and the
+    capacity with room for every tensor at once (`roomy`: nothing offloaded; more is no use).
+
+    Unpacks as the pair `least, roomy = bounds`."""
+
+    min: tuple[int, ...]
+    roomy: tuple[int, ...]
+
+    @classmethod
+    def of(cls, graphs: Iterable[TaskGraph], alignment: int = ALIGN) -> CapacityBounds:
+        """The bounds of running each of `graphs` at one capacity: per GPU, the largest of each."""
+        tgs = list(graphs)
+        if not tgs:
+            raise GraphError("capacity bounds of no graph")
+        low = [max(col) for col in zip(*(min_capacity(tg, alignment) for tg in tgs))]
+        high = [max(col) for col in zip(*(roomy_capacity(tg, alignment) for tg in tgs))]
+        return cls(tuple(low), tuple(high))
+
+    def fits(self, capacity: int | Sequence[int]) -> bool:
+        """Whether every GPU's `capacity` (one int for all, or one per GPU) is at least its `min`."""
+        caps = [capacity] * len(self.min) if isinstance(capacity, int) else list(capacity)
+        return len(caps) == len(self.min) and all(c >= m for c, m in zip(caps, self.min))
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {"min": list(self.min), "roomy": list(self.roomy)}
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return iter((self.min, self.roomy))
 
 
 def tight_capacity(tg: TaskGraph, fraction: float, alignment: int = ALIGN) -> list[int]:

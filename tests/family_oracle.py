@@ -71,8 +71,8 @@ def capacity(path: str, gpus: int, mode: str, prompt: int, new: int, batch: int 
     """Roomy: every tensor of the largest graph at once; tight: an eighth of it (offloads)."""
     b = capacity_bounds(path, gpus=gpus, prompt=prompt, new_tokens=new, block=BLOCK, batch=batch)
     if mode == "roomy":
-        return b["roomy"]
-    return [max(lo + 4096, hi // 8) for lo, hi in zip(b["min"], b["roomy"])]
+        return list(b.roomy)
+    return [max(lo + 4096, hi // 8) for lo, hi in zip(b.min, b.roomy)]
 
 
 def check_generate(path: str, hf, gpus: int, mode: str, new: int = 9, engine: str = "local", pool=None):

@@ -67,9 +67,7 @@ def until(tokens: list[int], stops: set[int]) -> list[int]:
 def capacity(path: str, gpus: int, mode: str) -> list[int]:
     """Roomy: every tensor of the largest graph at once; tight: an eighth of it (offloads)."""
     b = capacity_bounds(path, gpus=gpus, prompt=69, new_tokens=max(MAX_NEW), block=BLOCK, batch=len(PROMPTS))
-    return (
-        b["roomy"] if mode == "roomy" else [max(lo + 4096, hi // 8) for lo, hi in zip(b["min"], b["roomy"])]
-    )
+    return list(b.roomy) if mode == "roomy" else [max(lo + 4096, hi // 8) for lo, hi in zip(b.min, b.roomy)]
 
 
 @pytest.mark.parametrize("gpus", [1, 2])

@@ -448,7 +448,7 @@ def test_a_reader_that_closes_early_ends_the_command_quietly():
     [
         ("plan", ["--capacity SIZE[,SIZE...] [", "-o MEMGRAPH"]),
         ("run", ["--out OUT.npz"]),
-        ("finetune", ["--data TOKENS.npy --steps K --lr LR --out DIR", "] --capacity SIZE[,SIZE...]"]),
+        ("finetune", ["--steps K", "] --capacity SIZE[,SIZE...]"]),
         ("generate", ["(--budget-file FILE | --capacity SIZE[,SIZE...])"]),
     ],
 )

@@ -86,8 +86,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def capacity(path: str, gpus: int, mode: str, new_tokens: int) -> list[int]:
     b = capacity_bounds(path, gpus=gpus, prompt=len(PROMPT), new_tokens=new_tokens, block=BLOCK)
     if mode == "roomy":
-        return b["roomy"]
-    return [max(lo + 4096, hi // 8) for lo, hi in zip(b["min"], b["roomy"])]
+        return list(b.roomy)
+    return [max(lo + 4096, hi // 8) for lo, hi in zip(b.min, b.roomy)]
 
 
 def test_checkpoints_are_what_the_tests_say(checkpoints):
@@ -350,9 +350,9 @@ def test_capacity_shrinks_and_grows_between_decode_steps_with_the_same_tokens(ch
     path, hf = checkpoints["gqa_tied_sharded"]
     _, want = expected(hf, PROMPT, 9)
     b = capacity_bounds(path, gpus=2, prompt=len(PROMPT), new_tokens=9, block=BLOCK)
-    roomy, small = b["roomy"][0], max(b["min"][0] + 2048, b["roomy"][0] // 4)
+    roomy, small = b.roomy[0], max(b.min[0] + 2048, b.roomy[0] // 4)
     with LlamaModel(path, gpus=2, capacity=roomy, block=BLOCK, engine="local", check=True) as m:
-        tiny = b["min"][0] // 2  # below what one vertex needs: the plan runs at that minimum
+        tiny = b.min[0] // 2  # below what one vertex needs: the plan runs at that minimum
         m.watch(ScriptedBudget([None, small, None, None, roomy, None, tiny]))
         gen = m.run_generate(PROMPT, 9, stop_at_eos=False)
         assert gen.tokens == want

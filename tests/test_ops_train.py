@@ -334,8 +334,8 @@ def test_every_training_kernel_runs_on_meta_tensors():
         "cross_entropy_combine": ([(3, 2), (3, 2), ("i", 3)], {}),
         "cross_entropy_grad": ([(3, 8), ("i", 3), (3, 2)], dict(start=4)),
         "embedding_grad": ([("i", 3), (3, 8)], dict(rows=5)),
-        "adamw": ([(6, 4), (2, 4), ("i", 1)], dict(lr=0.1, weight_decay=0.1)),
-        "sgd": ([(2, 4), (2, 4)], dict(lr=0.1, weight_decay=0.1)),
+        "adamw": ([(6, 4), (2, 4), ("i", 1), ("i", 1)], dict(lr=0.1, weight_decay=0.1)),
+        "sgd": ([(2, 4), (2, 4), ("i", 1)], dict(lr=0.1, weight_decay=0.1)),
         "slice": ([(6, 4)], dict(axis=0, start=1, stop=3)),
     }
     assert set(ins) == set(KERNELS) and all(IMPLS[k] is KERNELS[k] for k in KERNELS)

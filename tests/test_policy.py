@@ -214,6 +214,7 @@ def test_auto_chooses_again_when_the_capacity_changed():
     model = SimpleNamespace(
         ck=ck, gpus=1, capacity=1 << 30, block=4, dtype="float32", tile=16, host_capacity=None, resizes=[]
     )
+    model.capacity_limit = lambda: model.capacity  # a capacity given as a size: the limit is it
     args = SimpleNamespace(policy_profile="t4", backend="cpu", streams=5)
     reqs = [Request(i, i + 1, tuple(range(1, 9)), 4) for i in range(8)]
     auto = _Auto(args)

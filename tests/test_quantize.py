@@ -178,8 +178,8 @@ def test_the_least_capacity_of_a_quantized_model_runs(tiny):
     # its bounds are the quantized graphs': a dequantized weight and its packed form at once
     path, hf = tiny
     kw = dict(prompt=len(oracle.PROMPT), new_tokens=4, block=oracle.BLOCK)
-    low = capacity_bounds(path, quantize="int8", **kw)["min"]
-    assert low != capacity_bounds(path, **kw)["min"]
+    low = capacity_bounds(path, quantize="int8", **kw).min
+    assert low != capacity_bounds(path, **kw).min
     with LlamaModel(path, capacity=low, block=oracle.BLOCK, engine="local", quantize="int8") as m:
         assert m.generate(oracle.PROMPT, 4, stop_at_eos=False) == oracle.greedy(hf, oracle.PROMPT, 4)
 

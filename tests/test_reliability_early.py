@@ -163,7 +163,7 @@ def test_too_many_new_tokens_for_the_positions_are_refused_before_the_model_load
 
 
 def test_a_last_step_beyond_the_capacity_is_refused_before_the_first_token(ckpt, capsys):
-    need = capacity_bounds(ckpt, prompt=len(PROMPT), new_tokens=120, block=4)["min"][0]
+    need = capacity_bounds(ckpt, prompt=len(PROMPT), new_tokens=120, block=4).min[0]
     assert main(_gen_cli(ckpt, "--max-new-tokens", 40, "--capacity", "40KiB")) == 0  # it fits 40 tokens
     capsys.readouterr()
     assert main(_gen_cli(ckpt, "--max-new-tokens", 120, "--capacity", "40KiB")) == 2

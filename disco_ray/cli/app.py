@@ -264,25 +264,31 @@ def output_path(text: str) -> Path:
     return path
 
 
-def capacity_arg(text: str) -> int | list[int]:
-    """argparse type for `SIZE` (every GPU) or `SIZE,SIZE,...` (one per GPU)."""
+def capacity_arg(text: str) -> int | list[int] | str:
+    """argparse type for `SIZE` (every GPU), `SIZE,SIZE,...` (one per GPU), or `auto` / `P%`
+    (of each GPU's free memory, kept as the string: `disco_ray.driver.free_memory`)."""
+    from disco_ray.driver.free_memory import relative
+
     try:
-        return parse_capacity(text)
+        return relative(text) or parse_capacity(text)
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_capacity_args(
-    p: argparse.ArgumentParser, required: bool = False, default: str = "", group=None
+    p: argparse.ArgumentParser, required: bool = False, default: str = "", group=None, measured: bool = True
 ) -> None:
     """`--capacity SIZE[,SIZE...]` and `--capacity-gpu G=SIZE`: one syntax on every command.
-    `group`: a required mutually exclusive group that `--capacity` joins (one of it is needed)."""
+    `group`: a required mutually exclusive group that `--capacity` joins (one of it is needed).
+    `measured`: the command runs here, so `auto` / `P%` of the devices' free memory apply."""
+    share = ", or of each GPU's free memory: auto (the most that fits, less a margin) or a share (60%%)"
     (group or p).add_argument(
         "--capacity",
         type=capacity_arg,
         required=required,
         metavar="SIZE[,SIZE...]",
         help="arena bytes of every GPU (e.g. 64MiB, 1.5GiB, 2GB), or one per GPU (64MiB,32MiB)"
+        + (share if measured else "")
         + (f" (default: {default})" if default else ""),
     )
     p.add_argument(
@@ -294,10 +300,20 @@ def add_capacity_args(
     )
 
 
-def capacity_of(args: argparse.Namespace, gpus: int) -> int | list[int] | None:
-    """The planner's capacity from `add_capacity_args`' options: one size, a list per GPU, or None
-    (not given: the command's default)."""
+def capacity_of(args: argparse.Namespace, gpus: int, measured: bool = True) -> int | list[int] | str | None:
+    """The planner's capacity from `add_capacity_args`' options: one size, a list per GPU, "auto"
+    or "P%" (where the command runs on this machine's devices: `measured`), or None (not given:
+    the command's default)."""
     cap = args.capacity
+    if isinstance(cap, str):
+        if not measured:
+            what = getattr(args, "command", "this command")
+            raise UsageError(
+                f"--capacity {cap}: {what} makes no run, so there is no device to measure; give a size"
+            )
+        if args.capacity_gpu:
+            raise UsageError(f"--capacity-gpu overrides a size, not --capacity {cap}: give sizes")
+        return cap
     if isinstance(cap, list) and len(cap) != gpus:
         raise UsageError(f"--capacity gives {len(cap)} sizes for {gpus} GPU(s)")
     if not args.capacity_gpu:

@@ -141,7 +141,7 @@ class _Auto:
                 gpus=model.gpus,
                 prompt=max(len(r.ids) for r in requests),
                 new_tokens=max(r.max_new_tokens for r in requests),
-                capacity=model.capacity,
+                capacity=model.capacity_limit(),  # under --capacity auto: the budget it grows to
                 cost=self.cost,
                 block=model.block,
                 dtype=model.dtype,

@@ -122,7 +122,7 @@ def cmd_bench(args) -> int:
     w = load_target(args, materialize=settings.simulate is None)
     settings = replace(
         settings,
-        capacity=capacity_of(args, w.taskgraph.gpus),
+        capacity=capacity_of(args, w.taskgraph.gpus, measured=False),
         host_capacity=host_capacity_of(args, w.taskgraph.gpus),
     )
     settings = replace(settings, modes=tuple(select_modes(w, settings)))  # refused before --out is made

@@ -85,7 +85,7 @@ def check_positions(model: str, lengths: list[tuple[str, int, int]]) -> None:
 
     cfg = Checkpoint(model).config
     for where, prompt, new in lengths:
-        why = positions_beyond(prompt, new, cfg.max_positions, cfg.window_limit)
+        why = positions_beyond(prompt, new, cfg.max_positions)
         if why is not None:
             raise UsageError(f"{where}: {why}")
 
@@ -101,6 +101,7 @@ def model_stats(args, stats: dict) -> dict:
         "dtype": stats["dtype"],
         "resizes": stats["resizes"],
         "clamped_plans": stats["clamped_plans"],
+        "capacity_choice": stats["capacity_choice"],
     }
 
 

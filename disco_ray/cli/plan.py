@@ -135,7 +135,7 @@ def summary_lines(st: dict, what: str) -> list[str]:
 )
 def add_plan(p) -> None:
     p.add_argument("taskgraph", metavar="TASKGRAPH", help="TaskGraph file (.json or .msgpack)")
-    add_capacity_args(p, required=True)
+    add_capacity_args(p, required=True, measured=False)
     add_tier_args(p, disk=False)
     p.add_argument(
         "--order",
@@ -169,8 +169,8 @@ def cmd_plan(args) -> int:
     if Path(args.output).resolve() == Path(args.taskgraph).resolve():
         raise UsageError(f"{args.output}: -o names the TaskGraph file itself (it would be overwritten)")
     tg = formats.load_taskgraph(args.taskgraph)
-    caps = capacity_of(args, tg.gpus)
-    assert caps is not None  # `plan` requires --capacity (add_capacity_args(required=True))
+    caps = capacity_of(args, tg.gpus, measured=False)
+    assert caps is not None and not isinstance(caps, str)  # `plan` requires a size (add_capacity_args)
     order = read_order(args.order) if args.order else None
     from planner import build_memgraph
 

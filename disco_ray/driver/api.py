@@ -9,6 +9,7 @@ clean up), `run_memgraph` (run a given plan once).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Literal, overload
 
@@ -20,6 +21,8 @@ from disco_ray.graph.reference import check_inputs
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .program import RUN_KEYS, Capacity, Program, RunResult
+
+log = logging.getLogger("disco_ray")
 
 
 def compile(
@@ -33,26 +36,53 @@ def compile(
 ) -> Program:
     """Plans `tg` with planner.build_memgraph for `capacity` bytes per GPU; `kw` go to Program.
 
+    `capacity`: None (everything fits), a size per GPU, or "auto" / "P%" of each GPU's free
+    memory on the engine `kw` names (`free_memory`; the choice in `prog.capacity_choice`).
+
     `host_capacity`: each GPU's host-store budget (the same forms as `capacity`; None: unbounded);
     offloads beyond it go to the worker's spill file (`disk_dir=`, a Program option)."""
     try:
         from planner import build_memgraph, roomy_capacity  # type: ignore[attr-defined]
     except ImportError:
         raise RunError("planner.build_memgraph is not available in this build") from None
+    from disco_ray.graph.sizes import parse_capacity
+
+    from .free_memory import relative
+
+    if isinstance(host_capacity, str):
+        host_capacity = parse_capacity(host_capacity)
+    choice = None
     if capacity is None:
         capacity = roomy_capacity(tg, alignment)
+    elif relative(capacity) is not None:  # "auto" or "60%" of the free memory
+        choice = _relative_choice(tg, str(capacity), alignment, host_capacity, kw)
+        capacity = list(choice.capacity)
+        log.info("%s", choice.describe())
     elif isinstance(capacity, str):  # "64MiB", or one size per GPU: "64MiB,32MiB"
-        from disco_ray.graph.sizes import parse_capacity
-
         capacity = parse_capacity(capacity)
-    if isinstance(host_capacity, str):
-        from disco_ray.graph.sizes import parse_capacity
-
-        host_capacity = parse_capacity(host_capacity)
     mg = build_memgraph(tg, capacity, order=order, alignment=alignment, host_capacity=host_capacity)
     prog = Program(tg, mg, **kw)
     prog._order, prog._alignment, prog._host_capacity = order, alignment, host_capacity
+    prog.capacity_choice = choice
     return prog
+
+
+def _relative_choice(tg: TaskGraph, asked: str, alignment: int, host_capacity, kw: dict):
+    """The `CapacityChoice` of "auto" or "P%" for `tg` on the engine `kw` describes."""
+    from planner.capacity import CapacityBounds, host_capacities
+
+    from .free_memory import measure, relative
+
+    hosts = None if host_capacity is None else host_capacities(host_capacity, tg.gpus)  # type: ignore[arg-type]
+    remote = kw.get("address") not in (None, "local")
+    request = measure(
+        relative(asked) or asked,
+        backend=kw.get("backend", "cpu"),
+        gpus=tg.gpus,
+        host_capacity=hosts,
+        remote=remote,
+    )
+    return request.choose(CapacityBounds.of([tg], alignment))
 
 
 @overload

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias, overload
+from typing import TYPE_CHECKING, Literal, TypeAlias, overload
 
 import torch
 
@@ -26,6 +26,9 @@ from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.reference import check_inputs
 from disco_ray.graph.taskgraph import TaskGraph
 from disco_ray.graph.trace import summarize, write_trace
+
+if TYPE_CHECKING:
+    from .free_memory import CapacityChoice
 
 ENGINES = ("ray", "local")
 log = logging.getLogger("disco_ray")
@@ -151,6 +154,7 @@ class Program:
         self._order: Sequence[str] | None = None  # what compile planned with
         self._alignment = 256
         self._host_capacity: object = None  # what compile planned with (resize keeps it)
+        self.capacity_choice: CapacityChoice | None = None  # compile's, for "auto" or "P%"
         self._runs = 0  # runs on the current engine (the first is cold)
         self._summary: dict | None = None
         self._last: tuple | None = None  # (plan, wall s, extra keys) of the last run, summarized when asked
@@ -322,6 +326,8 @@ class Program:
 
     def statistics(self) -> dict:
         out = {"memgraph": self.mg.statistics(), "last_run": self.last_summary}
+        if self.capacity_choice is not None:
+            out["capacity_choice"] = self.capacity_choice.statistics()
         if self._engine is not None:
             out["engine"] = self._engine.statistics()
         return out

@@ -1,4 +1,5 @@
-"""The ATen ops `from_torch` maps onto the op set, one handler each (`ATEN`, by op name).
+"""The ATen ops `from_torch` maps onto the op set, one handler each (`ATEN`, by op name; the CNN
+ops' are in `aten_cnn`), and the mappings of one's own (`register_aten`, looked up first).
 
 A handler gets the lowering state (`lower.Lowering`: the graph, the node's GPU, `op`, `unary`,
 `add`, `linear`, `meta`) and the node's arguments, tensors as `Value`s; it returns a Value, a
@@ -16,7 +17,8 @@ from collections.abc import Callable
 from .values import Value
 
 Handler = Callable[..., object]
-ATEN: dict[str, Handler] = {}
+ATEN: dict[str, Handler] = {}  # aten op name (its overload packet: "conv2d") -> handler
+OWN: dict[str, Handler] = {}  # what `register_aten` added, by the name it was given
 
 
 class Unsupported(Exception):
@@ -214,13 +216,6 @@ def _div(cx, a, b, rounding_mode=None):
     return cx.op("div", a, b)
 
 
-@handles("pow")
-def _pow(cx, x, exponent):
-    if isinstance(exponent, Value) or exponent != 2:
-        raise Unsupported(f"with exponent {exponent!r} (only x ** 2)")
-    return cx.op("mul", x, x)
-
-
 @handles("_to_copy", "to")
 def _to(cx, x, *args, **kw):
     _, dtype = cx.meta()
@@ -303,3 +298,43 @@ def _sum(cx, x, dim=None, keepdim=False, dtype=None):
 def supported() -> list[str]:
     """The aten op names `from_torch` maps (docs list them)."""
     return sorted(ATEN)
+
+
+def register_aten(name: str, handler: Handler) -> None:
+    """Maps torch op `name` with `handler` in every later `from_torch` of this process.
+
+    Args:
+        name: the op as an unsupported-op error names it: one overload ("aten.erf.default",
+            "mylib.swish.default", a custom op of torch.library), or the op without namespace and
+            overload ("erf": every overload of the aten op). It takes precedence over a built-in
+            mapping of the same op.
+        handler: `handler(cx, *args, **kwargs)`, called with the node's arguments (tensors as
+            Values), returns a Value (or a tuple of them): `cx.op("my_op", x, attr=...)` runs
+            the registered op `my_op` on the node's GPU over Values made whole there, and
+            `cx.meta()` is the (shape, dtype) torch gives the node's result (docs/FRONTEND.md).
+
+    Raises:
+        UsageError: `name` is not a non-empty string or `handler` is not callable.
+    """
+    from disco_ray.graph.errors import UsageError
+
+    if not isinstance(name, str) or not name.strip():
+        raise UsageError(f"register_aten: name must be an op name such as 'aten.erf.default', got {name!r}")
+    if not callable(handler):
+        raise UsageError(f"register_aten({name!r}): handler must be callable, got {type(handler).__name__}")
+    OWN[name.removeprefix("torch.ops.")] = handler
+
+
+def unregister_aten(name: str) -> None:
+    """Takes a mapping `register_aten` added back out (tests, notebooks)."""
+    OWN.pop(name.removeprefix("torch.ops."), None)
+
+
+def lookup(target) -> Handler | None:
+    """The handler of an FX node's target: one `register_aten` gave, else the built-in mapping of
+    an aten op (or of operator.getitem); None when there is none."""
+    packet = getattr(target, "overloadpacket", None)
+    name = str(getattr(packet, "__name__", None) or getattr(target, "__name__", str(target)))
+    if packet is not None and getattr(target, "namespace", "aten") != "aten":
+        return OWN.get(str(target))  # a custom op named like an aten op is not that op
+    return OWN.get(str(target)) or OWN.get(name) or ATEN.get(name)

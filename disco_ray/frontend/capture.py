@@ -6,7 +6,9 @@ than tensors), the module is captured as the blocks its forward applies one afte
 `blocks=[model.embed, *model.layers, model.head]`, or the children of an `nn.Sequential`
 automatically. Each block is exported on the example outputs of the block before it (run
 eagerly once, on the meta device when the module lives there), and its parameters keep their
-names in the whole module.
+names in the whole module. The chain of blocks must compute the module's forward: its result on
+the example input is compared with the forward's (`check_staged`), and blocks that leave out work
+the forward does between them (a residual) are refused.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def capture(
 def _blocks(module: nn.Module, args: tuple, kwargs: Mapping, blocks: Sequence[nn.Module]) -> list[Block]:
     names = {id(m): n for n, m in module.named_modules()}
     out = []
+    example = (args, kwargs)
     for i, blk in enumerate(blocks):
         if id(blk) not in names:
             raise FrontendError(
@@ -105,8 +108,6 @@ def _blocks(module: nn.Module, args: tuple, kwargs: Mapping, blocks: Sequence[nn
         prefix = names[id(blk)]
         ep = _export(blk, args, kwargs if i == 0 else {}, f"block {prefix or i} ({type(blk).__name__})")
         out.append(Block(ep, prefix, f"b{i}."))
-        if i + 1 == len(blocks):
-            break
         with torch.no_grad():
             res = blk(*args, **(kwargs if i == 0 else {}))
         args = res if isinstance(res, tuple) else (res,)
@@ -115,4 +116,47 @@ def _blocks(module: nn.Module, args: tuple, kwargs: Mapping, blocks: Sequence[nn
                 f"block {prefix or i} ({type(blk).__name__}) returns {type(res).__name__}, not a "
                 "tensor or a tuple of tensors for the next block"
             )
+    check_staged(module, *example, args)
     return out
+
+
+def check_staged(module: nn.Module, args: tuple, kwargs: Mapping, staged: tuple) -> None:
+    """Refuses blocks whose chain computes something else than the module's forward on the example
+    input (work the forward does between the blocks, a residual, a scale, would be left out):
+    each staged output against the forward's tensor output in the same place, within
+    |staged - eager| <= 1e-5 + 1e-4 |eager|. On the meta device only shapes and dtypes compare.
+
+    Raises:
+        FrontendError: naming the output and the max abs error (or the shapes), or the forward's
+            own error when it does not run.
+    """
+    from torch.utils import _pytree as pytree
+
+    what = f"blocks= of {type(module).__name__}"
+    try:
+        with torch.no_grad():
+            eager = [t for t in pytree.tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+    except Exception as e:
+        raise FrontendError(
+            f"{what} cannot be checked: the module's forward fails ({_first_line(e)})"
+        ) from None
+    if len(eager) < len(staged):
+        raise FrontendError(
+            f"{what}: the blocks give {len(staged)} tensors, the module's forward {len(eager)}"
+        )
+    for k, (got, want) in enumerate(zip(staged, eager)):
+        if (got.shape, got.dtype) != (want.shape, want.dtype):
+            raise FrontendError(
+                f"{what}: output {k} of the blocks is {list(got.shape)} {got.dtype}, the module's "
+                f"forward gives {list(want.shape)} {want.dtype}"
+            )
+        if got.device.type == "meta":
+            continue
+        err = (got.double() - want.double()).abs()
+        if not bool((err <= 1e-5 + 1e-4 * want.double().abs()).all()):
+            raise FrontendError(
+                f"{what} compute something else than its forward: output {k} differs by max abs error "
+                f"{err.max().item():.3g} on the example input (the forward does work between the "
+                "blocks, e.g. a residual, that a chain of blocks leaves out); give blocks whose chain "
+                "is the forward, or move that work into a block"
+            )

@@ -14,8 +14,10 @@ Two ways to split (`split=`):
   about equal weight bytes; each op runs on its stage's GPU and values cross a stage boundary by
   transfer.
 
-Every op of a block is mapped by `aten.ATEN`; an op there is none for raises FrontendError naming
-the aten op, the node and, where torch recorded it, the line of the model's code.
+Every op of a block that reads a value of the call is mapped by `aten.lookup` (the built-in
+handlers of `aten`, `aten_hf` and `aten_cnn`, and those `register_aten` added); one on constants
+alone is run at capture (`fold`). Ops with no mapping are refused before the walk by one
+FrontendError naming all of them, each with its count and its first node, submodule and line of code.
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.export.graph_signature import InputKind
 
 from disco_ray.graph.dtypes import from_torch
 from disco_ray.graph.errors import FrontendError
 
-from . import aten
+from . import (
+    aten,
+    aten_cnn,  # noqa: F401 (registers its handlers into aten.ATEN)
+    aten_hf,  # noqa: F401 (registers its handlers into aten.ATEN)
+    fold,
+)
 from .capture import Block
 from .values import Graph, Part, Value
 from .weights import Weights
@@ -100,6 +108,7 @@ class Lowering:
         self.g = Graph(gpus, weights)
         self.stage = _stages(blocks, gpus) if split == "layers" and gpus > 1 else {}
         self.node: torch.fx.Node | None = None
+        self.params: set[str] = set()  # the placeholders of the block's parameters (never folded)
         self.gpu = 0
         self.stem = ""
 
@@ -127,7 +136,7 @@ class Lowering:
             for p in v.parts
         )
         shape, dtype = self.meta()
-        return Value(shape, dtype, self.stem, parts=parts)
+        return Value(shape, dtype, self.stem, parts=parts, axis=v.axis)
 
     def add(self, a: Value, b: Value) -> Value:
         """a + b: per part when both are split alike; into one summand when a is a partial sum
@@ -136,6 +145,7 @@ class Lowering:
         if (
             a.split
             and b.split
+            and a.axis == b.axis
             and [(p.gpu, p.lo, p.hi) for p in a.parts] == [(p.gpu, p.lo, p.hi) for p in b.parts]
         ):
             parts = tuple(
@@ -147,7 +157,7 @@ class Lowering:
                 )
                 for p, q in zip(a.parts, b.parts)
             )
-            return Value(shape, dtype, self.stem, parts=parts)
+            return Value(shape, dtype, self.stem, parts=parts, axis=a.axis)
         for x, y in ((a, b), (b, a)):
             if x.summed and not y.summed and not y.split and x.shape == shape:
                 g0, first = x.partial[0]
@@ -166,7 +176,7 @@ class Lowering:
         assert w.weight is not None
         n_out, n_in = w.shape
         ws, fresh, tg = self.g.weights, self.g.fresh, self.g.tg
-        if x.split and [(p.lo, p.hi) for p in x.parts] == _tiles(n_in, len(x.parts)):
+        if x.last_split and [(p.lo, p.hi) for p in x.parts] == _tiles(n_in, len(x.parts)):
             summands = []
             for k, p in enumerate(x.parts):  # row-parallel: the bias joins one summand
                 ins = [p.id, ws.input(tg, w.weight, p.gpu, fresh, cols=(p.lo, p.hi))]
@@ -190,13 +200,16 @@ class Lowering:
     # ---- the walk -----------------------------------------------------------------------------
     def run(self, example: Sequence[object]) -> Lowered:
         """Maps every block in order, the outputs of one feeding the next."""
+        missing(self.blocks, self.g.weights)
         inputs: list[tuple[str, str | None, object]] = []
         carried: list[object] = []
         outs: list[object] = []
         for i, blk in enumerate(self.blocks):
             sig = blk.program.graph_signature
-            user = list(sig.user_inputs)
+            # a non-tensor argument's placeholder is named by its spec (user_inputs holds its value)
+            user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
             names = weight_targets(blk)
+            self.params = set(sig.inputs_to_parameters)
             env: dict[str, object] = {}
             for node in blk.program.graph.nodes:
                 self.node, self.stem = node, f"{blk.tag}{node.name}"
@@ -217,8 +230,12 @@ class Lowering:
     def _placeholder(self, node, names, user, block, example, carried, inputs):
         val = node.meta.get("val")
         if node.name in names:
+            name = names[node.name]
+            known = self.g.weights.known(name)
+            if known is not None and node.name not in self.params:  # a buffer or constant: foldable
+                return fold.Const(known, name, weight=name)
             shape, dtype = tuple(int(d) for d in val.shape), from_torch(val.dtype)
-            return Value(shape, dtype, names[node.name], weight=names[node.name])
+            return Value(shape, dtype, name, weight=name)
         k = user.index(node.name)
         if block > 0:
             return carried[k]
@@ -234,11 +251,17 @@ class Lowering:
         key = getattr(getattr(node.target, "overloadpacket", None), "__name__", None) or getattr(
             node.target, "__name__", str(node.target)
         )
-        fn = aten.ATEN.get(key)
-        if fn is None:
-            raise FrontendError(f"{_where(node)}: aten op {node.target} is not supported{_code(node)}")
         args = [_mapped(a, env) for a in node.args]
         kwargs = {k: _mapped(a, env) for k, a in node.kwargs.items()}
+        if fold.foldable(node.target, args, kwargs):  # no value of the call in it: run it now
+            return fold.evaluate(node.target, args, kwargs, self.stem)
+        try:
+            args, kwargs = fold.as_values(self, (args, kwargs), keep_empty=key in ("cat", "concat"))
+        except ValueError as e:
+            raise FrontendError(f"{_where(node)}: aten op {node.target} {e}{_code(node)}") from None
+        fn = aten.lookup(node.target)
+        if fn is None:  # `missing` names every such op before the walk: one it judged foldable
+            raise FrontendError(f"{_where(node)}: aten op {node.target} is not supported{_code(node)}")
         try:
             got = fn(self, *args, **kwargs)
         except aten.Unsupported as e:
@@ -260,14 +283,63 @@ class Lowering:
         names = output_names(spec, len(outs))
         res = []
         for name, v in zip(names, outs):
+            if isinstance(v, fold.Const):
+                v = fold.as_value(self, v)
             if not isinstance(v, Value):
                 raise FrontendError(f"output {name!r} is not a tensor ({type(v).__name__})")
-            ids = [p.id for p in v.parts] if v.split else [self.g.on(v, self.g.home(v))]
+            ids = [p.id for p in v.parts] if v.last_split else [self.g.on(v, self.g.home(v))]
             for id in ids:
                 if id not in self.g.tg.outputs:
                     self.g.tg.output(id)
             res.append((name, ids))
         return res
+
+
+def missing(blocks: Sequence[Block], weights: Weights) -> None:
+    """Refuses the graph when ops that read a value of the call have no mapping (one on constants
+    alone folds, `fold.foldable`): one error naming all of them, each with its count and where it
+    is first used."""
+    found: dict[str, list] = {}  # op -> [count, first node]
+    for i, blk in enumerate(blocks):
+        live = _live(blk, weights, carried=i > 0)
+        for node in blk.program.graph.nodes:
+            if node.op == "call_function" and node.name in live and aten.lookup(node.target) is None:
+                found.setdefault(str(node.target), [0, node])[0] += 1
+    if not found:
+        return
+    each = "; ".join(
+        f"{op} x{n} (first: {', '.join([_where(node), *_origin(node)])})"
+        for op, (n, node) in sorted(found.items())
+    )
+    raise FrontendError(
+        f"{len(found)} aten op(s) have no mapping: {each}. Map one onto an op of your own with "
+        "disco_ray.frontend.register_aten (docs/FRONTEND.md#your-own-mapping)"
+    )
+
+
+def _live(blk: Block, weights: Weights, carried: bool) -> set[str]:
+    """The nodes of `blk` the walk maps rather than folds: those reading, through any chain, a
+    tensor argument or a parameter (a buffer or constant with a known value folds), unless the op
+    reads only shapes; random ops always (as `fold.foldable` decides at the walk)."""
+    sig = blk.program.graph_signature
+    names = weight_targets(blk)
+    live: set[str] = set()
+    for node in blk.program.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in names:
+                fixed = (
+                    weights.known(names[node.name]) is not None and node.name not in sig.inputs_to_parameters
+                )
+                if not fixed:
+                    live.add(node.name)
+            elif carried or isinstance(node.meta.get("val"), torch.Tensor):
+                live.add(node.name)
+        elif node.op == "call_function":
+            reads = any(a.name in live for a in node.all_input_nodes)
+            seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+            if seeded or (reads and fold.op_name(node.target) not in fold.SHAPE_ONLY):
+                live.add(node.name)
+    return live
 
 
 def _tiles(n: int, k: int) -> list[tuple[int, int]]:
@@ -292,6 +364,12 @@ def _where(node) -> str:
 
 def _code(node) -> str:
     """' (in MODULE: TYPE, at FILE:LINE: CODE)' from what torch recorded of the node's origin."""
+    where = _origin(node)
+    return f" ({', '.join(where)})" if where else ""
+
+
+def _origin(node) -> list[str]:
+    """['in MODULE: TYPE', 'at FILE:LINE: CODE'], what torch recorded of them."""
     where = []
     stack = node.meta.get("nn_module_stack") or {}
     if stack:
@@ -301,7 +379,7 @@ def _code(node) -> str:
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
     if len(lines) >= 2 and lines[-2].startswith("File "):
         where.append(f"at {lines[-2].removeprefix('File ')}: {lines[-1]}")
-    return f" ({', '.join(where)})" if where else ""
+    return where
 
 
 def output_names(spec, n: int) -> list[str]:

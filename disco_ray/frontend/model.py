@@ -25,6 +25,7 @@ from disco_ray.driver.api import compile
 from disco_ray.driver.program import Program, RunResult
 from disco_ray.graph.errors import FrontendError, RunError
 from disco_ray.graph.taskgraph import TaskGraph
+from planner.capacity import CapacityBounds
 
 from .capture import capture
 from .lower import Lowered, Lowering, declared_weights
@@ -60,6 +61,9 @@ class TorchModel:
     ):
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         kwargs = dict(example_kwargs or {})
+        if blocks is None:  # blocks[0] gets the kwargs: its forward may take no use_cache
+            kwargs = without_cache(module, kwargs)
+        self._kwargs = kwargs  # their order is the capture's; the non-tensor ones are fixed
         self.blocks = capture(module, args, kwargs, blocks)
         declared = declared_weights(self.blocks)
         tensors: dict[str, torch.Tensor] = {}
@@ -86,7 +90,7 @@ class TorchModel:
     def inputs_for(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """The TaskGraph inputs of one call: the module's tensor arguments by input id, and the
         weights the workers do not hold yet."""
-        flat = _flat((args, kwargs))
+        flat = _flat((args, self._ordered(kwargs)))
         if len(flat) != len(self.lowered.inputs):
             raise RunError(f"the module was captured with {len(self.lowered.inputs)} inputs, got {len(flat)}")
         out: dict[str, torch.Tensor] = {}
@@ -100,6 +104,25 @@ class TorchModel:
             out[id] = x.detach()
         held = self.program.held
         out.update({k: v for k, v in self.weights.values().items() if k not in held})
+        return out
+
+    def _ordered(self, kwargs: Mapping[str, object]) -> dict[str, object]:
+        """A call's keyword arguments in the capture's order; a non-tensor one left out takes its
+        captured value (e.g. use_cache=False)."""
+        unknown = sorted(set(kwargs) - set(self._kwargs))
+        if unknown:
+            raise RunError(
+                f"keyword argument(s) {', '.join(unknown)} were not given when captured (captured with: "
+                f"{', '.join(self._kwargs) or 'none'}): capture again with them in example_kwargs"
+            )
+        out = {}
+        for k, captured in self._kwargs.items():
+            if k in kwargs:
+                out[k] = kwargs[k]
+            elif isinstance(captured, torch.Tensor):
+                raise RunError(f"keyword argument {k!r} (a tensor when captured) is missing")
+            else:
+                out[k] = captured
         return out
 
     def run(self, *args, **kwargs) -> TorchResult:
@@ -128,11 +151,10 @@ class TorchModel:
         other.program = compile(self.taskgraph, capacity, **self._program_kw)
         return other
 
-    def capacity_bounds(self) -> tuple[list[int], list[int]]:
-        """Per GPU, (the least capacity any plan works with, room for every tensor at once)."""
-        from planner import min_capacity, roomy_capacity
-
-        return min_capacity(self.taskgraph), roomy_capacity(self.taskgraph)
+    def capacity_bounds(self) -> CapacityBounds:
+        """Per GPU, the least capacity any plan works with (`min`) and room for every tensor at
+        once (`roomy`)."""
+        return CapacityBounds.of([self.taskgraph])
 
     def statistics(self) -> dict:
         return {"taskgraph": self.taskgraph.statistics(), **self.program.statistics()}
@@ -157,21 +179,42 @@ def from_torch(module: nn.Module, example_inputs: object, **kw) -> TorchModel:
             and dtypes are the graph's.
         gpus: GPUs to split over. split: "tensor" (linear layers tensor-parallel, the rest on GPU
             0) or "layers" (consecutive ops in stages of equal weight bytes).
-        capacity: arena bytes per GPU ("64MiB", a list per GPU; default: everything fits).
+        capacity: arena bytes per GPU ("64MiB", a list per GPU; default: everything fits), or
+            "auto" / "60%" of each GPU's free memory (`disco_ray.driver.free_memory`).
         weights: None (the module's own tensors), a mapping name -> tensor (a state_dict), or a
             .safetensors file or directory whose tensors the workers read themselves, each only
             its block.
         blocks: capture these submodules one at a time, in order, each fed the previous one's
             outputs (for a forward torch.export cannot capture whole); an nn.Sequential falls
             back to its children by itself.
-        example_kwargs: keyword arguments of the forward.
+        example_kwargs: keyword arguments of the forward (a call passes them by name; a
+            non-tensor one is fixed at its value here and may be left out of a call). A forward
+            that takes `use_cache` (a Hugging Face model) is captured with use_cache=False unless
+            it is given.
         engine, backend, streams, pool, ...: as `disco_ray.compile` (engine "ray" or "local").
 
     Raises:
-        FrontendError: torch.export fails, an aten op has no mapping (naming op and node), or a
+        FrontendError: torch.export fails, an aten op that reads a value of the call has no
+            mapping (naming op and node; one on constants alone is folded at capture), or a
             weight is missing or of another shape.
+        CapacityError: "auto" / "60%" of the free memory is below the graph's least capacity.
     """
     return TorchModel(module, example_inputs, **kw)
+
+
+def without_cache(module: nn.Module, kwargs: dict[str, object]) -> dict[str, object]:
+    """`kwargs` with use_cache=False added when the forward takes `use_cache` (a Hugging Face
+    model) and it is not given: a key/value cache is for decoding a token at a time, which a
+    graph of static shapes does not do, and torch.export cannot return the cache object."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "use_cache" in params and "use_cache" not in kwargs:
+        return {**kwargs, "use_cache": False}
+    return kwargs
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -4,8 +4,9 @@ A `Value` is one tensor of the exported program. It is held in one of these form
 turns any of them into a whole tensor on a given GPU when an op needs one (`Graph.on`):
 
 - whole: `copies` maps a GPU to the id of the whole tensor there (a transfer makes a replica, once);
-- split: `parts` cut the last axis into ranges held on different GPUs (a column-parallel linear's
-  output; made whole by a concat of the parts, each transferred where needed);
+- split: `parts` cut one axis (`axis`: the last for a column-parallel linear's output, the
+  channels for a convolution split by output channels) into ranges held on different GPUs; made
+  whole by a concat of the parts, each transferred where needed;
 - partial: `partial` lists summands on different GPUs (a row-parallel linear's output; made
   whole by transfers and one add);
 - weight: a parameter, buffer or constant, read by name (`weights.Weights`) as a graph input on
@@ -40,6 +41,7 @@ class Value:
     name: str  # the exported program's node name: the stem of this value's vertex ids
     copies: dict[int, str] = field(default_factory=dict)
     parts: tuple[Part, ...] = ()
+    axis: int = -1  # the axis `parts` cut
     partial: tuple[tuple[int, str], ...] = ()
     weight: str | None = None
     base: Value | None = None  # a view of `base` through `views`
@@ -49,6 +51,11 @@ class Value:
     @property
     def split(self) -> bool:
         return bool(self.parts) and not self.copies
+
+    @property
+    def last_split(self) -> bool:
+        """Split along the last axis (a linear layer's features)."""
+        return self.split and self.axis in (-1, len(self.shape) - 1)
 
     @property
     def summed(self) -> bool:
@@ -134,7 +141,7 @@ class Graph:
                 got = self.kernel(kind, got, gpu=gpu, stem=v.name, **_attrs(kind, arg))
         elif v.parts:
             pieces = [self._moved(p.id, p.gpu, gpu) for p in v.parts]
-            got = self.kernel("concat", *pieces, gpu=gpu, stem=v.name, axis=-1)
+            got = self.kernel("concat", *pieces, gpu=gpu, stem=v.name, axis=v.axis)
         else:
             pieces = [self._moved(id, g, gpu) for g, id in v.partial]
             got = self.kernel("add", *pieces, gpu=gpu, stem=v.name)

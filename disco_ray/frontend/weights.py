@@ -85,6 +85,23 @@ class Weights:
         if got != shape:
             raise FrontendError(f"weight {name!r} is {list(got)} in {where}, the module's is {list(shape)}")
 
+    def known(self, name: str) -> torch.Tensor | None:
+        """The value of weight `name` when the driver holds it (given as a tensor, not on the meta
+        device, not read from files by the workers), else None."""
+        t = self.tensors.get(name)
+        return None if t is None or name in self.index or t.device.type == "meta" else t.detach()
+
+    def constant(self, name: str, tensor: torch.Tensor) -> str:
+        """Declares `tensor`, computed while capturing, as a weight; returns the name given it
+        (`name`, or `name~2`, ... when the module has a weight of that name)."""
+        got, n = name, 1
+        while got in self.declared:
+            n += 1
+            got = f"{name}~{n}"
+        self.declared[got] = declared_of(tensor)
+        self.tensors[got] = tensor
+        return got
+
     def input(
         self,
         tg: TaskGraph,

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "uint8": 1}
+ITEMSIZE: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+    "bool": 1,
+}
 FLOATS = frozenset({"float16", "bfloat16", "float32"})
 
 

@@ -18,13 +18,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading it means setting it: put straight back
+def umask() -> int:
+    """The process's umask now: temporary files are private (0600), the renamed output gets the
+    mode a file the user created now would get. Read from /proc where Linux shows it (reading it
+    with os.umask means setting it, which another thread could see); else set and put back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-UMASK = _umask()  # temporary files are private (0600); the renamed output gets the usual mode
 
 
 @contextlib.contextmanager
@@ -39,7 +46,7 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~UMASK)
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     except OSError as e:
         if e.filename is None or str(e.filename) == tmp:  # named as the output it was for
@@ -70,10 +77,10 @@ def new_directory(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         if existed:
             for f in sorted(tmp.iterdir()):
-                f.chmod(0o666 & ~UMASK)
+                f.chmod(0o666 & ~umask())
                 os.replace(f, path / f.name)
         else:
-            tmp.chmod(0o777 & ~UMASK)
+            tmp.chmod(0o777 & ~umask())
             os.rename(tmp, path)
     except OSError as e:
         if e.filename is not None and str(e.filename).startswith(str(tmp)):  # named as the user named it

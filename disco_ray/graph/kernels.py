@@ -16,14 +16,21 @@ from .kernels_act import KERNELS as ACT_KERNELS
 from .kernels_act import TEMPS as ACT_TEMPS
 from .kernels_attn_grad import KERNELS as ATTN_GRAD_KERNELS
 from .kernels_attn_grad import TEMPS as ATTN_GRAD_TEMPS
+from .kernels_conv import KERNELS as CONV_KERNELS
+from .kernels_conv import TEMPS as CONV_TEMPS
 from .kernels_headnorm import KERNELS as HEADNORM_KERNELS
 from .kernels_headnorm import TEMPS as HEADNORM_TEMPS
 from .kernels_llm import CHANGED as CHANGED
 from .kernels_llm import KERNELS as LLM_KERNELS
 from .kernels_llm import TEMPS as LLM_TEMPS
+from .kernels_mask import KERNELS as MASK_KERNELS
+from .kernels_mask import TEMPS as MASK_TEMPS
+from .kernels_math import KERNELS as MATH_KERNELS
+from .kernels_math import TEMPS as MATH_TEMPS
 from .kernels_moe import KERNELS as MOE_KERNELS
 from .kernels_nn import KERNELS as NN_KERNELS
 from .kernels_nn import TEMPS as NN_TEMPS
+from .kernels_optim import KERNELS as OPTIM_KERNELS
 from .kernels_quant import KERNELS as QUANT_KERNELS
 from .kernels_quant import TEMPS as QUANT_TEMPS
 from .kernels_sample import KERNELS as SAMPLE_KERNELS
@@ -32,20 +39,25 @@ from .kernels_train import KERNELS as TRAIN_KERNELS
 
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # the op families' kernels live beside them: kernels_llm (transformer ops), kernels_nn (general
-# ops), kernels_train (training ops), kernels_attn_grad (the fused attention backward), kernels_sample (token choice), kernels_act (the activations
-# and soft-capping of families beyond LLaMA), kernels_headnorm (per-head RMSNorm), kernels_moe
-# (the mixture-of-experts ops), kernels_quant (dequantization); this module has those of the base
-# op set (`ops`)
+# ops), kernels_train (training ops), kernels_attn_grad (the fused attention backward),
+# kernels_optim (gradient clipping), kernels_sample (token choice), kernels_act (the activations and soft-capping of families beyond LLaMA),
+# kernels_headnorm (per-head RMSNorm), kernels_moe (the mixture-of-experts ops), kernels_quant
+# (dequantization), kernels_mask (masks and positions), kernels_math (elementwise math),
+# kernels_conv (the CNN ops and the rest of ops_math); this module has those of the base op set (`ops`)
 IMPLS: dict[str, Impl] = {
     **LLM_KERNELS,
     **NN_KERNELS,
     **TRAIN_KERNELS,
     **ATTN_GRAD_KERNELS,
+    **OPTIM_KERNELS,
     **SAMPLE_KERNELS,
     **ACT_KERNELS,
     **HEADNORM_KERNELS,
     **MOE_KERNELS,
     **QUANT_KERNELS,
+    **MASK_KERNELS,
+    **MATH_KERNELS,
+    **CONV_KERNELS,
 }
 
 
@@ -170,6 +182,9 @@ TEMPS: dict[str, TempBytes] = {
     **HEADNORM_TEMPS,
     **QUANT_TEMPS,
     **ATTN_GRAD_TEMPS,
+    **MASK_TEMPS,
+    **MATH_TEMPS,
+    **CONV_TEMPS,
 }
 IN_PLACE = frozenset({"matmul", "add", "mul", "scale", "softmax", "silu", "transpose", "concat", "linear"})
 

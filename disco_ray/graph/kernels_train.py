@@ -1,4 +1,5 @@
-"""Torch implementations of the training ops (`ops_train`), each writing into a given output view.
+"""Torch implementations of the training ops (`ops_train`; AdamW and SGD of `ops_optim`), each
+writing into a given output view.
 
 `KERNELS` maps op names to functions `(out, ins, attrs)`; `kernels` merges it into its `IMPLS`
 (this module imports nothing of the project, so no cycle). As there, the same code runs on the CPU
@@ -208,12 +209,12 @@ def _embedding_grad(out, ins, attrs):
 def _adamw(out, ins, attrs):
     # torch.optim.AdamW's single-tensor step, op for op, with the bias corrections computed on the
     # device from the step tensor (torch reads the step with .item(), a host sync per parameter)
-    state, grad, step = ins
+    state, grad, step = ins[:3]
     if out.data_ptr() != state.data_ptr():
         out.copy_(state)
     r = grad.shape[0]
     param, exp_avg, exp_avg_sq = out[:r], out[r : 2 * r], out[2 * r :]
-    lr, beta1, beta2 = attrs["lr"], attrs["beta1"], attrs["beta2"]
+    lr, beta1, beta2 = _lr(ins[3:], attrs), attrs["beta1"], attrs["beta2"]
     if attrs["weight_decay"] != 0:
         param.mul_(1 - lr * attrs["weight_decay"])
     exp_avg.lerp_(grad, 1 - beta1)
@@ -225,12 +226,24 @@ def _adamw(out, ins, attrs):
     param.add_(exp_avg.mul(neg_step_size).div_(denom))
 
 
+def _lr(factor: list[torch.Tensor], attrs) -> float | torch.Tensor:
+    """The step's learning rate: attribute lr, times the optional factor input (a float64's bits)
+    as a float64 0-dim tensor on the device: LambdaLR's product, with no host sync."""
+    if not factor:
+        return attrs["lr"]
+    return attrs["lr"] * factor[0].view(torch.float64).reshape(())
+
+
 def _sgd(out, ins, attrs):
     # torch.optim.SGD without momentum: d = grad + weight_decay * param; param -= lr * d
-    param, grad = ins
+    param, grad = ins[:2]
     if attrs["weight_decay"] != 0:
         grad = grad.add(param, alpha=attrs["weight_decay"])
-    torch.add(param, grad, alpha=-attrs["lr"], out=out)
+    lr = _lr(ins[2:], attrs)
+    if not isinstance(lr, torch.Tensor):
+        torch.add(param, grad, alpha=-lr, out=out)
+    else:  # param + (-lr) * grad, the scalar in param's dtype as torch.add's alpha is
+        torch.addcmul(param, grad, lr.neg().to(param.dtype), out=out)
 
 
 def _slice(out, ins, attrs):

@@ -6,18 +6,35 @@ the runtime can run them on arena views on the CPU or a GPU. An op of one's own 
 registers FORMATS.md's ops and the elementwise and normalisation ops; `ops_llm` the transformer
 ops (rotary embedding, attention, KV cache writes, linear layers, embedding lookups); `ops_nn`
 the general ops a torch model maps onto (activations, layer norm, broadcasting arithmetic, shape
-copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy,
-optimizer steps); `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
+copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy);
+`ops_optim` the optimizer steps and gradient clipping; `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
 activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
 `ops_attn_grad` the fused attention backward of a query tile;
 `ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_moe` the
 mixture-of-experts ops (routing, combining, their backward); `ops_quant` the dequantization of
-packed weights (`dequant`).
+packed weights (`dequant`); `ops_mask` the integer and boolean ops of masks and positions
+(comparisons, logical ops, `where`, `index`, `expand`, `sdpa_mask`); `ops_conv` the
+convolutional-network ops (conv, batch and group norm, pooling); `ops_math` elementwise math,
+powers, cumsum and `full` (`rsqrt`, `sqrt`, `exp`, `sin`, `cos`, log_softmax, leaky_relu, hardswish).
 """
 
 from __future__ import annotations
 
-from . import ops_act, ops_attn_grad, ops_headnorm, ops_llm, ops_moe, ops_nn, ops_quant, ops_sample, ops_train
+from . import (
+    ops_act,
+    ops_attn_grad,
+    ops_conv,
+    ops_headnorm,
+    ops_llm,
+    ops_mask,
+    ops_math,
+    ops_moe,
+    ops_nn,
+    ops_optim,
+    ops_quant,
+    ops_sample,
+    ops_train,
+)
 from .ops_llm import attention_pairs
 from .opspec import (
     BUILTIN,
@@ -46,10 +63,14 @@ __all__ = [
     "numel",
     "ops_act",
     "ops_attn_grad",
+    "ops_conv",
     "ops_headnorm",
     "ops_llm",
+    "ops_mask",
+    "ops_math",
     "ops_moe",
     "ops_nn",
+    "ops_optim",
     "ops_quant",
     "ops_sample",
     "ops_train",

@@ -1,6 +1,7 @@
 """The training ops: the backward of the LLaMA layers (RMSNorm, SiLU, attention in tiles, LoRA
-weight gradients, embedding), cross-entropy over vocabulary shards, the optimizer steps (AdamW,
-SGD) and slicing. The backward of rope is rope with `inverse`; of linear w.r.t. x, matmul.
+weight gradients, embedding), cross-entropy over vocabulary shards and slicing (the optimizer
+steps and gradient clipping: `ops_optim`). The backward of rope is rope with `inverse`; of linear
+w.r.t. x, matmul.
 
 Attention's backward follows FlashAttention-2 (Dao 2023, Algorithm 2): the forward's per-row
 log-sum-exp and D = rowsum(dO * O) are kept as `attention_stats`, so each backward tile recomputes
@@ -198,33 +199,7 @@ def _infer_embedding_grad(shapes, dtypes, attrs):
     return (rows, dy[1]), _same_dtype(name, dtypes[1:])
 
 
-# ---- optimizer steps and slicing ---------------------------------------------------------------
-def _infer_adamw(shapes, dtypes, attrs):
-    name = "adamw"
-    state, grad, step = shapes
-    _number(name, attrs, "lr", lo=0.0)
-    _number(name, attrs, "beta1", lo=0.0, below=1.0)
-    _number(name, attrs, "beta2", lo=0.0, below=1.0)
-    _number(name, attrs, "eps", lo=0.0)
-    _number(name, attrs, "weight_decay", lo=0.0)
-    if not grad or not state or state != (3 * grad[0], *grad[1:]):
-        raise ValueError(
-            f"{name}: state must be [3*r, ..] (param, exp_avg, exp_avg_sq) for grad [r, ..], "
-            f"got {list(state)} and {list(grad)}"
-        )
-    if step != (1,) or dtypes[2] not in (*INTS, "float32"):
-        raise ValueError(f"{name}: step must be an int or float32 tensor [1], got {list(step)} {dtypes[2]}")
-    return state, _same_dtype(name, dtypes[:2])
-
-
-def _infer_sgd(shapes, dtypes, attrs):
-    _number("sgd", attrs, "lr", lo=0.0)
-    _number("sgd", attrs, "weight_decay", lo=0.0)
-    if shapes[0] != shapes[1]:
-        raise ValueError(f"sgd: param {list(shapes[0])} and grad {list(shapes[1])} differ in shape")
-    return shapes[0], _same_dtype("sgd", dtypes)
-
-
+# ---- slicing ------------------------------------------------------------------------------------
 def _infer_slice(shapes, dtypes, attrs):
     (x,) = shapes
     axis = _int_attr("slice", attrs, "axis", -(1 << 62))
@@ -361,30 +336,6 @@ register(
         flops=lambda s, o, a: float(numel(s[1])),
         doc="the gradient of an embedding table shard: ids [t] (int), dy [t, d] -> [rows, d], dy's row "
         "i added into row ids[i] - start (ids outside start..start+rows-1 ignored)",
-    )
-)
-register(
-    OpSpec(
-        "adamw",
-        3,
-        3,
-        _infer_adamw,
-        attrs={"lr": REQUIRED, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
-        flops=lambda s, o, a: 14.0 * numel(s[1]),
-        doc="one torch.optim.AdamW step: state [3*r, ..] (param, exp_avg, exp_avg_sq stacked), grad "
-        "[r, ..], step [1] (int or float32: the step number t >= 1, read on the device) -> the new state "
-        "(may be written in place)",
-    )
-)
-register(
-    OpSpec(
-        "sgd",
-        2,
-        2,
-        _infer_sgd,
-        attrs={"lr": REQUIRED, "weight_decay": 0.0},
-        flops=elementwise(3),
-        doc="one torch.optim.SGD step without momentum: param - lr * (grad + weight_decay * param)",
     )
 )
 register(

@@ -4,6 +4,7 @@ model = disco_ray.models.load("ckpt/", gpus=2, capacity="64MiB")
 model.prefill(ids); model.generate(ids, max_new_tokens=20); model.close()
 """
 
-from .llama import Generation, LlamaModel, load
+from .llama import Generation, LlamaModel
+from .load import load
 
 __all__ = ["Generation", "LlamaModel", "load"]

@@ -7,7 +7,7 @@ import math
 
 from disco_ray.graph.memgraph import MemGraph, MKind
 from disco_ray.graph.quant import Quant
-from planner import min_capacity
+from planner.capacity import CapacityBounds
 from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
 from workloads.llm.checkpoint import Checkpoint
 from workloads.llm.model import ModelGraph, decode_graph, prefill_graph
@@ -69,18 +69,16 @@ def capacity_bounds(
     stops: int = STOPS,
     quantize: str | None = None,
     quant_group: int = 64,
-) -> dict[str, list[int]]:
+) -> CapacityBounds:
     """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
-    prompt of `prompt` tokens uses ("min": its largest vertex fits), and the capacity with room
-    for every tensor of the largest graph at once ("roomy": nothing offloaded).
+    prompt of `prompt` tokens uses (`min`: its largest vertex fits), and the capacity with room
+    for every tensor of the largest graph at once (`roomy`: nothing offloaded).
 
     `batch`: the graphs of `run_generate_batch` for that many prompts of at most `prompt` tokens
     (rows rounded up to a power of two, `micro` micro-batches; the fewer rows after compaction
     need no more), instead of the single-sequence ones; its decode steps sample on the device with
     `stops` stop ids per row (`run_generate_batch` rounds a request's up to a power of two >= 4).
     `quantize`, `quant_group`: the graphs of a model run with them (packed weights)."""
-    from planner import roomy_capacity
-
     ck = Checkpoint(path).quantized(Quant.named(quantize, quant_group))
     blocks = math.ceil(prompt / block)
     tile = tile or 4 * block
@@ -101,9 +99,7 @@ def capacity_bounds(
             graphs += [
                 decode_graph(ck, gpus, n, block, dtype) for n in range(prompt // block + 1, last // block + 2)
             ]
-    low = [max(col) for col in zip(*(min_capacity(m.taskgraph) for m in graphs))]
-    high = [max(col) for col in zip(*(roomy_capacity(m.taskgraph) for m in graphs))]
-    return {"min": low, "roomy": high}
+    return CapacityBounds.of(m.taskgraph for m in graphs)
 
 
 def bytes_moved(mg: MemGraph) -> int:

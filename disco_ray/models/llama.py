@@ -75,10 +75,12 @@ class LlamaModel(PlannedModel):
         path: a Hugging Face checkpoint directory (config.json + model.safetensors or shards).
         gpus: GPUs (workers) to split the model over (tensor-parallel; heads, key/value heads and
             intermediate_size must divide by it).
-        capacity: arena bytes per GPU: an int, a list per GPU, or "64MiB" / "64MiB,32MiB".
+        capacity: arena bytes per GPU: an int, a list per GPU, "64MiB" / "64MiB,32MiB", or "auto"
+            (the default) / "60%": of each GPU's free memory (docs/MODELS.md#capacity).
         host_capacity: each worker's host-store budget (the same forms; None: unbounded): offloads
             beyond it go to the worker's spill file in `disk_dir` (None: a temporary directory).
-        dtype: compute dtype (default: the checkpoint's); weights are converted when read.
+        dtype: compute dtype, a name or a torch.dtype (default or "auto": the checkpoint's);
+            weights are converted when read.
         block: KV cache block (tokens); prompts are padded to a multiple of it.
         tile: prefill row tile (tokens, a multiple of `block`; default 4 blocks): larger tiles make
             larger matrix products, smaller ones smaller activations.
@@ -99,8 +101,8 @@ class LlamaModel(PlannedModel):
         path: str,
         *,
         gpus: int = 1,
-        capacity: int | str | Sequence[int],
-        dtype: str | None = None,
+        capacity: int | str | Sequence[int] = "auto",
+        dtype: str | torch.dtype | None = None,
         block: int = 64,
         tile: int | None = None,
         engine: str = "ray",
@@ -154,6 +156,7 @@ class LlamaModel(PlannedModel):
         t = time.perf_counter()
         new = parse_capacity(capacity) if isinstance(capacity, str) else capacity
         self._close_programs()
+        self.auto = None  # a capacity given from now on, no longer grown from the free memory
         self.capacity = new
         freed = time.perf_counter() - t
         self.resizes.append({"capacity": self._caps(), "free_s": round(freed, 6)})
@@ -411,6 +414,7 @@ class LlamaModel(PlannedModel):
             "block": self.block,
             "tile": self.tile,
             "capacity": self.capacity,
+            "capacity_choice": None if self.capacity_choice is None else self.capacity_choice.statistics(),
             "weight_bytes": self.ck.weight_bytes(self.dtype),
             "quantize": None if self.ck.quant is None else self.ck.quant.to_dict(),
             "plans": list(self.plans),
@@ -419,8 +423,3 @@ class LlamaModel(PlannedModel):
             "resizes": list(self.resizes),
             "clamped_plans": self.clamped,
         }
-
-
-def load(path: str, **kw) -> LlamaModel:
-    """`LlamaModel(path, **kw)`: a LLaMA checkpoint directory ready to prefill and generate."""
-    return LlamaModel(path, **kw)

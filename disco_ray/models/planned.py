@@ -22,15 +22,9 @@ from .graphs import bytes_moved, model_graph
 from .programs import Programs, plan_entry
 
 
-def positions_beyond(prompt: int, new: int, max_positions: int, window: int | None = None) -> str | None:
-    """Why `new` tokens after a prompt of `prompt` do not fit the model's positions, or its
-    sliding window that the layers do not build (`window`) (None: they do)."""
+def positions_beyond(prompt: int, new: int, max_positions: int) -> str | None:
+    """Why `new` tokens after a prompt of `prompt` do not fit the model's positions (None: they do)."""
     n = prompt + new
-    if window is not None and n > window:
-        return (
-            f"{prompt} prompt tokens + {new} new = {n} positions, beyond the model's sliding_window "
-            f"{window} (its windowed attention is not built: sequences up to the window only)"
-        )
     if n <= max_positions:
         return None
     return f"{prompt} prompt tokens + {new} new = {n} positions, beyond the model's max_position_embeddings {max_positions}"
@@ -69,7 +63,7 @@ class PlannedModel(Programs):
     def check_length(self, prompts: Sequence[int], maxes: Sequence[int]) -> None:
         """UsageError naming the sequence whose prompt and new tokens exceed the model's positions."""
         for i, (n, m) in enumerate(zip(prompts, maxes)):
-            why = positions_beyond(n, m, self.ck.config.max_positions, self.ck.config.window_limit)
+            why = positions_beyond(n, m, self.ck.config.max_positions)
             if why is not None:
                 raise UsageError(f"{f'sequence {i}: ' if len(maxes) > 1 else ''}max_new_tokens {m}: {why}")
 
@@ -99,6 +93,8 @@ class PlannedModel(Programs):
             t = time.perf_counter()
             mgraph = model_graph(self.ck, self.gpus, key, self.block, self.dtype, self.tile)
             tg = mgraph.taskgraph
+            self.fit_capacity(tg, f"graph {'/'.join(str(k) for k in key)}")  # "auto": grows to fit
+            caps = self._caps()
             need = min_capacity(tg)
             if self.resizes and any(c < n for c, n in zip(caps, need)):
                 # an elastic budget below what one vertex needs: run at that minimum, not fail
@@ -133,13 +129,14 @@ class PlannedModel(Programs):
         if got is not None:
             return got
         moved: dict[int, int | str] = {}
-        m = 1
-        while m <= rows:
-            try:
-                moved[m] = bytes_moved(self._plan((kind, rows, blocks, m, *extra))[1])
-            except (CapacityError, UsageError) as e:  # this split does not plan: the others may
-                moved[m] = str(e)
-            m *= 2
+        while not moved or tuple(self._caps()) != caps:  # "auto" grew the capacity: compare again
+            caps, m = tuple(self._caps()), 1
+            while m <= rows:
+                try:
+                    moved[m] = bytes_moved(self._plan((kind, rows, blocks, m, *extra))[1])
+                except (CapacityError, UsageError) as e:  # this split does not plan: the others may
+                    moved[m] = str(e)
+                m *= 2
         fits = [m for m, b in moved.items() if isinstance(b, int)]
         if not fits:
             raise CapacityError(f"{kind} of {rows} rows plans with no micro-batch count: {moved[1]}")
@@ -168,6 +165,8 @@ class PlannedModel(Programs):
             else:
                 self._plan(key)
         except CapacityError as e:
+            if self.auto is not None:  # the budget's own message names the numbers
+                raise CapacityError(f"{what}: {e}") from None
             one = key if key[-1] is not None else (*key[:3], 1)
             mgraph = model_graph(self.ck, self.gpus, one, self.block, self.dtype, self.tile)
             need, caps = min_capacity(mgraph.taskgraph), self._caps()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from actors.options import STALL_S
 from disco_ray.driver.engine_local import LocalPool
+from disco_ray.driver.free_memory import CapacityChoice, RelativeCapacity, measure, relative
 from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
@@ -15,8 +19,10 @@ from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.quant import Quant
 from disco_ray.graph.sizes import parse_capacity
 from disco_ray.graph.taskgraph import TaskGraph
+from planner.capacity import CapacityBounds, host_capacities
 from workloads.llm.checkpoint import Checkpoint
 
+log = logging.getLogger("disco_ray")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -34,17 +40,26 @@ def one_request(method: F) -> F:
 
 
 def open_checkpoint(
-    path: str, gpus: int, dtype: str | None, engine: str, quantize: str | None = None, quant_group: int = 64
+    path: str,
+    gpus: int,
+    dtype: str | torch.dtype | None,
+    engine: str,
+    quantize: str | None = None,
+    quant_group: int = 64,
 ) -> tuple[Checkpoint, str]:
     """The checkpoint at `path`, its config checked to split over `gpus`, and the compute dtype
-    (`dtype`, checked, else the checkpoint's), to run on `engine`: what a model driver runs.
-    `quantize` ("int8", "int4" or None) with `quant_group`: its decoder layers' linear weights
-    are read quantized (docs/QUANTIZATION.md)."""
+    (`dtype`, a name or a torch.dtype, checked; None or "auto": the checkpoint's), to run on
+    `engine`: what a model driver runs. `quantize` ("int8", "int4" or None) with `quant_group`:
+    its decoder layers' linear weights are read quantized (docs/QUANTIZATION.md)."""
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
     quant = Quant.named(quantize, quant_group)  # bad values refused before the checkpoint is read
     ck = Checkpoint(path)
     ck.config.check_split(gpus)
+    if isinstance(dtype, torch.dtype):  # as transformers takes it: torch.float16
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype == "auto":  # transformers 5's word for the checkpoint's own
+        dtype = None
     if dtype is not None and dtype not in FLOATS:
         raise UsageError(f"dtype {dtype!r} is not one of {', '.join(sorted(FLOATS))}")
     return ck.quantized(quant), dtype or ck.config.dtype
@@ -68,7 +83,9 @@ def plan_entry(graph: str, tg: TaskGraph, mg: MemGraph, seconds: float, **extra:
 
 class Programs:
     """A pool of workers (given, or started here for `engine`) and the Programs run on it, keyed
-    by graph; closing ends the Programs and a pool started here."""
+    by graph; closing ends the Programs and a pool started here. The subclass sets `gpus` first."""
+
+    gpus: int
 
     def __init__(
         self,
@@ -88,10 +105,19 @@ class Programs:
         the others as `LlamaModel` takes them."""
         self.engine, self.backend, self.check = engine, backend, check
         self.run_kw: dict[str, Any] = {"check": check, "stall_timeout": STALL_S}  # every run's options
-        self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
         self.host_capacity = (
             parse_capacity(host_capacity) if isinstance(host_capacity, str) else host_capacity
         )
+        self.auto: RelativeCapacity | None = None  # "auto" / "P%": the free memory measured at start
+        asked = relative(capacity)
+        if asked is not None:
+            hosts = None if self.host_capacity is None else host_capacities(self.host_capacity, self.gpus)
+            places = (cluster.get("address"), getattr(pool, "address", None))
+            remote = any(a not in (None, "local") for a in places)  # the workers maybe elsewhere
+            self.auto = measure(asked, backend=backend, gpus=self.gpus, host_capacity=hosts, remote=remote)
+            capacity = [0] * self.gpus  # grown to each graph's need as it is planned (`fit_capacity`)
+        self.capacity = parse_capacity(capacity) if isinstance(capacity, str) else capacity
+        self.capacity_choice: CapacityChoice | None = None
         self.own_pool = pool is None
         if pool is not None:
             self.pool: object = pool
@@ -112,6 +138,27 @@ class Programs:
         )
         self.plans: list[dict] = []  # one entry per plan made (`plan_entry`)
         self._programs: dict[tuple, tuple[Any, Program]] = {}
+
+    def fit_capacity(self, tg: TaskGraph, what: str) -> None:
+        """With a capacity asked as "auto" or "P%": before `tg` is planned, the capacity grows to
+        what it needs (its roomy capacity, at most the budget; `free_memory`), never shrinks, so
+        that every graph shares one arena per GPU; the Programs planned smaller are closed (and
+        planned again when used). CapacityError when the budget is below the graph's minimum."""
+        if self.auto is None:
+            return
+        choice = self.auto.choose(CapacityBounds.of([tg]), what)
+        caps = [int(c) for c in self.capacity] if isinstance(self.capacity, list) else [0] * self.gpus
+        grown = [max(c, n) for c, n in zip(caps, choice.capacity)]
+        self.capacity_choice = CapacityChoice(self.auto, tuple(grown))
+        if grown != caps:
+            self._close_programs()
+            self.capacity = grown
+            log.info("%s, for %s", self.capacity_choice.describe(), what)
+
+    def capacity_limit(self) -> int | list[int]:
+        """The most capacity the next plans may have: the budget under "auto" / "P%" (the
+        capacity grows to it as graphs need), else the capacity."""
+        return list(self.auto.budget) if self.auto is not None else self.capacity
 
     def _close_programs(self) -> None:
         for _, prog in self._programs.values():

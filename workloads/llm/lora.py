@@ -76,13 +76,7 @@ def check_targets(cfg, targets: tuple[str, ...]) -> None:
 
 
 def check_trainable(cfg, seq: int, where: str) -> None:
-    """UsageError for what training does not build: a sequence past a sliding window the layers
-    lack, a nonzero dropout of config `where`."""
-    if cfg.window_limit is not None and seq > cfg.window_limit:
-        raise UsageError(
-            f"a training sequence of {seq} tokens is beyond the model's sliding_window {cfg.window_limit} "
-            "(its windowed attention is not built: sequences up to the window only)"
-        )
+    """UsageError for what training does not build: a nonzero dropout of config `where`."""
     if cfg.dropout:
         name, p = cfg.dropout[0]
         raise UsageError(f"{where}: {name} {p}: training with dropout is not built (it trains with none)")
@@ -116,6 +110,7 @@ class OptimSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    max_grad_norm: float | None = None  # clip the global L2 norm of all gradients to it (None: no clipping)
 
     def check(self) -> None:
         if self.name not in ("adamw", "sgd"):
@@ -124,6 +119,9 @@ class OptimSpec:
             raise UsageError(f"learning rate must be a positive number, got {self.lr!r}")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise UsageError(f"weight decay must be >= 0, got {self.weight_decay!r}")
+        c = self.max_grad_norm
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < math.inf):
+            raise UsageError(f"max grad norm must be a positive number, got {c!r}")
 
     @property
     def slots(self) -> int:

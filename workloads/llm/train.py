@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.graph.kernels_sample import as_bits
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint
@@ -39,6 +40,7 @@ from .layer import rope_tables
 from .lora import TARGETS, LoraLayers, LoraSpec, OptimSpec, Param, check_trainable, module_dims
 from .moe_lora import expert_targets
 from .moe_train import moe_backward, moe_forward, moe_output
+from .optimize import GRAD_NORM, lr_inputs, optimize
 
 IGNORE = -100  # transformers' ignored label
 __all__ = ["TARGETS", "LoraSpec", "OptimSpec", "Param", "TrainGraph", "module_dims", "train_graph"]
@@ -55,9 +57,12 @@ class TrainGraph:
     loss: str = "loss"
     dtype: str = "float32"
     optim: OptimSpec = field(default_factory=OptimSpec)
+    micro: int = 1  # micro-batches of batch // micro sequences (gradient accumulation)
+    grad_norm: str | None = None  # the output [pre-clip norm, scale] when clipping
 
-    def feed(self, cfg, tokens: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
-        """The caller inputs of one step: `tokens` [batch, seq] (int64) and the step number (1, 2, ...)."""
+    def feed(self, cfg, tokens: torch.Tensor, step: int, lr_factor: float = 1.0) -> dict[str, torch.Tensor]:
+        """The caller inputs of one step: `tokens` [batch, seq] (int64), the step number (1, 2, ...)
+        and the factor of the optimizer's learning rate this step (a schedule's)."""
         tokens = torch.as_tensor(tokens, dtype=torch.int64)
         if tuple(tokens.shape) != (self.batch, self.seq):
             raise UsageError(f"a step takes tokens [{self.batch}, {self.seq}], got {list(tokens.shape)}")
@@ -70,6 +75,7 @@ class TrainGraph:
         out: dict[str, torch.Tensor] = {}
         for j in range(g):
             out[f"step_g{j}"] = torch.tensor([float(step)], dtype=torch.float32)
+            out[f"lr_g{j}"] = as_bits(torch.tensor([lr_factor], dtype=torch.float64))
             for t in range(self.tiles):
                 r = slice(t * b, (t + 1) * b)
                 out[f"cos_t{t}_g{j}"] = cos[r].clone()
@@ -89,6 +95,8 @@ class _Step(LoraLayers):
         self.tiles = T = math.ceil(seq / block)
         self.n_valid = batch * (seq - 1)  # rows with a label: the loss is their mean
         self.step = [self.g.input(f"step_g{j}", (1,), "float32", gpu=j) for j in range(gpus)]
+        self.lr = lr_inputs(self.g, gpus)
+        self.losses: list[str] = []  # per sequence and tile: its share of the mean loss
         hd = self.cfg.head_dim
         self.cos = [
             [self.g.input(f"cos_t{t}_g{j}", (block, hd), dtype, gpu=j) for j in range(gpus)] for t in range(T)
@@ -154,29 +162,30 @@ class _Step(LoraLayers):
         return self.residual(li, "mlp_post_norm", d_parts, ld, h1, w, f"{stem}.h2", keep, full)
 
     # ---- the phases of a step ---------------------------------------------------------------------
-    def forward(self) -> None:
-        """Embedding and every layer per sequence and tile, keeping only each layer's input."""
+    def forward(self, seqs: range) -> None:
+        """Embedding and every layer per sequence of `seqs` and tile, keeping only each layer's input."""
         g, G, T = self.g, self.G, self.tiles
-        for s in range(self.batch):
+        for s in seqs:
             for t in range(T):
                 tok = [g.input(f"tok_b{s}_t{t}_g{j}", (self.block,), "int64", gpu=j) for j in range(G)]
                 emb = [self.lookup(tok[j], j, f"b{s}.t{t}.emb_g{j}") for j in range(G)]
                 # the tiles' owner GPUs rotate over tiles and sequences
                 self.saved[0][s][t] = self.reduce(emb, [], (s * T + t) % G, f"b{s}.t{t}.h0")
         for li in range(self.cfg.layers):
-            for s in range(self.batch):
+            for s in seqs:
                 for t, (out, _) in enumerate(self.layer_tiles(li, s, "f", True)):
                     self.saved[li + 1][s][t] = out
 
-    def loss(self) -> list[list[str]]:
-        """Per tile: final norm, logits per vocabulary shard, the cross-entropy and at once the
-        logits' gradient (no logits kept); outputs "loss", the mean over the batch's labelled
-        rows; returns the gradient of the last layer's output per sequence and tile."""
+    def loss(self, seqs: range) -> list[list[str]]:
+        """Per tile of `seqs`: final norm, logits per vocabulary shard, the cross-entropy and at once
+        the logits' gradient (no logits kept); each tile's loss, a share of the mean over the
+        batch's labelled rows, kept for `loss_output`; returns the gradient of the last layer's
+        output per sequence (indexed as in the batch) and tile."""
         g, G, cfg, sp = self.g, self.G, self.cfg, self.split
         inv_n = 1.0 / self.n_valid
         dtop: list[list[str]] = [[""] * self.tiles for _ in range(self.batch)]
-        losses: list[str] = []
-        for s in range(self.batch):
+        losses = self.losses
+        for s in seqs:
             for t in range(self.tiles):
                 stem = f"loss.b{s}.t{t}"
                 hL = self.saved[cfg.layers][s][t]
@@ -222,20 +231,24 @@ class _Step(LoraLayers):
                 dtop[s][t] = g.kernel(
                     "rmsnorm_grad", hL, norm, dx, id=f"{stem}.dh", **self.layer.norm_attrs()
                 )
-        moved = [x if g[x].gpu == 0 else g.transfer(x, 0, id=f"{x}_to0") for x in losses]
+        return dtop
+
+    def loss_output(self) -> None:
+        """Outputs "loss": every tile's share summed on GPU 0."""
+        g = self.g
+        moved = [x if g[x].gpu == 0 else g.transfer(x, 0, id=f"{x}_to0") for x in self.losses]
         total = moved[0] if len(moved) == 1 else self.sum_grads(moved, "loss", 0)
         if total != "loss":
             total = g.scale(total, 1.0, id="loss")
         g.output(total)
-        return dtop
 
-    def backward(self, dh2: list[list[str]]) -> None:
+    def backward(self, dh2: list[list[str]], seqs: range) -> None:
         """Layer by layer in reverse: the layer's forward recomputed from its saved input, then its
-        gradients, given `dh2[s][t]`, the gradient of its output (on the tile's owner)."""
+        gradients, given `dh2[s][t]`, the gradient of its output (on the tile's owner), s in `seqs`."""
         T = self.tiles
         for li in reversed(range(self.cfg.layers)):
             below: list[list[str]] = [[""] * T for _ in range(self.batch)]
-            for s in range(self.batch):
+            for s in seqs:
                 keeps = self.recompute(li, s)
                 dkv, dqr, dh1 = self.mlp_attention_backward(li, s, keeps, dh2[s])
                 for t in range(T):
@@ -367,30 +380,6 @@ class _Step(LoraLayers):
         )
         return g.add(dh1, dn1, id=f"{stem}.dh", gpu=w)
 
-    def optimize(self) -> None:
-        """Each adapter block's gradient summed, the optimizer's update, the new state carried."""
-        g, o = self.g, self.optim
-        for p in self.params:
-            grad = self.sum_grads(self.grads[p.state], f"{p.state}.grad", p.gpu)
-            if o.name == "adamw":
-                new = g.kernel(
-                    "adamw",
-                    p.state,
-                    grad,
-                    self.step[p.gpu],
-                    id=f"{p.state}.new",
-                    lr=o.lr,
-                    beta1=o.betas[0],
-                    beta2=o.betas[1],
-                    eps=o.eps,
-                    weight_decay=o.weight_decay,
-                )
-            else:
-                new = g.kernel(
-                    "sgd", p.state, grad, id=f"{p.state}.new", lr=o.lr, weight_decay=o.weight_decay
-                )
-            g.save_state(new, p.state)
-
 
 def train_graph(
     ck: Checkpoint,
@@ -402,16 +391,26 @@ def train_graph(
     optim: OptimSpec,
     dtype: str | None = None,
     grad_sum: str = "sum_into",
+    micro: int = 1,
 ) -> TrainGraph:
-    """One optimizer step on `batch` sequences of `seq` tokens (row tiles of `block`)."""
+    """One optimizer step on `batch` sequences of `seq` tokens (row tiles of `block`), in `micro`
+    micro-batches of batch // micro sequences each: forward, loss and backward of one after the
+    other, their gradient partials summed into the same sums (gradient accumulation)."""
     expert_targets(ck.config, lora.targets)  # all of w1, w2, w3 or none
     lora.check()
     optim.check()
     if seq < 2:
         raise UsageError(f"a training sequence needs at least 2 tokens, got {seq}")
     check_trainable(ck.config, seq, str(ck.path / "config.json"))
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or batch % micro:
+        raise UsageError(f"a batch of {batch} sequences does not split into {micro!r} equal micro-batches")
     b = _Step(ck, gpus, dtype or ck.config.dtype, lora, optim, batch, seq, block, grad_sum)
-    b.forward()
-    b.backward(b.loss())
-    b.optimize()
-    return TrainGraph(b.g, batch, seq, block, b.tiles, b.params, "loss", b.dtype, optim)
+    size = batch // micro
+    for m in range(micro):
+        seqs = range(m * size, (m + 1) * size)
+        b.forward(seqs)
+        b.backward(b.loss(seqs), seqs)
+    b.loss_output()
+    optimize(b)
+    norm = GRAD_NORM if optim.max_grad_norm is not None else None
+    return TrainGraph(b.g, batch, seq, block, b.tiles, b.params, "loss", b.dtype, optim, micro, norm)

@@ -40,8 +40,6 @@ class ModelConfig:
     scale: float | None = None  # attention's softmax scale (None: head_dim ** -0.5)
     # a layer's checkpoint tensors by role (its family's)
     weights: LayerWeights = field(default_factory=LayerWeights)
-    # a sliding_window the layers do not build (Phi-3's): longer sequences are refused (within it attention is full)
-    window_limit: int | None = None
     # nonzero dropout fields (name, p): none at inference; training refuses them
     dropout: tuple[tuple[str, float], ...] = ()
     # per layer, its sliding attention window (None: full attention); empty: every layer full

@@ -12,7 +12,7 @@ from .base import Family
 from .config import read
 
 
-def _windows(cfg: dict, where: str) -> dict:
+def windows(cfg: dict, where: str) -> dict:
     """`sliding_window` (a positive integer, or null) as every layer's window."""
     w = read(cfg, where, "sliding_window", default=None)
     if w is None:
@@ -24,5 +24,5 @@ MISTRAL = Family(
     "mistral",
     "MistralForCausalLM",
     requires={"attention_bias": (False,), "mlp_bias": (False,)},
-    features=_windows,
+    features=windows,
 )

@@ -6,9 +6,8 @@ rows). Each role names the fused tensor, so the layer builder reads each GPU's r
 gate and up as separate blocks of it (`LayerSpec.offset`) and computes them as for LLaMA; LoRA
 adapts the fused modules as PEFT does (one A, B's rows split into the parts, `workloads.llm.lora`).
 
-`sliding_window` (Phi-3 mini sets 2047) masks keys more than the window behind a query: the
-layer does not build it, so a sequence longer than the window is refused (`window_limit`); up to
-it the attention is full and exact. Only the default rotary embedding is built ("longrope", "su":
+`sliding_window` (Phi-3 mini sets 2047) masks keys more than the window behind a query in every
+layer, as Mistral's does (`mistral.windows`: the same windowed attention ops). Only the default rotary embedding is built ("longrope", "su":
 refused by name). `original_max_position_embeddings` only matters to longrope. The dropout fields
 change nothing at inference; training, which has no dropout, refuses them above 0.
 """
@@ -20,6 +19,7 @@ from disco_ray.graph.errors import UsageError
 from ..layer import LayerWeights
 from .base import Family
 from .config import read
+from .mistral import windows
 
 DROPOUTS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
 
@@ -31,8 +31,6 @@ def _features(cfg: dict, where: str) -> dict:
         raise UsageError(
             f"{where}: rope_scaling type {rtype!r} is not supported for model_type 'phi3' (only default)"
         )
-    max_pos = read(cfg, where, "max_position_embeddings", default=2048)
-    window = read(cfg, where, "sliding_window", default=None)
     dropout = []
     for name in DROPOUTS:
         p = read(cfg, where, name, (int, float), 0.0, positive=False)
@@ -40,10 +38,7 @@ def _features(cfg: dict, where: str) -> dict:
             raise UsageError(f"{where}: {name!r} must be in [0, 1), got {p!r}")
         if p:
             dropout.append((name, float(p)))
-    return {
-        "window_limit": window if window is not None and window < max_pos else None,
-        "dropout": tuple(dropout),
-    }
+    return {**windows(cfg, where), "dropout": tuple(dropout)}
 
 
 PHI3 = Family(
