@@ -12,7 +12,8 @@ pytest.importorskip("peft")
 
 from actors.worker import cpu_threads
 from disco_ray.graph.errors import UsageError
-from disco_ray.models.finetune import LoraTrainer, default_streams, train_block
+from disco_ray.models.finetune import LoraTrainer
+from disco_ray.models.train_defaults import default_streams, train_block
 from tests import family_oracle as oracle
 from tests.test_models import make_checkpoint
 from workloads.llm.train import OptimSpec
@@ -50,7 +51,7 @@ def test_default_tiles_and_streams_train_as_peft(base, tmp_path):
     ) as tr:
         losses = tr.train(data, steps=2)
         got = tr.adapter()
-        assert tr.tile(9) == 9 and tr._prog_kw["streams"] == 1
+        assert tr.block is None and tr._prog_kw["streams"] == 1
     oracle.assert_matches_peft(losses, want_losses, got, want_w)
 
 

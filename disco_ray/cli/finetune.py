@@ -89,7 +89,8 @@ def add_finetune(p) -> None:
 
 
 def cmd_finetune(args) -> int:
-    from disco_ray.models.finetune import LoraTrainer, default_streams
+    from disco_ray.models.finetune import LoraTrainer
+    from disco_ray.models.train_defaults import default_streams
     from workloads.llm.train import LoraSpec, OptimSpec
 
     capacity = capacity_of(args, args.gpus)

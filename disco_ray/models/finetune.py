@@ -41,9 +41,8 @@ from .evaluate import evaluate as evaluate_rows
 from .programs import Programs, one_request, open_checkpoint, plan_entry
 from .progress import EvalResult, StepRecord
 from .schedule import LrSchedule
+from .train_defaults import check_block, default_streams, train_block
 from .train_state import TrainState
-
-TRAIN_TILE = 512  # the default tile's most tokens: large matmuls, and a tile's scores stay small
 
 
 class LoraTrainer(Programs):
@@ -62,11 +61,8 @@ class LoraTrainer(Programs):
         total_steps: the run's last step, for a schedule that decays (default: where `train` ends).
         resume: a checkpoint directory (`train(save_every=...)`, `train_state`) to continue from:
             its adapter, optimizer moments, step, data position and RNG state.
-        block: the row tile, in tokens; None: each sequence in the fewest tiles of at most
-            `TRAIN_TILE` tokens (`train_block`). Smaller tiles plan into smaller arenas; larger
-            ones run fewer, larger kernels.
-        streams: compute streams per GPU; None: 1 on the cpu backend (one kernel at a time, each
-            on all the cores, as torch runs a step; see docs/TRAINING.md "Speed"), 5 otherwise.
+        block, streams: the row tile in tokens and the compute streams per GPU; None: the
+            defaults for speed (`train_defaults`: tiles of up to 512 tokens; 1 stream on cpu).
         capacity, host_capacity, disk_dir, gpus, dtype, engine, backend, ahead,
             weights, pool, check, stall_timeout, quantize, quant_group: as for
             `disco_ray.models.LlamaModel` (quantize: LoRA on a frozen quantized base, as QLoRA).
@@ -108,8 +104,7 @@ class LoraTrainer(Programs):
         self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine, quantize, quant_group)
         self.config = self.ck.config
         self.gpus, self.block, self.grad_sum = gpus, block, grad_sum
-        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-            raise UsageError(f"block must be a whole number of tokens >= 1, got {block!r}")
+        check_block(block)
         streams = default_streams(backend) if streams is None else streams
         self.optim = optim or OptimSpec()
         self.optim.check()
@@ -152,7 +147,7 @@ class LoraTrainer(Programs):
             self.gpus,
             batch,
             seq,
-            self.tile(seq),
+            self.block or train_block(seq),
             self.lora,
             self.optim,
             self.dtype,
@@ -173,10 +168,6 @@ class LoraTrainer(Programs):
             self._written = True
         got = self._programs[key] = (tgraph, prog)
         return got
-
-    def tile(self, seq: int) -> int:
-        """The row tile of sequences of `seq` tokens: `block`, or by default `train_block(seq)`."""
-        return self.block or train_block(seq)
 
     def _packed(self, p) -> torch.Tensor:
         full = self._start[adapter.key(p.layer, p.module, p.which)]
@@ -395,19 +386,6 @@ class LoraTrainer(Programs):
             "capacity": self.capacity,
             "capacity_choice": None if self.capacity_choice is None else self.capacity_choice.statistics(),
         }
-
-
-def default_streams(backend: str) -> int:
-    """Compute streams per GPU for training: one on the cpu backend, where concurrent kernels
-    would share the same cores (each kernel uses them all), TURNIP's five on a GPU."""
-    return 1 if backend == "cpu" else 5
-
-
-def train_block(seq: int) -> int:
-    """The default row tile for sequences of `seq` tokens: the fewest tiles of at most
-    `TRAIN_TILE` tokens, equal in size, so that little is padded."""
-    tiles = -(-seq // TRAIN_TILE)
-    return -(-seq // tiles)
 
 
 def _check_tokens(tokens, vocab: int) -> torch.Tensor:
