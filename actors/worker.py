@@ -36,16 +36,23 @@ if TYPE_CHECKING:
     from .transports.base import Transport
 
 
+def cpu_threads(streams: int, workers: int) -> int:
+    """Intra-op threads per kernel on the cpu backend: the host's cores shared by every stream of
+    the graph's workers (all counted as on this host: fewer threads, never more, on a cluster)."""
+    return max(1, len(os.sched_getaffinity(0)) // (streams * workers))
+
+
 class GpuWorker:
     """One per GPU; `load` a graph (allocating its arena), run it any number of times, load the next."""
 
-    def __init__(self, op_modules: Sequence[str] = (), torch_threads: int | None = 1):
+    def __init__(self, op_modules: Sequence[str] = (), torch_threads: int | None = None):
+        """`torch_threads`: intra-op threads of each kernel; None: each graph's `cpu_threads`."""
         import torch
 
         for m in op_modules:
             importlib.import_module(m)
-        if torch_threads:
-            torch.set_num_threads(torch_threads)  # S streams x N workers share the host's cores
+        self.torch_threads = torch_threads
+        torch.set_num_threads(torch_threads or 1)
         self.graphs: dict[str, tuple[Executor, Transport]] = {}  # key -> (executor, its transport)
         self.ex: Executor | None = None  # the active graph's
         self.transport: Transport | None = None
@@ -129,6 +136,8 @@ class GpuWorker:
         self.coord = coordinator
         if config.backend == "cuda" and self.device is not None:
             torch.cuda.set_device(self.device)  # its own entry of the node's shared device list
+        if config.backend == "cpu":
+            torch.set_num_threads(self.torch_threads or cpu_threads(config.streams, len(workers)))
         if self.store is None or self.store.gpu != gpu:
             backend = make_backend(config.backend, self.device)
             self.store = WorkerStore(gpu, backend.alloc, backend.stages_inputs)

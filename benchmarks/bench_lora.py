@@ -66,7 +66,13 @@ def run_one(kind: str, path: str, batch: int, seq: int, steps: int, capacity: in
 
         spec = LoraSpec(16, 32.0, TARGETS)
         with LoraTrainer(
-            path, capacity=capacity, lora=spec, optim=OptimSpec(lr=1e-4), engine="local", grad_sum=grad_sum
+            path,
+            capacity=capacity,
+            lora=spec,
+            optim=OptimSpec(lr=1e-4),
+            engine="local",
+            grad_sum=grad_sum,
+            block=64,  # the tiles `cpu` sizes the capacities for
         ) as tr:
             for _ in range(steps + 1):
                 t = time.perf_counter()

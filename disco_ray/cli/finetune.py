@@ -72,7 +72,9 @@ def add_finetune(p) -> None:
     add_capacity_args(p, required=True)
     add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
-    p.add_argument("--block", type=int, default=64, metavar="N", help="row tile, in tokens (64)")
+    p.add_argument(
+        "--block", type=int, metavar="N", help="row tile, in tokens (default: tiles of at most 512, equal)"
+    )
     p.add_argument("--seed", type=seed_arg, default=0, help="of a new adapter's initial A")
     p.add_argument(
         "--grad-sum",
@@ -83,10 +85,12 @@ def add_finetune(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a step after S seconds")
     add_model_run_args(p)  # --weights, the engine's and the cluster's options
+    p.set_defaults(streams=None)  # the trainer's own default (`default_streams`)
 
 
 def cmd_finetune(args) -> int:
     from disco_ray.models.finetune import LoraTrainer
+    from disco_ray.models.train_defaults import default_streams
     from workloads.llm.train import LoraSpec, OptimSpec
 
     capacity = capacity_of(args, args.gpus)
@@ -108,6 +112,8 @@ def cmd_finetune(args) -> int:
     lr = OptimSpec().lr if args.lr is None else args.lr  # no --lr: --steps 0, no update
     optim = OptimSpec(args.optimizer, lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
     progress = Progress(args, held)
+    if args.streams is None:
+        args.streams = default_streams(args.backend)
     kw = model_run_kwargs(args, args.gpus)
     with closing_after_error(
         LoraTrainer(

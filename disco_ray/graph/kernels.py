@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from . import ops
 from .kernels_act import KERNELS as ACT_KERNELS
 from .kernels_act import TEMPS as ACT_TEMPS
+from .kernels_attn_grad import KERNELS as ATTN_GRAD_KERNELS
+from .kernels_attn_grad import TEMPS as ATTN_GRAD_TEMPS
 from .kernels_conv import KERNELS as CONV_KERNELS
 from .kernels_conv import TEMPS as CONV_TEMPS
 from .kernels_headnorm import KERNELS as HEADNORM_KERNELS
@@ -37,8 +39,8 @@ from .kernels_train import KERNELS as TRAIN_KERNELS
 
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # the op families' kernels live beside them: kernels_llm (transformer ops), kernels_nn (general
-# ops), kernels_train (training ops), kernels_optim (gradient clipping), kernels_sample (token
-# choice), kernels_act (the activations and soft-capping of families beyond LLaMA),
+# ops), kernels_train (training ops), kernels_attn_grad (the fused attention backward),
+# kernels_optim (gradient clipping), kernels_sample (token choice), kernels_act (the activations and soft-capping of families beyond LLaMA),
 # kernels_headnorm (per-head RMSNorm), kernels_moe (the mixture-of-experts ops), kernels_quant
 # (dequantization), kernels_mask (masks and positions), kernels_math (elementwise math),
 # kernels_conv (the CNN ops and the rest of ops_math); this module has those of the base op set (`ops`)
@@ -46,6 +48,7 @@ IMPLS: dict[str, Impl] = {
     **LLM_KERNELS,
     **NN_KERNELS,
     **TRAIN_KERNELS,
+    **ATTN_GRAD_KERNELS,
     **OPTIM_KERNELS,
     **SAMPLE_KERNELS,
     **ACT_KERNELS,
@@ -178,6 +181,7 @@ TEMPS: dict[str, TempBytes] = {
     **ACT_TEMPS,
     **HEADNORM_TEMPS,
     **QUANT_TEMPS,
+    **ATTN_GRAD_TEMPS,
     **MASK_TEMPS,
     **MATH_TEMPS,
     **CONV_TEMPS,

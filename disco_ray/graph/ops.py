@@ -9,6 +9,7 @@ the general ops a torch model maps onto (activations, layer norm, broadcasting a
 copies, reductions); `ops_train` the training ops (backward of the layers, cross-entropy);
 `ops_optim` the optimizer steps and gradient clipping; `ops_sample` the token choice (`sample_tokens`, `finished_rows`); `ops_act` the
 activations and soft-capping of families beyond LLaMA (`gelu_tanh`, `softcap`, their backward);
+`ops_attn_grad` the fused attention backward of a query tile;
 `ops_headnorm` the per-head RMSNorm of queries and keys and its backward; `ops_moe` the
 mixture-of-experts ops (routing, combining, their backward); `ops_quant` the dequantization of
 packed weights (`dequant`); `ops_mask` the integer and boolean ops of masks and positions
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from . import (
     ops_act,
+    ops_attn_grad,
     ops_conv,
     ops_headnorm,
     ops_llm,
@@ -60,6 +62,7 @@ __all__ = [
     "get",
     "numel",
     "ops_act",
+    "ops_attn_grad",
     "ops_conv",
     "ops_headnorm",
     "ops_llm",

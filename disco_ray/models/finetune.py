@@ -41,6 +41,7 @@ from .evaluate import evaluate as evaluate_rows
 from .programs import Programs, one_request, open_checkpoint, plan_entry
 from .progress import EvalResult, StepRecord
 from .schedule import LrSchedule
+from .train_defaults import check_block, default_streams, train_block
 from .train_state import TrainState
 
 
@@ -60,7 +61,9 @@ class LoraTrainer(Programs):
         total_steps: the run's last step, for a schedule that decays (default: where `train` ends).
         resume: a checkpoint directory (`train(save_every=...)`, `train_state`) to continue from:
             its adapter, optimizer moments, step, data position and RNG state.
-        capacity, host_capacity, disk_dir, gpus, dtype, block, engine, backend, streams, ahead,
+        block, streams: the row tile in tokens and the compute streams per GPU; None: the
+            defaults for speed (`train_defaults`: tiles of up to 512 tokens; 1 stream on cpu).
+        capacity, host_capacity, disk_dir, gpus, dtype, engine, backend, ahead,
             weights, pool, check, stall_timeout, quantize, quant_group: as for
             `disco_ray.models.LlamaModel` (quantize: LoRA on a frozen quantized base, as QLoRA).
     """
@@ -77,7 +80,7 @@ class LoraTrainer(Programs):
         init_adapter: str | None = None,
         optim: OptimSpec | None = None,
         dtype: str | torch.dtype | None = None,
-        block: int = 64,
+        block: int | None = None,
         seed: int = 0,
         grad_sum: str = "sum_into",
         grad_accum: int = 1,
@@ -87,7 +90,7 @@ class LoraTrainer(Programs):
         engine: str = "ray",
         backend: str = "cpu",
         weights: str = "host",
-        streams: int = 5,
+        streams: int | None = None,
         ahead: int | None = None,
         pool: object | None = None,
         check: bool = False,
@@ -101,6 +104,8 @@ class LoraTrainer(Programs):
         self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine, quantize, quant_group)
         self.config = self.ck.config
         self.gpus, self.block, self.grad_sum = gpus, block, grad_sum
+        check_block(block)
+        streams = default_streams(backend) if streams is None else streams
         self.optim = optim or OptimSpec()
         self.optim.check()
         dims = {m: module_dims(self.config, m) for m in self.config.spec.weights.modules()}
@@ -137,7 +142,17 @@ class LoraTrainer(Programs):
         if got is not None:
             return got
         t = time.perf_counter()
-        args = (self.ck, self.gpus, batch, seq, self.block, self.lora, self.optim, self.dtype, self.grad_sum)
+        args = (
+            self.ck,
+            self.gpus,
+            batch,
+            seq,
+            self.block or train_block(seq),
+            self.lora,
+            self.optim,
+            self.dtype,
+            self.grad_sum,
+        )
         tgraph = eval_graph(*args) if evaluate else train_graph(*args, self.grad_accum)
         tg = tgraph.taskgraph
         self.fit_capacity(tg, f"the training step of {batch}x{seq} tokens")  # "auto": grows to fit

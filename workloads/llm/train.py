@@ -336,13 +336,15 @@ class _Step(LoraLayers):
         vv = [keeps[n]["v"][j] for n in range(n0, t + 1)]
         tile = dict(offset=(t - n0) * b, causal=True, **attrs)
         st = g.kernel("attention_stats", qr, *kk, *vv, att, dO, id=f"{stem}.stats_g{j}", **tile)
-        dq = g.kernel("attention_grad_q", qr, st, dO, *kk, *vv, id=f"{stem}.dq_g{j}", **tile)
+        # dq and every key tile's dk|dv from one P and dS per tile pair (ops_attn_grad)
+        grads = g.kernel("attention_grad", qr, st, dO, *kk, *vv, id=f"{stem}.dqkv_g{j}", **tile)
+        qw, kvw = g[qr].shape[1], 2 * g[kk[0]].shape[1]
         for i, n in enumerate(range(n0, t + 1)):
-            pair = dict(q_offset=t * b, k_offset=n * b, causal=True, **attrs)
+            c = qw + i * kvw
             dkv[n][j].append(
-                g.kernel("attention_grad_kv", qr, st, dO, kk[i], vv[i], id=f"{stem}.dkv{n}_g{j}", **pair)
+                g.kernel("slice", grads, id=f"{stem}.dkv{n}_g{j}", axis=1, start=c, stop=c + kvw)
             )
-        return dq
+        return g.kernel("slice", grads, id=f"{stem}.dq_g{j}", axis=1, start=0, stop=qw)
 
     def qkv_backward(
         self, li: int, s: int, t: int, keep: dict, dkv: list[list[str]], dqr: list[str], dh1: str
