@@ -34,12 +34,14 @@ def local_ray(gpus: int):
 
 
 @pytest.fixture(scope="module")
-def pool():
+def pool(request):
+    """A pool of the module's `POOL_GPUS` workers (4 if it names none), made once: the most GPUs
+    its Ray tests use, since each worker is a process that imports torch (seconds of CPU)."""
     from disco_ray.driver.pool import RayPool
 
     with local_ray(4):
         p = RayPool(op_modules=["actors.testops"])
-        p.acquire(4)  # the most GPUs any test uses: actors are made once
+        p.acquire(getattr(request.module, "POOL_GPUS", 4))  # more later would remake them all
         yield p
         p.discard()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 
 import pytest
 
@@ -165,11 +166,17 @@ def bad_files(tmp_path):
         ([], ["required: COMMAND"]),
     ],
 )
-def test_input_errors(cli, bad_files, args, fragments):
+def test_input_errors(bad_files, capsys, monkeypatch, args, fragments):
+    """Through the CLI's entry point in this process (the subprocess tests check the real exit
+    status and stderr of each command)."""
     out = bad_files / "out.json"
     if args and args[0] == "plan" and "--capacity" in args:
         args = [*args, "-o", str(out)]
-    r = cli(*args, cwd=bad_files)
+    monkeypatch.chdir(bad_files)
+    capsys.readouterr()
+    rc = cli_module.main(args)
+    got = capsys.readouterr()
+    r = subprocess.CompletedProcess(args, rc, got.out, got.err)
     assert_one_line_error(r, *fragments)
     assert not out.exists()
     assert not [p for p in bad_files.iterdir() if p.name.startswith(".out")]  # no temp file left
@@ -342,8 +349,10 @@ def _mutated(doc, path, value):
 
 
 @pytest.mark.parametrize("which", ["taskgraph", "memgraph"])
-def test_any_malformed_field_is_one_line_error(tmp_path, capsys, which):
+def test_any_malformed_field_is_one_line_error(tmp_path, capsys, monkeypatch, which):
     """Every field of a good document replaced by junk (or deleted): exit 0, 1 or 2, never a traceback."""
+    parser = cli_module.build_parser()
+    monkeypatch.setattr(cli_module, "build_parser", lambda: parser)  # building it was most of each call
     tg, mg = tmp_path / "tg.json", tmp_path / "mg.json"
     formats.save(two_gpu_graph(), tg)
     formats.save(plan_of_two_gpu_graph(), mg)

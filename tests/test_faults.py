@@ -51,6 +51,8 @@ def test_runs_share_one_warm_pool_until_shutdown():
 
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture)
 
+POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
+
 
 def test_kernel_that_raises_names_worker_and_vertex(pool, noop_op):  # noqa: F811
     tg = noop_graph(fail_at="n5", gpus=2, n=8)

@@ -190,8 +190,9 @@ def test_generate_on_the_disk_tier_leaves_no_spill_file_after_a_fault(
     spill = tmp_path / "spill"
     to_cli = fault in (signal.SIGINT, signal.SIGTERM)  # these end the CLI and the private Ray it made
     address = None if to_cli else request.getfixturevalue("ray_address")
-    args = ["generate", checkpoint, "--prompt-ids", "5,17,3,99,42,7,8,1,60,63", "--max-new-tokens", "600"]
-    args += ["--capacity", "330000", "--block", "4", "--ignore-eos"]  # tight: the decode steps spill
+    args = ["generate", checkpoint, "--prompt-ids", "5,17,3,99,42,7,8,1,60,63", "--max-new-tokens", "300"]
+    # tight (the least for 300 tokens is 160512 bytes): from about the 45th decode step on, they spill
+    args += ["--capacity", "175000", "--block", "4", "--ignore-eos"]
     args += ["--host-capacity", "0", "--disk", str(spill), "--stall-timeout", "3"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "disco_ray", *args],

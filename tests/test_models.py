@@ -25,6 +25,8 @@ from tests.conftest import run_cli  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 
+POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
+
 PROMPT = [5, 17, 3, 99, 42, 7, 8, 1, 60, 63]
 BLOCK = 4  # KV cache block and prefill tile: a 10-token prompt is 3 tiles, generation crosses blocks
 
@@ -275,6 +277,16 @@ def test_cli_generate_prints_tokens_json_and_logits(checkpoints, tmp_path):
     assert gen.tokens == [] and rel_err(gen.prefill_logits, want_logits) <= 1e-4
 
 
+def in_process(capsys, *args) -> tuple[int, str]:
+    """`disco-ray ARGS` run by the CLI's entry point in this process (the subprocess tests above
+    and below check the real exit status and stderr): its exit status and stderr."""
+    from disco_ray.cli.app import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    return rc, capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -285,22 +297,24 @@ def test_cli_generate_prints_tokens_json_and_logits(checkpoints, tmp_path):
         (["--max-new-tokens", "2", "--capacity", "1MiB", "--logits", "x.txt"], "written as .npz"),
     ],
 )
-def test_cli_generate_refuses_bad_input_in_one_line(checkpoints, args, message):
-    r = run_cli("generate", checkpoints["mha"][0], "--prompt-ids", "1,2", "--engine", "local", *args)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("disco-ray: error:") and message in lines[0], r.stderr
+def test_cli_generate_refuses_bad_input_in_one_line(checkpoints, capsys, args, message):
+    rc, err = in_process(
+        capsys, "generate", checkpoints["mha"][0], "--prompt-ids", "1,2", "--engine", "local", *args
+    )
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("disco-ray: error:") and message in lines[0], err
 
 
-def test_cli_generate_names_what_a_directory_lacks(checkpoints, tmp_path):
+def test_cli_generate_names_what_a_directory_lacks(checkpoints, tmp_path, capsys):
     args = ["--prompt-ids", "1", "--max-new-tokens", "1", "--capacity", "1MiB", "--engine", "local"]
-    r = run_cli("generate", tmp_path, *args)
-    assert r.returncode == 2 and "config.json: missing" in r.stderr
+    rc, err = in_process(capsys, "generate", tmp_path, *args)
+    assert rc == 2 and "config.json: missing" in err
     (tmp_path / "config.json").write_text((Path(checkpoints["mha"][0]) / "config.json").read_text())
-    r = run_cli("generate", tmp_path, *args)
-    assert r.returncode == 2 and "no model.safetensors or model.safetensors.index.json" in r.stderr
-    r = run_cli("generate", tmp_path / "nope", *args)
-    assert r.returncode == 2 and "not a checkpoint directory" in r.stderr
+    rc, err = in_process(capsys, "generate", tmp_path, *args)
+    assert rc == 2 and "no model.safetensors or model.safetensors.index.json" in err
+    rc, err = in_process(capsys, "generate", tmp_path / "nope", *args)
+    assert rc == 2 and "not a checkpoint directory" in err
 
 
 def test_cli_generate_takes_a_text_prompt_with_the_checkpoints_tokenizer(checkpoints, tmp_path):
