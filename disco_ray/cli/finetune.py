@@ -86,6 +86,9 @@ def add_finetune(p) -> None:
     p.add_argument("--timeout", type=seconds_arg, metavar="S", help="give up a step after S seconds")
     add_model_run_args(p)  # --weights, the engine's and the cluster's options
     p.set_defaults(streams=None)  # the trainer's own default (`default_streams`)
+    for action in p._actions:
+        if "--streams" in action.option_strings:
+            action.help = "compute streams per GPU (default: 1 on the cpu backend, 5 on cuda)"
 
 
 def cmd_finetune(args) -> int:
