@@ -201,6 +201,15 @@ def test_killed_coordinator_stops_the_run_naming_it(pool, noop_op):  # noqa: F81
         assert time.monotonic() - t < 30
 
 
+def test_a_coordinator_dead_before_the_run_starts_is_named(pool, noop_op):  # noqa: F811
+    """Killed before `start` reaches it (the race of the test above when the kill lands early)."""
+    tg = noop_graph(gpus=2, n=8)
+    with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
+        ray.kill(prog.engine.coord)
+        with pytest.raises(RunError, match="the coordinator .* died as the run started"):
+            prog.run({}, timeout=60)
+
+
 def test_a_placement_no_node_can_hold_is_refused_at_once(pool):  # noqa: F811
     from actors.coordinator import Coordinator
     from actors.worker import GpuWorker

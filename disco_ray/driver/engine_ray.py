@@ -163,7 +163,8 @@ class RayEngine:
             self._get_watched([self.coord.start.remote(self.key)], dog)
         except (RayActorError, RayTaskError) as e:
             pings = {w.ping.remote(): g for g, w in enumerate(self.workers)}
-            raise RunError(self._dead_worker(pings) or f"starting the run failed: {_cause(e)}") from None
+            why = self._dead_worker(pings) or self._dead_coordinator("as the run started")
+            raise RunError(why or f"starting the run failed: {_cause(e)}") from None
         done_ref = self.coord.wait.remote()
         # each worker's serve ends with its part: its outputs and trace records come with it
         serving = {w.serve.remote(self.wanted[g]): g for g, w in enumerate(self.workers)}
@@ -351,6 +352,20 @@ class RayEngine:
                 ray.get(r)
             except RayActorError:
                 return self._died(serving[r])
+        return None
+
+    def _dead_coordinator(self, when: str) -> str | None:
+        """'the coordinator (...) died <when>' if it no longer answers a ping (1 s), else None."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            ray.get(self.coord.ping.remote(), timeout=1.0)
+        except RayActorError:
+            self.broken = True
+            return f"{self._name(-1)} died {when}"
+        except Exception:  # slow, not dead: the caller says what failed
+            return None
         return None
 
     def _died(self, g: int, when: str = "during the run") -> str:
