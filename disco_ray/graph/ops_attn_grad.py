@@ -10,23 +10,15 @@ products, exponentials and dO V^T per key tile; this op, given the same operands
 
 from __future__ import annotations
 
-from .ops_llm import ATTENTION, _check_kv, _int_attr
-from .ops_train import _attn_attrs, _check_q_stats_do, _keys, _pairs
+from .ops_llm import ATTENTION
+from .ops_train import _keys, _pairs, check_grad_operands
 from .opspec import OpSpec, _same_dtype, register
 
 NAME = "attention_grad"
 
 
 def _infer(shapes, dtypes, attrs):
-    if len(shapes) < 5 or len(shapes) % 2 == 0:
-        raise ValueError(
-            f"{NAME} takes q, stats, do and pairs of key/value tiles, got {len(shapes)} operands"
-        )
-    q, stats, do, kv = shapes[0], shapes[1], shapes[2], shapes[3:]
-    h, kvh, d = _attn_attrs(NAME, q, attrs)
-    _int_attr(NAME, attrs, "offset", -(1 << 62))
-    _check_q_stats_do(NAME, q, stats, do, h)
-    _check_kv(NAME, kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
+    q, kv, kvh, d = check_grad_operands(NAME, shapes, attrs)
     if any(k[0] != q[0] for k in kv):
         raise ValueError(f"{NAME}: every key/value tile must have q's {q[0]} rows, got {[k[0] for k in kv]}")
     m = len(kv) // 2

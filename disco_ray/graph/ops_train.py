@@ -102,8 +102,9 @@ def _check_q_stats_do(name: str, q, stats, do, h: int) -> None:
         )
 
 
-def _infer_attention_grad_q(shapes, dtypes, attrs):
-    name = "attention_grad_q"
+def check_grad_operands(name: str, shapes, attrs):
+    """q, the key/value tiles, kv heads and head dim of an attention gradient taking q, stats, do
+    and pairs of key/value tiles (`attention_grad_q`, `attention_grad`); ValueError if they do not fit."""
     if len(shapes) < 5 or len(shapes) % 2 == 0:
         raise ValueError(
             f"{name} takes q, stats, do and pairs of key/value tiles, got {len(shapes)} operands"
@@ -113,7 +114,12 @@ def _infer_attention_grad_q(shapes, dtypes, attrs):
     _int_attr(name, attrs, "offset", -(1 << 62))
     _check_q_stats_do(name, q, stats, do, h)
     _check_kv(name, kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
-    return q, _same_dtype(name, dtypes)
+    return q, kv, kvh, d
+
+
+def _infer_attention_grad_q(shapes, dtypes, attrs):
+    q = check_grad_operands("attention_grad_q", shapes, attrs)[0]
+    return q, _same_dtype("attention_grad_q", dtypes)
 
 
 def _flops_attention_grad_q(shapes, out, attrs):
