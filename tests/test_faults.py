@@ -206,7 +206,7 @@ def test_a_coordinator_dead_before_the_run_starts_is_named(pool, noop_op):  # no
     tg = noop_graph(gpus=2, n=8)
     with Program(tg, plan(tg), engine="ray", pool=pool) as prog:
         ray.kill(prog.engine.coord)
-        with pytest.raises(RunError, match="the coordinator .* died as the run started"):
+        with pytest.raises(RunError, match=r"the coordinator .* died as the run started"):
             prog.run({}, timeout=60)
 
 
