@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from disco_ray.graph.errors import UsageError
+from disco_ray.models.textdata import json_object
 
 FIELDS = frozenset({"ids", "text", "max_new_tokens", "stop_ids"})
 MAX_LINE_CHARS = 1 << 24  # one prompt line of 16 MiB is far beyond any context length
@@ -58,14 +59,7 @@ def parse_line(
     encode: Callable[[str], list[int]],
 ) -> Request:
     """One line's request; `where` ("FILE:LINE") starts every message; `encode` tokenizes text."""
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{where}: malformed JSON at column {e.colno}: {e.msg}") from None
-    except RecursionError:
-        raise UsageError(f"{where}: nested too deeply to be a prompt") from None
-    if not isinstance(doc, dict):
-        raise UsageError(f'{where}: want a JSON object ({{"ids": [...]}} or {{"text": "..."}})')
+    doc = json_object(text, where, "prompt", '{"ids": [...]} or {"text": "..."}')
     unknown = sorted(set(doc) - FIELDS)
     if unknown:
         raise UsageError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(FIELDS))})")

@@ -105,18 +105,25 @@ def read_documents(
     return docs
 
 
-def parse_document(text: str, where: str, vocab: int, encode: Callable[[str], list[int]]) -> list[int]:
-    """One JSONL line's token ids; `where` ("FILE:LINE") starts every message."""
-    if len(text) > MAX_LINE_CHARS:
-        raise UsageError(f"{where}: a line of {len(text)} characters (at most {MAX_LINE_CHARS})")
+def json_object(text: str, where: str, what: str, shape: str) -> dict:
+    """One JSONL line as a JSON object; UsageError starting with `where` ("FILE:LINE") otherwise
+    (`what` the line is, `shape` the object it should be)."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: malformed JSON at column {e.colno}: {e.msg}") from None
     except RecursionError:
-        raise UsageError(f"{where}: nested too deeply to be a document") from None
+        raise UsageError(f"{where}: nested too deeply to be a {what}") from None
     if not isinstance(doc, dict):
-        raise UsageError(f'{where}: want a JSON object ({{"text": "..."}} or {{"ids": [...]}})')
+        raise UsageError(f"{where}: want a JSON object ({shape})")
+    return doc
+
+
+def parse_document(text: str, where: str, vocab: int, encode: Callable[[str], list[int]]) -> list[int]:
+    """One JSONL line's token ids; `where` ("FILE:LINE") starts every message."""
+    if len(text) > MAX_LINE_CHARS:
+        raise UsageError(f"{where}: a line of {len(text)} characters (at most {MAX_LINE_CHARS})")
+    doc = json_object(text, where, "document", '{"text": "..."} or {"ids": [...]}')
     if ("ids" in doc) == ("text" in doc):
         raise UsageError(f'{where}: give exactly one of "text" and "ids"')
     if "text" in doc:
