@@ -1,15 +1,36 @@
-"""A stand-in for torch.cuda, on the host: runs the cuda backend's threads (loop, wakers,
-helpers, the NCCL channel), events, stream order and launch order on machines without a GPU,
-with kernels on the CPU.
+"""A stand-in for torch.cuda, on the host, that behaves like a device: runs the cuda backend's
+threads (loop, wakers, helpers, the NCCL channel), events, stream order and launch order on
+machines without a GPU, with device memory as CPU tensors and kernels on the CPU.
 
 `install(setattr)` puts it under the actors modules that use torch.cuda (pass pytest's
-`monkeypatch.setattr` in a test; the builtin `setattr` in a script). Work runs at launch; each
-event recorded on a stream moves that stream's simulated device clock on by
-`FakeStream.device_s`, so the loop also sees vertices still running on the device and sleeps
-until a waker wakes it.
+`monkeypatch.setattr` in a test; the builtin `setattr` in a script).
 
-Device order. Each stream keeps a chain of what was enqueued on it (`FakeStream.tail`): an event
-or a blocking device operation (an NCCL send or receive of tests/fake_nccl.py) completes only
+Asynchrony (tests/fake_device.py). The work a vertex launches on a stream (the whole `work`
+call the launch loop makes with that stream current: its kernels and copies) is enqueued, not
+run: it runs later, on that stream's own thread, in launch order per stream, when the host
+needs it (a query or synchronize of an event after it, or a stream waiting on such an event):
+as late as CUDA allows. So:
+- a stream that waits on an event runs nothing after the wait before the event's point has run;
+  a stream that forgot to wait runs without the other stream's work (a kernel reads a range a
+  copy on a lane has not written yet);
+- when work is enqueued, the range its vertex writes (the executor's plan: a kernel's output,
+  a copy's destination, device or pinned host memory) is filled with 0xFF bytes (NaN in every
+  float dtype) until the work has run: a host read without a synchronisation, or a consumer that
+  did not wait, reads poison rather than last run's bytes;
+- an event whose record a point of work (the event recorded after the waits) already waited on
+  before its own previous record is stale, an event of an earlier run: recording that point
+  raises `StaleEventError`;
+- an error of the work is asynchronous: the next event recorded on its stream raises it.
+Work a helper runs (BLOCKING: a wait on the host, then a copy) runs on the helper once its
+stream has run everything before it (the copy after the host wait, as a GPU orders it); the
+registration of a DEFERRED vertex (an NCCL receive) runs at once: its device work is the NCCL
+operation the channel enqueues later (tests/fake_nccl.py).
+
+Device time: each event recorded on a stream also moves that stream's simulated device clock
+on by `FakeStream.device_s`, and the event completes only once the host clock has passed it,
+so the loop also sees vertices still running on the device and sleeps until a waker wakes it.
+
+Device order. An event or a blocking device operation (an NCCL send or receive) completes only
 once everything before it on its stream has, and a stream that waits on an event continues only
 once that event has. So an event recorded after an NCCL receive completes only when the
 receive has matched its send, as on a GPU.
@@ -26,6 +47,8 @@ What the real API would make a bug, the stand-in makes visible:
 from __future__ import annotations
 
 import contextlib
+import inspect
+import itertools
 import threading
 import time
 import weakref
@@ -34,77 +57,23 @@ from types import SimpleNamespace
 
 import torch
 
-_lock = threading.RLock()  # completion checks and NCCL matching run from several threads
-_evaluating: set = set()  # items whose completion is being decided (under _lock)
+from tests.fake_device import StreamThread, _cv, _Item, _Join, _local, _lock, _Mark, _Work, settled
+
+__all__ = ["FakeEvent", "FakeStream", "StaleEventError", "_Item", "_cv", "_lock", "install"]
+
+POISON = 0xFF  # the byte a range holds while the work that writes it is enqueued, not run
 
 
-class _Item:
-    """One thing in a stream's device order; complete once `prev` and its own condition are."""
-
-    __slots__ = ("done", "prev")
-
-    def __init__(self, prev: _Item | None):
-        self.prev = prev
-        self.done = False
-
-    def ready(self) -> bool:  # its own condition, once everything before it is done
-        return True
-
-    def complete(self) -> bool:
-        if self.done:
-            return True
-        with _lock:
-            if self in _evaluating:  # it waits on itself through other streams: a deadlock
-                return False
-            _evaluating.add(self)
-            try:
-                chain = []
-                x: _Item | None = self
-                while x is not None and not x.done:
-                    chain.append(x)
-                    x = x.prev
-                for y in reversed(chain):  # oldest first: each sees its predecessor done
-                    if not y.ready():
-                        return False
-                    y.done = True
-                    y.prev = None  # drop the chain behind it
-                return True
-            finally:
-                _evaluating.discard(self)
-
-
-class _Join(_Item):
-    """A stream's wait on an event of any stream."""
-
-    __slots__ = ("other",)
-
-    def __init__(self, prev: _Item | None, other: _Item | None):
-        super().__init__(prev)
-        self.other = other
-
-    def ready(self) -> bool:
-        return self.other is None or self.other.complete()
-
-
-class _Mark(_Item):
-    """Where an event was recorded: complete once the stream got there and its time has come."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, prev: _Item | None, t: float):
-        super().__init__(prev)
-        self.t = t
-
-    def ready(self) -> bool:
-        return time.perf_counter() >= self.t
+class StaleEventError(RuntimeError):
+    """A stream waited on an event whose record is from an earlier run."""
 
 
 class FakeEvent:
-    """Host-side stand-in for torch.cuda.Event. Work runs on the CPU at launch; each record on a
-    stream also moves that stream's simulated device clock on by `FakeStream.device_s`, and the
-    event completes (query, synchronize) once the host clock passes the stream's and the work
-    before it on the stream has completed. As in CUDA, an event is its latest record: what waited
-    on an earlier record is not moved by a later one."""
+    """Host-side stand-in for torch.cuda.Event: `record` enqueues a point in the stream's order
+    (`_Mark`); `query`/`synchronize` run the stream up to it (and what it waits on) and report
+    the asynchronous error of the work before it. Each record on a stream also moves that
+    stream's simulated device clock on by `FakeStream.device_s`. As in CUDA, an event is its
+    latest record: what waited on an earlier record is not moved by a later one."""
 
     spins = 0  # synchronize() calls on events without the blocking-sync flag (busy waits on a GPU)
     made: list = []  # (enable_timing, blocking) of every event made
@@ -113,17 +82,31 @@ class FakeEvent:
         self.t = None
         self.mark: _Mark | None = None
         self.timing, self.blocking = enable_timing, blocking
+        self.after: set = set()  # the records its previous record came after (stale-event check)
         FakeEvent.made.append((enable_timing, blocking))
 
     def record(self, stream=None):
         now = time.perf_counter()
         stream = stream if stream is not None else _current()
         with _lock:
+            waited, stream.pending = stream.pending, []
+            stale = [m for m in waited if m in self.after]
+            if stale:
+                raise StaleEventError(
+                    f"stream {stream.cuda_stream:#x}: the point recorded here waited on an event "
+                    "record it had already waited on before its previous record: a wait on an event "
+                    "of an earlier run (its launcher had not recorded it in this run yet)"
+                )
+            self.after = set(waited)
             stream.t = self.t = max(stream.t, now) + FakeStream.device_s
             self.mark = stream.tail = _Mark(stream.tail, self.t)
 
     def query(self):
-        return self.mark is not None and self.mark.complete()
+        if self.mark is None or not self.mark.complete():
+            return False
+        if self.mark.error is not None:
+            raise self.mark.error
+        return True
 
     def synchronize(self):
         assert self.mark is not None, "waited on an event never recorded"
@@ -131,6 +114,8 @@ class FakeEvent:
             FakeEvent.spins += 1
         while not self.mark.complete():
             time.sleep(max(1e-4, min(1e-3, self.mark.t - time.perf_counter())))
+        if self.mark.error is not None:
+            raise self.mark.error
 
     def elapsed_time(self, end):
         if not (self.timing and end.timing):
@@ -140,16 +125,30 @@ class FakeEvent:
         return (end.t - self.t) * 1e3
 
 
+_ids = itertools.count()
+
+
 class FakeStream:
     waited: list = []
     device_s = 0.0  # simulated device time per recorded event
     by_handle: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # cuda_stream -> stream
+    every: weakref.WeakSet = weakref.WeakSet()  # what torch.cuda.synchronize() waits for
 
     def __init__(self, device=None, priority=0):
         self.t = 0.0
         self.tail: _Item | None = None
+        self.pending: list[_Mark] = []  # records waited on since the last record on this stream
         self.cuda_stream = id(self)
+        self.runner = StreamThread(self, f"fake-stream-{next(_ids)}")
         FakeStream.by_handle[self.cuda_stream] = self
+        FakeStream.every.add(self)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self.runner.thread
+
+    def hand(self, work: _Work) -> None:
+        self.runner.hand(work)
 
     def enqueue(self, item_of: Callable[[_Item | None], _Item]) -> _Item:
         """Appends a device operation made by `item_of(previous tail)` to this stream's order."""
@@ -158,12 +157,17 @@ class FakeStream:
             self.tail = item
             return item
 
+    def launch(self, fn: Callable[[], object]) -> _Work:
+        """Enqueues `fn` as work: it runs later, on this stream's thread, in launch order."""
+        return self.enqueue(lambda prev: _Work(prev, self, fn))  # type: ignore[return-value]
+
     def wait_event(self, ev):
         assert ev.mark is not None, "a stream waited on an event its launcher had not recorded"
         FakeStream.waited.append(ev)
         with _lock:
             self.t = max(self.t, ev.t)
             self.tail = _Join(self.tail, ev.mark)
+            self.pending.append(ev.mark)
 
     def wait_stream(self, other):
         with _lock:
@@ -171,17 +175,23 @@ class FakeStream:
             self.tail = _Join(self.tail, other.tail)
 
     def synchronize(self):
+        if threading.current_thread() is self.thread:  # from its own work: all before it has run
+            return
         tail = self.tail
         while tail is not None and not tail.complete():
             time.sleep(1e-4)
 
 
-_local = threading.local()
 _default = FakeStream()
 
 
-def _current() -> FakeStream:
+def _current(device=None) -> FakeStream:
     return getattr(_local, "stream", None) or _default
+
+
+def _synchronize(device=None) -> None:
+    for s in list(FakeStream.every):
+        s.synchronize()
 
 
 @contextlib.contextmanager
@@ -237,7 +247,7 @@ def fake_torch(cudart: FakeCudart | None = None, gpus: int = 1):
         device_count=lambda: gpus,
         set_device=lambda d: None,
         set_stream=lambda s: setattr(_local, "stream", s),
-        synchronize=lambda d=None: None,
+        synchronize=_synchronize,
         device=lambda d: contextlib.nullcontext(),
         stream=_stream_ctx,
         current_stream=_current,
@@ -263,6 +273,80 @@ def fake_torch(cudart: FakeCudart | None = None, gpus: int = 1):
     )
 
 
+def deferring_loop(base: type) -> type:
+    """The backend's launch loop, with each vertex's `work` enqueued on the vertex's stream
+    (`FakeStream.launch`) instead of run at launch. The loop learns each vertex's mode from
+    `submit` (the Backend contract): BLOCKING work runs on its helper once its stream is there,
+    a DEFERRED vertex's registration at once."""
+    from actors.backends.base import Mode
+
+    params = inspect.signature(base.__init__).parameters
+    assert "work" in params and "streams" in params, f"{base.__name__}.__init__ takes no work or streams"
+
+    class DeferringLoop(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kw):
+            bound = inspect.signature(base.__init__).bind(self, *args, **kw)
+            self.modes: dict[int, Mode] = {}
+            bound.arguments["work"] = _deferred(bound.arguments["work"], bound.arguments["streams"], self.modes)
+            super().__init__(*bound.args[1:], **bound.kwargs)
+
+        def submit(self, s, vid, waits, mode):
+            self.modes[vid] = mode
+            super().submit(s, vid, waits, mode)
+
+    return DeferringLoop
+
+
+def _deferred(work: Callable[[int, int], None], streams: list, modes: dict) -> Callable[[int, int], None]:
+    from actors.backends.base import Mode
+
+    def enqueue(vid: int, s: int) -> None:
+        mode = modes.get(vid, Mode.LAUNCH)
+        if mode == Mode.DEFERRED:  # it registers the receive with the channel: host work
+            work(vid, s)
+            return
+        stream = streams[s]
+        assert _current() is stream, f"vertex {vid}: its work was launched with another stream than its own ({s}) current"
+        if mode == Mode.BLOCKING:  # the host waits, then copies: after what its stream waits on
+            stream.synchronize()
+            work(vid, s)
+            return
+        out = written(work, vid)
+        if out is not None and settled(stream.tail):  # what it waits on has run: poison now
+            _poison(out)
+        elif out is not None:  # earlier readers of the range may still run: poison when they have
+            stream.launch(lambda: _poison(out))
+        stream.launch(lambda: work(vid, s))
+
+    return enqueue
+
+
+def written(work: Callable, vid: int) -> torch.Tensor | None:
+    """The range vertex `vid`'s work overwrites whole, from the executor's plan (None: it may read
+    it, keep it or write nothing: a sum-into member, a conditional vertex, a load the arena still
+    holds, an offload to disk, a kernel whose output overlaps an input; or `work` is no executor's)."""
+    from actors.plans import PlanKind
+
+    ex = getattr(work, "__self__", None)
+    plan = getattr(ex, "plans", {}).get(vid)
+    if plan is None or vid in ex._skip or vid in ex.core.groups or vid in ex._cond.when:
+        return None
+    if plan.kind not in (PlanKind.KERNEL, PlanKind.COPY, PlanKind.INPUT, PlanKind.RELOAD_INPUT, PlanKind.TRANSFER):
+        return None
+    out = plan.out
+    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+    for x in plan.ins:
+        a = x.data_ptr()
+        if a < hi and lo < a + x.numel() * x.element_size():
+            return None
+    return out if out.is_contiguous() else None
+
+
+def _poison(out: torch.Tensor | None) -> None:
+    if out is not None and out.numel():
+        out.reshape(-1).view(torch.uint8).fill_(POISON)
+
+
 MODULES = (
     "backends.cuda",
     "backends.cuda_loop",
@@ -273,10 +357,14 @@ MODULES = (
 
 
 def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: int = 1) -> SimpleNamespace:
-    """Replaces torch in the actors modules that use CUDA by the stand-in; the per-stream
-    reservation of kernel temporaries is recorded instead of allocated. Returns what a test
-    inspects: `cudart`, `reserved` ([(stream, nbytes)])."""
+    """Replaces torch in the actors modules that use CUDA by the stand-in, and the backend's launch
+    loop by one whose vertices' work is enqueued on their stream (`deferring_loop`); the
+    per-stream reservation of kernel temporaries is recorded instead of allocated. Returns what
+    a test inspects: `cudart`, `reserved` ([(stream, nbytes)])."""
     import importlib
+
+    from actors.backends import cuda as cuda_backend
+    from actors.backends import cuda_loop
 
     cudart = FakeCudart()
     fake = fake_torch(cudart, gpus)
@@ -286,6 +374,7 @@ def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: 
     from actors.backends import cuda_memory
 
     set_attr(cuda_memory, "reserve", lambda stream, device, nbytes: reserved.append((stream, nbytes)))
+    set_attr(cuda_backend, "CudaLoop", deferring_loop(cuda_loop.CudaLoop))
     FakeEvent.spins = 0
     FakeEvent.made = []
     PINNED_BLOCKS.clear()
