@@ -57,7 +57,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.fake_device import StreamThread, _cv, _Item, _Join, _local, _lock, _Mark, _Work, settled
+from tests.fake_device import StreamThread, _cv, _Item, _Join, _local, _lock, _Mark, _soon, _Work, settled
 
 __all__ = ["FakeEvent", "FakeStream", "StaleEventError", "_Item", "_cv", "_lock", "install"]
 
@@ -287,7 +287,9 @@ def deferring_loop(base: type) -> type:
         def __init__(self, *args, **kw):
             bound = inspect.signature(base.__init__).bind(self, *args, **kw)
             self.modes: dict[int, Mode] = {}
-            bound.arguments["work"] = _deferred(bound.arguments["work"], bound.arguments["streams"], self.modes)
+            bound.arguments["work"] = _deferred(
+                bound.arguments["work"], bound.arguments["streams"], self.modes
+            )
             super().__init__(*bound.args[1:], **bound.kwargs)
 
         def submit(self, s, vid, waits, mode):
@@ -306,7 +308,9 @@ def _deferred(work: Callable[[int, int], None], streams: list, modes: dict) -> C
             work(vid, s)
             return
         stream = streams[s]
-        assert _current() is stream, f"vertex {vid}: its work was launched with another stream than its own ({s}) current"
+        assert _current() is stream, (
+            f"vertex {vid}: its work was launched with another stream than its own ({s}) current"
+        )
         if mode == Mode.BLOCKING:  # the host waits, then copies: after what its stream waits on
             stream.synchronize()
             work(vid, s)
@@ -314,8 +318,9 @@ def _deferred(work: Callable[[int, int], None], streams: list, modes: dict) -> C
         out = written(work, vid)
         if out is not None and settled(stream.tail):  # what it waits on has run: poison now
             _poison(out)
-        elif out is not None:  # earlier readers of the range may still run: poison when they have
-            stream.launch(lambda: _poison(out))
+        elif out is not None:  # earlier readers of the range may still run: poison once they have
+            with _lock:
+                _soon.append(stream.launch(lambda: _poison(out)))
         stream.launch(lambda: work(vid, s))
 
     return enqueue
@@ -331,7 +336,13 @@ def written(work: Callable, vid: int) -> torch.Tensor | None:
     plan = getattr(ex, "plans", {}).get(vid)
     if plan is None or vid in ex._skip or vid in ex.core.groups or vid in ex._cond.when:
         return None
-    if plan.kind not in (PlanKind.KERNEL, PlanKind.COPY, PlanKind.INPUT, PlanKind.RELOAD_INPUT, PlanKind.TRANSFER):
+    if plan.kind not in (
+        PlanKind.KERNEL,
+        PlanKind.COPY,
+        PlanKind.INPUT,
+        PlanKind.RELOAD_INPUT,
+        PlanKind.TRANSFER,
+    ):
         return None
     out = plan.out
     lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()

@@ -71,9 +71,11 @@ class _Item:
                     y.settle(y.prev.carry if y.prev is not None else None)
                     y.done = True
                     y.prev = None  # drop the chain behind it
-                return True
             finally:
                 _evaluating.discard(self)
+            if not getattr(_local, "probing", False):
+                _early()
+            return True
 
 
 class _Join(_Item):
@@ -143,6 +145,20 @@ class _Work(_Item):
 
     def settle(self, inherited: BaseException | None) -> None:
         self.carry = self.exc or inherited
+
+
+_soon: list[_Work] = []  # work to run as soon as everything before it has (not when needed)
+
+
+def _early() -> None:
+    """Runs, on this thread, each work of `_soon` whose predecessors have all run."""
+    with _lock:
+        for w in list(_soon):
+            if w.state == _Work.NEW and settled(w.prev):
+                w.state = _Work.HANDED
+                w.run()
+            if w.state != _Work.NEW:
+                _soon.remove(w)
 
 
 def settled(item: _Item | None) -> bool:
