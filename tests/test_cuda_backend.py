@@ -259,7 +259,7 @@ def test_loads_offloads_and_transfers_run_on_their_lanes(monkeypatch):
     monkeypatch.setattr(resources, "make_backend", lambda name, device=None: CudaBackend())
     tg = random_taskgraph(41, n=80, gpus=3, size=16)
     mg = plan(tg, "tight")
-    eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2, ahead=2))
+    eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2))
     try:
         inputs = random_inputs(tg, 0)
         out, traces = eng.run(inputs, RunOptions(timeout=WAIT_S))
@@ -299,7 +299,7 @@ def test_blocking_transfers_run_beside_the_loop_on_a_fake_device(monkeypatch, se
     monkeypatch.setattr(LocalTransport, "mode", lambda self, src: Mode.BLOCKING)
     tg = random_taskgraph(seed, n=80, gpus=3, size=16)
     mg = plan(tg, "tight")
-    eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2, ahead=2))
+    eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2))
     try:
         inputs = random_inputs(tg, seed)
         out, _ = eng.run(inputs, RunOptions(check=check, delay=(0, 2e-4), seed=seed))

@@ -351,7 +351,7 @@ def test_disk_lanes_on_the_stand_in_cuda_device(monkeypatch, llama):
     w, cap = llama
     tg = w.taskgraph
     mg = build_memgraph(tg, cap, host_capacity=16 << 10)
-    eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2, ahead=2))
+    eng = LocalEngine(tg, mg, config=WorkerConfig(backend="cuda", streams=2))
     try:
         out, traces = eng.run(w.inputs, RunOptions(timeout=60))
         for k, v in w.reference(w.inputs).items():
