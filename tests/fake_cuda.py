@@ -47,7 +47,6 @@ What the real API would make a bug, the stand-in makes visible:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import threading
 import time
@@ -57,11 +56,22 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.fake_device import StreamThread, _cv, _Item, _Join, _local, _lock, _Mark, _soon, _Work, settled
+from tests import fake_launch
+from tests.fake_device import StreamThread, _cv, _Item, _Join, _local, _lock, _Mark, _Work
+from tests.fake_launch import POISON, deferred, written
 
-__all__ = ["FakeEvent", "FakeStream", "StaleEventError", "_Item", "_cv", "_lock", "install"]
-
-POISON = 0xFF  # the byte a range holds while the work that writes it is enqueued, not run
+__all__ = [
+    "POISON",
+    "FakeEvent",
+    "FakeStream",
+    "StaleEventError",
+    "_Item",
+    "_cv",
+    "_lock",
+    "deferred",
+    "install",
+    "written",
+]
 
 
 class StaleEventError(RuntimeError):
@@ -273,91 +283,6 @@ def fake_torch(cudart: FakeCudart | None = None, gpus: int = 1):
     )
 
 
-def deferring_loop(base: type) -> type:
-    """The backend's launch loop, with each vertex's `work` enqueued on the vertex's stream
-    (`FakeStream.launch`) instead of run at launch. The loop learns each vertex's mode from
-    `submit` (the Backend contract): BLOCKING work runs on its helper once its stream is there,
-    a DEFERRED vertex's registration at once."""
-    from actors.backends.base import Mode
-
-    params = inspect.signature(base.__init__).parameters
-    assert "work" in params and "streams" in params, f"{base.__name__}.__init__ takes no work or streams"
-
-    class DeferringLoop(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args, **kw):
-            bound = inspect.signature(base.__init__).bind(self, *args, **kw)
-            self.modes: dict[int, Mode] = {}
-            bound.arguments["work"] = _deferred(
-                bound.arguments["work"], bound.arguments["streams"], self.modes
-            )
-            super().__init__(*bound.args[1:], **bound.kwargs)
-
-        def submit(self, s, vid, waits, mode):
-            self.modes[vid] = mode
-            super().submit(s, vid, waits, mode)
-
-    return DeferringLoop
-
-
-def _deferred(work: Callable[[int, int], None], streams: list, modes: dict) -> Callable[[int, int], None]:
-    from actors.backends.base import Mode
-
-    def enqueue(vid: int, s: int) -> None:
-        mode = modes.get(vid, Mode.LAUNCH)
-        if mode == Mode.DEFERRED:  # it registers the receive with the channel: host work
-            work(vid, s)
-            return
-        stream = streams[s]
-        assert _current() is stream, (
-            f"vertex {vid}: its work was launched with another stream than its own ({s}) current"
-        )
-        if mode == Mode.BLOCKING:  # the host waits, then copies: after what its stream waits on
-            stream.synchronize()
-            work(vid, s)
-            return
-        out = written(work, vid)
-        if out is not None and settled(stream.tail):  # what it waits on has run: poison now
-            _poison(out)
-        elif out is not None:  # earlier readers of the range may still run: poison once they have
-            with _lock:
-                _soon.append(stream.launch(lambda: _poison(out)))
-        stream.launch(lambda: work(vid, s))
-
-    return enqueue
-
-
-def written(work: Callable, vid: int) -> torch.Tensor | None:
-    """The range vertex `vid`'s work overwrites whole, from the executor's plan (None: it may read
-    it, keep it or write nothing: a sum-into member, a conditional vertex, a load the arena still
-    holds, an offload to disk, a kernel whose output overlaps an input; or `work` is no executor's)."""
-    from actors.plans import PlanKind
-
-    ex = getattr(work, "__self__", None)
-    plan = getattr(ex, "plans", {}).get(vid)
-    if plan is None or vid in ex._skip or vid in ex.core.groups or vid in ex._cond.when:
-        return None
-    if plan.kind not in (
-        PlanKind.KERNEL,
-        PlanKind.COPY,
-        PlanKind.INPUT,
-        PlanKind.RELOAD_INPUT,
-        PlanKind.TRANSFER,
-    ):
-        return None
-    out = plan.out
-    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
-    for x in plan.ins:
-        a = x.data_ptr()
-        if a < hi and lo < a + x.numel() * x.element_size():
-            return None
-    return out if out.is_contiguous() else None
-
-
-def _poison(out: torch.Tensor | None) -> None:
-    if out is not None and out.numel():
-        out.reshape(-1).view(torch.uint8).fill_(POISON)
-
-
 MODULES = (
     "backends.cuda",
     "backends.cuda_loop",
@@ -385,7 +310,7 @@ def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: 
     from actors.backends import cuda_memory
 
     set_attr(cuda_memory, "reserve", lambda stream, device, nbytes: reserved.append((stream, nbytes)))
-    set_attr(cuda_backend, "CudaLoop", deferring_loop(cuda_loop.CudaLoop))
+    set_attr(cuda_backend, "CudaLoop", fake_launch.deferring_loop(cuda_loop.CudaLoop))
     FakeEvent.spins = 0
     FakeEvent.made = []
     PINNED_BLOCKS.clear()

@@ -103,7 +103,7 @@ def test_a_range_being_written_holds_poison_until_its_work_ran(fake):
     try:
         inputs = random_inputs(tg, 0)
         ex.begin(inputs)
-        enqueue = fake_cuda._deferred(ex._work, be.streams, {})
+        enqueue = fake_cuda.deferred(ex._work, be.streams, {})
         kinds = {PlanKind.INPUT: ex.h2d, PlanKind.KERNEL: 0}
         seen, ends = set(), {}
         for vid in sorted(ex.plans):  # the planner's order: a kernel after the loads it reads
