@@ -2,9 +2,10 @@
 lanes, pinned memory and failure paths, without a GPU.
 
 What runs here is the backend's own code (loop, wakers, helpers, events, copies' lanes, memory
-calls) with torch.cuda replaced by host objects and kernels run on the CPU at launch. What it
-cannot show: device speed, real asynchrony of kernels, and whether CUDA itself behaves as the
-stand-in says (tests/test_gpu.py, benchmarks/gpu_session.sh).
+calls) with torch.cuda replaced by host objects: a vertex's work runs later, on its stream's
+thread, on the CPU, and a range being written holds poison until then (tests/test_fake_cuda.py).
+What it cannot show: device speed, and whether CUDA itself behaves as the stand-in says
+(tests/test_gpu.py, benchmarks/gpu_session.sh).
 """
 
 from __future__ import annotations
