@@ -5,18 +5,19 @@ machines without a GPU, with device memory as CPU tensors and kernels on the CPU
 `install(setattr)` puts it under the actors modules that use torch.cuda (pass pytest's
 `monkeypatch.setattr` in a test; the builtin `setattr` in a script).
 
-Asynchrony (tests/fake_device.py). The work a vertex launches on a stream (the whole `work`
-call the launch loop makes with that stream current: its kernels and copies) is enqueued, not
-run: it runs later, on that stream's own thread, in launch order per stream, when the host
+Asynchrony (tests/fake_device.py, tests/fake_launch.py). The work a vertex launches on a stream
+(the whole `work` call the launch loop makes with that stream current: its kernels and copies)
+is enqueued, not run: it runs later, on that stream's own thread, in launch order per stream, when the host
 needs it (a query or synchronize of an event after it, or a stream waiting on such an event):
 as late as CUDA allows. So:
 - a stream that waits on an event runs nothing after the wait before the event's point has run;
   a stream that forgot to wait runs without the other stream's work (a kernel reads a range a
   copy on a lane has not written yet);
-- when work is enqueued, the range its vertex writes (the executor's plan: a kernel's output,
-  a copy's destination, device or pinned host memory) is filled with 0xFF bytes (NaN in every
-  float dtype) until the work has run: a host read without a synchronisation, or a consumer that
-  did not wait, reads poison rather than last run's bytes;
+- the range a vertex's work overwrites (the executor's plan: a kernel's output, a copy's
+  destination, device or pinned host memory) is filled with 0xFF bytes (NaN in every float
+  dtype) from launch, or from when what it waits on and its stream's earlier work have run (they
+  may read the range's old bytes), until the work has run: a host read without a
+  synchronisation, or a consumer that did not wait, reads poison rather than last run's bytes;
 - an event whose record a point of work (the event recorded after the waits) already waited on
   before its own previous record is stale, an event of an earlier run: recording that point
   raises `StaleEventError`;
@@ -313,5 +314,8 @@ def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: 
     set_attr(cuda_backend, "CudaLoop", fake_launch.deferring_loop(cuda_loop.CudaLoop))
     FakeEvent.spins = 0
     FakeEvent.made = []
+    FakeStream.every = (
+        weakref.WeakSet()
+    )  # a device of its own: an earlier test's stuck streams are not waited on
     PINNED_BLOCKS.clear()
     return SimpleNamespace(cudart=cudart, reserved=reserved, torch=fake)
