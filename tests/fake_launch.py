@@ -30,6 +30,13 @@ def deferring_loop(base: type) -> type:
 
     params = inspect.signature(base.__init__).parameters
     assert "work" in params and "streams" in params, f"{base.__name__}.__init__ takes no work or streams"
+    params = inspect.signature(base.submit).parameters
+    assert "vid" in params and "mode" in params, f"{base.__name__}.submit takes no vid or mode"
+    names = list(params)[1:]  # after self
+    at_vid, at_mode = names.index("vid"), names.index("mode")
+    default_mode = (
+        params["mode"].default if params["mode"].default is not inspect.Parameter.empty else Mode.LAUNCH
+    )
 
     class DeferringLoop(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args, **kw):
@@ -40,9 +47,11 @@ def deferring_loop(base: type) -> type:
             )
             super().__init__(*bound.args[1:], **bound.kwargs)
 
-        def submit(self, s, vid, waits, mode):
+        def submit(self, *args, **kw):
+            vid = kw["vid"] if "vid" in kw else args[at_vid]
+            mode = kw.get("mode", args[at_mode] if len(args) > at_mode else default_mode)
             self.modes[vid] = mode
-            super().submit(s, vid, waits, mode)
+            super().submit(*args, **kw)
 
     return DeferringLoop
 
