@@ -57,7 +57,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tests import fake_launch
+from tests import fake_device, fake_launch
 from tests.fake_device import StreamThread, _cv, _Item, _Join, _local, _lock, _Mark, _Work
 from tests.fake_launch import POISON, deferred, written
 
@@ -314,8 +314,8 @@ def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: 
     set_attr(cuda_backend, "CudaLoop", fake_launch.deferring_loop(cuda_loop.CudaLoop))
     FakeEvent.spins = 0
     FakeEvent.made = []
-    FakeStream.every = (
-        weakref.WeakSet()
-    )  # a device of its own: an earlier test's stuck streams are not waited on
+    # a device of its own: an earlier test's stuck streams and their poisons are left alone
+    FakeStream.every = weakref.WeakSet()
+    fake_device._soon.clear()
     PINNED_BLOCKS.clear()
     return SimpleNamespace(cudart=cudart, reserved=reserved, torch=fake)
