@@ -13,8 +13,9 @@ A byte-level BPE tokenizer of 2048 tokens (`tokenizers`, trained on the training
 untied LM head, float32) trained with AdamW on random 128-token windows of the training text,
 16 a step; model, config and tokenizer saved with `save_pretrained`. Seeded, one thread and
 torch's deterministic algorithms: the same steps give the same weights on the same machine and
-torch version. Prints the held-out loss before and after (nats per token). A benchmark helper:
-nothing here is a test.
+torch version. Prints the held-out loss before and after (nats per token) and that of a unigram
+model of the training tokens. 300 steps: about 4 minutes on an idle 2-core box (0.8 s a step).
+A benchmark helper: nothing here is a test.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ def held_out_loss(model, rows: torch.Tensor) -> float:
     return total / len(rows)
 
 
+def unigram_loss(train_ids: torch.Tensor, held: torch.Tensor, vocab: int) -> float:
+    """Held-out loss (nats/token) of the training tokens' add-one smoothed frequencies: a baseline
+    that knows no context, to compare the model's with."""
+    counts = torch.bincount(train_ids, minlength=vocab).double() + 1
+    return float(-(counts / counts.sum()).log()[held].mean())
+
+
 def train(model, ids: torch.Tensor, steps: int, batch: int, seed: int, lr: float) -> list[float]:
     """AdamW on `batch` random windows of `ids` a step, warm-up then cosine decay; the losses."""
     gen = torch.Generator().manual_seed(seed)
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     losses = train(model, ids, args.steps, args.batch, args.seed, args.lr)
     seconds = time.perf_counter() - t
     after = held_out_loss(model, val)
+    unigram = unigram_loss(ids, torch.tensor(tok.encode(held).ids), SHAPE["vocab_size"])
     out = Path(args.out)
     model.save_pretrained(out)
     fast = transformers.PreTrainedTokenizerFast(
@@ -158,12 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         "train_loss_last": round(losses[-1], 4),
         "held_out_loss_before": round(before, 4),
         "held_out_loss": round(after, 4),
+        "held_out_loss_unigram": round(unigram, 4),
         "ln_vocab": round(math.log(SHAPE["vocab_size"]), 4),
     }
     (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     print(
         f"trained {args.steps} steps in {seconds:.0f} s; held-out loss {before:.3f} -> {after:.3f} "
-        f"nats/token (ln vocab {info['ln_vocab']}); saved {out}"
+        f"nats/token (unigram {unigram:.3f}, ln vocab {info['ln_vocab']}); saved {out}"
     )
     return 0
 
