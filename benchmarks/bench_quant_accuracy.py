@@ -167,6 +167,16 @@ def parse_ints(s: str, what: str) -> list[int]:
         raise UsageError(f"{what} must be integers separated by commas, got {s!r}") from None
 
 
+def read_text(path: str) -> str:
+    """The UTF-8 text of `path`; a missing or unreadable file is a usage error naming it."""
+    from disco_ray.graph.errors import UsageError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--text {path}: {e}") from None
+
+
 def run(args) -> dict:
     """Every setting's figures (the json); prints the table."""
     from workloads.llm.checkpoint import Checkpoint
@@ -177,7 +187,7 @@ def run(args) -> dict:
         args.dir = str(checkpoint(Path("/tmp/bench_llama")))
     vocab = Checkpoint(args.dir).config.vocab
     if args.text:
-        text, source = Path(args.text).read_text(encoding="utf-8"), args.text
+        text, source = read_text(args.text), args.text
     else:
         from make_trained_tiny import corpus
 

@@ -102,3 +102,9 @@ def test_a_byte_beyond_the_vocabulary_is_refused(run, tmp_path, capsys):
     assert bench.main(["--dir", str(path), "--text", str(text), "--windows", "1", "--length", "8"]) == 2
     err = capsys.readouterr().err
     assert "byte" in err and "195 at token 3 is outside the vocabulary 0..127" in err
+
+
+def test_a_missing_text_file_is_refused_naming_it(run, tmp_path, capsys):
+    gone = tmp_path / "gone.txt"
+    assert bench.main(["--dir", str(run[0]), "--text", str(gone)]) == 2
+    assert f"error: --text {gone}: " in capsys.readouterr().err
