@@ -66,6 +66,7 @@ class RayEngine:
         self.broken = False
         self.workers: list = []
         self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
+        self.fallbacks: dict[str, str] = {}  # "i-j" -> why that pair is left on the object store
         # per plan, once: the caller inputs each worker reads, the (value, vid) outputs it holds
         self.wants: list[list[str]] = [[] for _ in range(mg.gpus)]
         for v in tg.caller_inputs():  # sourced inputs and states are the workers' own
@@ -108,9 +109,12 @@ class RayEngine:
             if config.backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
                 from actors.transports.cuda import connect_workers
 
-                self.transports = connect_workers(self.workers, self.key)
+                got = connect_workers(self.workers, self.key)
+                self.transports, self.fallbacks = got.paths, got.fallbacks
             if self.pool.placed is not None:  # node of each worker, path of each transferring pair
-                self.placement_summary = describe(self.pool.placed.info, mg, config.backend, self.transports)
+                self.placement_summary = describe(
+                    self.pool.placed.info, mg, config.backend, self.transports, self.fallbacks
+                )
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()
@@ -155,6 +159,7 @@ class RayEngine:
                         opts.check,
                         opts.delay,
                         opts.seed,
+                        opts.timeout,
                     )
                     for g, w in enumerate(self.workers)
                 ],
@@ -425,6 +430,10 @@ class RayEngine:
             self.pool.discard()
             return
         try:
+            if any(p in ("ipc", "p2p") for p in self.transports.values()):  # peers' mappings first
+                from actors.transports.cuda import disconnect_workers
+
+                disconnect_workers(self.workers, self.key, 30)
             ray.get(
                 [w.unload.remote(self.key) for w in self.workers] + [self.coord.unload.remote(self.key)],
                 timeout=30,
