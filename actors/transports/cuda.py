@@ -124,7 +124,8 @@ class CudaTransport(TransportBase):
     # ---- setup ---------------------------------------------------------------------------------
     def describe(self) -> dict:
         """What the driver needs to choose paths: node, GPU uuid and index, the device list this
-        process sees, the devices it can access, its arena's IPC handle, NCCL and P2P support."""
+        process sees, the devices it can access, an IPC export of its arena per peer, NCCL and
+        P2P support, and why each path it cannot take is out (`why`)."""
         dev = self.ex.arena.device
         # an export per peer, each released once (actors/transports/ipc.py); None: no IPC for it
         ipc = self.exports.make(self.ex.arena, [g for g in range(len(self.handles)) if g != self.gpu])
@@ -162,24 +163,26 @@ class CudaTransport(TransportBase):
     ) -> dict[int, str]:
         """Opens the IPC handles of this worker's pairs and its NCCL channel (its communicator's
         creation blocks until every member joins, so the driver calls every worker's `connect`
-        at once). Returns {peer: path opened}."""
+        at once); the exports of this worker's arena that no peer rebuilds are released here.
+        Returns {peer: path opened}."""
         me = self.gpu
-        rebuilt_by = []  # the peers that rebuild this worker's export: torch releases theirs
+        mine = {}  # peer -> the path of the pair
         for (i, j), path in sorted(paths.items()):
-            if me not in (i, j):
-                continue
-            peer = j if me == i else i
-            if path in ("ipc", "p2p") and infos[peer]["pid"] == os.getpid():
-                path = "ray"  # a process cannot open its own IPC handle (the local engine never gets here)
+            if me in (i, j):
+                peer = j if me == i else i
+                # a process cannot open its own IPC handle (the local engine never gets here)
+                same = path in ("ipc", "p2p") and infos[peer]["pid"] == os.getpid()
+                mine[peer] = "ray" if same else path
+        # the ipc peers rebuild this worker's export (torch releases it with their copy)
+        self.exports.settle(p for p, path in mine.items() if path == "ipc")
+        for peer, path in mine.items():
             if path == "ipc":
-                rebuilt_by.append(peer)
                 rebuild, args = infos[peer]["ipc"][me]
                 with torch.cuda.device(self.ex.arena.device):
                     self.peers[peer] = rebuild(*args)
             elif path == "p2p":
                 self.p2p[peer] = _open_peer(infos[peer]["ipc"][me], self.ex.arena.device)
             self.paths[peer] = path
-        self.exports.settle(rebuilt_by)
         nccl_peers = sorted(p for p, path in self.paths.items() if path == "nccl")
         if nccl_peers:
             members = nccl_members(paths)
