@@ -19,11 +19,12 @@
 #   chain      the matmul chain, launch ahead 0 and 4 (benchmarks/bench_gpu_chain.py)
 #   llama      llama_prefill 7b-shaped, one TILE (default 2048), ahead 0 and 4
 #   torch      llama_prefill: the torch baselines
+#   streams1   llama_prefill tile 512 on one stream: does the device gain from several streams?
 #   p2p        peer-copy bandwidth between two workers (benchmarks/bench_peer_copy.py)
 #   figures    the figures of the parts already run in OUT
 # DRY=1 prints the commands a part would run instead of running them (tests/test_gpu_session.py).
 set -euo pipefail
-PARTS="tests standin racecheck decode host disk lora chain llama torch p2p"
+PARTS="tests standin racecheck decode host disk lora chain llama torch streams1 p2p"
 PART_S=${PART_S:-470} # < 8 min: the part, Ray's install and the figures fit one 10-minute call
 part=${1:?usage: gpu_session.sh PART OUT [TILE]  (PART: $PARTS, figures)}
 out=${2:-gpu_out}
@@ -127,6 +128,10 @@ run_part() { # the body of one part (under its timeout)
     torch)
         py -m disco_ray bench $w tile=4096 "${opts[@]}" --modes torch_naive,torch_prefetch \
             --out "$out/llama_torch" 2>&1 | tee "$out/llama_torch.log"
+        ;;
+    streams1)
+        py -m disco_ray bench $w tile=512 "${opts[@]}" --modes dynamic --streams 1 \
+            --out "$out/llama_t512_s1" 2>&1 | tee "$out/llama_t512_s1.log"
         ;;
     p2p) py "$here/bench_peer_copy.py" --sizes 1MiB,64MiB,512MiB --repeat 5 2>&1 | tee "$out/p2p.log" ;;
     *)
