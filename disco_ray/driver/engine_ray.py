@@ -26,7 +26,7 @@ from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .alone import await_alone, run_steps_alone
-from .placement import PlacementConfig, describe
+from .placement import PlacementConfig, connect
 from .pool import RayPool, shared_pool, ship_own_ops
 from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address, watched_get
 
@@ -104,17 +104,10 @@ class RayEngine:
                 ],
                 when="loading the graph",
             )
-            n = len(self.workers)
-            self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
-            if config.backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
-                from actors.transports.cuda import connect_workers
-
-                got = connect_workers(self.workers, self.key)
-                self.transports, self.fallbacks = got.paths, got.fallbacks
-            if self.pool.placed is not None:  # node of each worker, path of each transferring pair
-                self.placement_summary = describe(
-                    self.pool.placed.info, mg, config.backend, self.transports, self.fallbacks
-                )
+            placed = None if self.pool.placed is None else self.pool.placed.info
+            self.transports, self.fallbacks, self.placement_summary = connect(
+                self.workers, self.key, mg, config.backend, placed
+            )
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()

@@ -190,6 +190,23 @@ def describe(
     }
 
 
+def connect(
+    workers: Sequence, key: str, mg, backend: str, placed: dict | None
+) -> tuple[dict, dict, dict | None]:
+    """Each worker pair's transfer path ({"i-j": path}; cuda: CUDA IPC, NCCL or the object store),
+    why a pair is left on the object store ({"i-j": why}), and the run summary's "placement"
+    entry (`describe`; None without `placed`, the pool's placement info)."""
+    n = len(workers)
+    paths, fallbacks = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}, {}
+    if backend == "cuda" and n > 1:
+        from actors.transports.cuda import connect_workers
+
+        got = connect_workers(workers, key)
+        paths, fallbacks = got.paths, got.fallbacks
+    summary = None if placed is None else describe(placed, mg, backend, paths, fallbacks)
+    return paths, fallbacks, summary
+
+
 # ---- the Ray shell ---------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Placed:
