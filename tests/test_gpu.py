@@ -230,6 +230,8 @@ def test_ray_fallback_path_on_cuda(gpu_pool, monkeypatch):
     with Program(tg, plan(tg, "tight"), engine="ray", backend="cuda", pool=gpu_pool) as prog:
         _same(prog.run(inputs, check=True, timeout=180), evaluate(tg, inputs), "ray fallback")
         assert set(prog.last_summary["transports"].values()) == {"ray"}
+        why = prog.last_summary["transport_fallbacks"]
+        assert set(why) == {"0-1"} and "ipc: left out (DISCO_CUDA_PATHS)" in why["0-1"], why
 
 
 @pytest.mark.gpu
