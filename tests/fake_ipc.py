@@ -5,7 +5,7 @@ It keeps torch's producer-side reference count (torch/multiprocessing, "CUDA IPC
 an export holds the exported memory, whatever the producer frees, until its count is back at 0;
 the count is 1 at export and goes down once when a consumer that rebuilt the tensor drops it, or
 when `_release_ipc_counter` is called. torch's count is unsigned, so a second release of one
-export wraps it around and the memory stays for ever: here that is an assertion.
+export wraps it around and the memory stays for ever: here it is recorded in `ERRORS`.
 
 `install(setattr)` puts it under `actors.transports.ipc` and `actors.transports.cuda`
 (`cupy_runtime`: `ipcOpenMemHandle` maps to the exported bytes, `memcpyAsync` copies them).
@@ -29,9 +29,14 @@ ADDRESS: dict[int, int] = {}  # export handle -> the exported bytes' address (th
 _handles = itertools.count(1)
 
 
+ERRORS: list[str] = []  # second releases (raised in a finalizer, an assertion would only be printed)
+
+
 def _decrement(k: int) -> None:
     with _lock:
-        assert COUNTS.get(k, 0) > 0, f"IPC export {k} released more often than it was exported"
+        if COUNTS.get(k, 0) <= 0:  # torch's unsigned count would wrap: the memory held for ever
+            ERRORS.append(f"IPC export {k} released more often than it was exported")
+            return
         COUNTS[k] -= 1
         if COUNTS[k] == 0:
             del HELD[k]
