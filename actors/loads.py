@@ -157,10 +157,12 @@ class Loads:
         slot.holds = self.tokens
 
     def release(self) -> None:
-        """The graph is unloaded: the store may drop sourced inputs nobody else reads."""
+        """The graph is unloaded: the store may drop sourced inputs nobody else reads, and no view
+        of the arena stays here (the arena's memory goes back with its last view)."""
         for x in self._acquired:
             self.store.release(self.tg[x])
         self._acquired = []
+        self.plans = {}
 
 
 def input_bytes(x: torch.Tensor | np.ndarray) -> torch.Tensor:

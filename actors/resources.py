@@ -187,8 +187,21 @@ class GpuResources:
         key = tuple(mode_of(p) for p in self.peers)
         got = self._lane_tables.get(key)
         if got is None:
-            got = self._lane_tables[key] = self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
+            lane_of, mode = self.lanes.assign((self.mg.vertex(v) for v in self.plans), mode_of)
+            for vid in self._streamed_loads():  # a file read waits on the host: beside the launch loop
+                mode[vid] = Mode.BLOCKING
+            got = self._lane_tables[key] = (lane_of, mode)
         return got
+
+    def _streamed_loads(self) -> list[int]:
+        """The loads that read their input from its file (`WorkerConfig.sources == "disk"`): on a
+        backend that launches asynchronously they run aside (BLOCKING), as spill reloads do, so
+        the read and its wait for the copy never hold the one launch loop (cuda)."""
+        streams = self.loads.streams
+        if streams is None or not self.backend.async_launch:
+            return []
+        kinds = (PlanKind.INPUT, PlanKind.RELOAD_INPUT)
+        return [vid for vid, p in self.plans.items() if p.kind in kinds and p.value in streams]
 
     def _acc_alias(self) -> dict[int, int]:
         """Sum-into member -> its group's last member (the writer its readers name)."""

@@ -177,6 +177,13 @@ class GpuWorker:
     def transport_connect(self, key: str, infos: list[dict], paths: dict, nccl_uid: Any) -> dict:
         return self._graph(key)[1].connect(infos, paths, nccl_uid)
 
+    def transport_close(self, key: str) -> None:
+        """Closes graph `key`'s peers (their IPC mappings, its NCCL channel): the first step of an
+        unload, on every worker before any frees its arena (`disconnect_workers`)."""
+        got = self.graphs.get(key)
+        if got is not None:
+            got[1].close()
+
     def unload(self, key: str | None = None) -> None:
         """Drops graph `key` (None: every graph; the store with them)."""
         for k in list(self.graphs) if key is None else [key]:
@@ -184,8 +191,8 @@ class GpuWorker:
             if got is None:
                 continue
             ex, transport = got
+            transport.close()  # this worker's mappings of its peers' arenas go before its own arena
             ex.close()
-            transport.close()
             if self.ex is ex:
                 self.ex, self.transport = None, None
         if key is None:
@@ -219,10 +226,20 @@ class GpuWorker:
     def _fail(self, gpu: int, vid: int | None, message: str) -> None:
         self.coord.fail.remote(gpu, vid, message)
 
-    def begin(self, key: str, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int) -> None:
-        """Makes graph `key` the active one and starts its run on `inputs`."""
+    def begin(
+        self,
+        key: str,
+        inputs: Mapping[str, torch.Tensor],
+        check: bool,
+        delay,
+        seed: int,
+        timeout: float | None = None,
+    ) -> None:
+        """Makes graph `key` the active one and starts its run on `inputs`; `timeout`: the run's,
+        which bounds its transport's waits for peers."""
         ex, transport = self._graph(key)
         self.ex, self.transport = ex, transport
+        transport.set_timeout(timeout)
         ex.begin(inputs, check=check, delay=delay, seed=seed)
 
     @ray.method(num_returns=0)  # fire and forget: no return object to make

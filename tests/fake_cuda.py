@@ -40,6 +40,8 @@ What the real API would make a bug, the stand-in makes visible:
 - `Event.synchronize` on an event without the blocking-sync flag busy-waits a CPU core on a GPU;
   here it counts the spin in `FakeEvent.spins` (a test asserts none);
 - `Event.elapsed_time` of an event made without timing raises, as CUDA does;
+- a device allocation (`torch.empty(..., device=...)`) is counted in `DEVICE_LIVE` until its
+  memory is released (the last view of it gone), so a test sees what stays on the "GPU";
 - `cudart().cudaHostRegister` records each registration (`FakeCudart.registered`), and
   `torch.empty(..., pin_memory=True)` records the power-of-two block torch's caching host
   allocator would pin (`PINNED_BLOCKS`).
@@ -55,6 +57,7 @@ import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from tests import fake_device, fake_launch
@@ -236,10 +239,26 @@ class FakeCudart:
 
 
 PINNED_BLOCKS: list[int] = []  # what torch's caching host allocator would pin for pin_memory=True
+DEVICE_LIVE: dict[int, int] = {}  # device allocations whose memory is still held: id -> bytes
+_device_ids = itertools.count()
+
+
+def _device_empty(shape, dtype) -> torch.Tensor:
+    """A device allocation: host bytes whose release (the last view of them gone) is seen."""
+    nb = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype or torch.float32).element_size()
+    raw = np.zeros(
+        nb, dtype=np.uint8
+    )  # a tensor's storage keeps its numpy array alive: a finalizer sees the end
+    k = next(_device_ids)
+    DEVICE_LIVE[k] = nb
+    weakref.finalize(raw, DEVICE_LIVE.pop, k, None)
+    return torch.from_numpy(raw).view(dtype or torch.float32).view(shape)
 
 
 def _empty(*size, dtype=None, device=None, pin_memory=False, **kw):
     n = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+    if device is not None and not pin_memory:
+        return _device_empty(tuple(n), dtype)
     if pin_memory:  # torch's caching host allocator: a power-of-two block per request
         nb = (
             int(torch.Size(n if isinstance(n, tuple) else (n,)).numel())

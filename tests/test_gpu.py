@@ -230,6 +230,37 @@ def test_ray_fallback_path_on_cuda(gpu_pool, monkeypatch):
     with Program(tg, plan(tg, "tight"), engine="ray", backend="cuda", pool=gpu_pool) as prog:
         _same(prog.run(inputs, check=True, timeout=180), evaluate(tg, inputs), "ray fallback")
         assert set(prog.last_summary["transports"].values()) == {"ray"}
+        why = prog.last_summary["transport_fallbacks"]
+        assert set(why) == {"0-1"} and "ipc: left out (DISCO_CUDA_PATHS)" in why["0-1"], why
+
+
+@pytest.mark.gpu
+@pytest.mark.ray
+@pytest.mark.parametrize("path", ["ipc", "ray"])
+def test_device_memory_comes_back_after_close_and_resize(gpu_pool, monkeypatch, path):
+    """Three workers sharing the GPU, arenas of 512 MiB: `mem_get_info` shows the memory back
+    after a resize and after close (ipc: peers rebuild the exports; ray: every export is released
+    by its own worker; actors/transports/ipc.py), beyond what the workers' CUDA contexts keep."""
+    from planner import build_memgraph
+
+    monkeypatch.setenv("DISCO_CUDA_PATHS", path)
+    gpu_pool.discard()
+    tg = random_taskgraph(441, n=40, gpus=3, size=32)
+    inputs = random_inputs(tg, 0)
+    with Program(tg, plan(tg, "tight"), engine="ray", backend="cuda", pool=gpu_pool, streams=2) as prog:
+        prog.run(inputs, timeout=180)  # the workers' CUDA contexts and cuBLAS handles are made
+    base = torch.cuda.mem_get_info()[0]
+    with Program(
+        tg, build_memgraph(tg, 512 << 20), engine="ray", backend="cuda", pool=gpu_pool, streams=2
+    ) as prog:
+        _same(prog.run(inputs, timeout=180), evaluate(tg, inputs), f"{path} 512 MiB")
+        assert base - torch.cuda.mem_get_info()[0] >= 3 * (512 << 20), "the arenas are not on the GPU"
+        prog.resize(64 << 20)
+        held = base - torch.cuda.mem_get_info()[0]
+        assert held < 64 << 20, f"{held} bytes still held after the resize"
+        _same(prog.run(inputs, timeout=180), evaluate(tg, inputs), f"{path} 64 MiB")
+    held = base - torch.cuda.mem_get_info()[0]
+    assert held < 64 << 20, f"{held} bytes still held after close"
 
 
 @pytest.mark.gpu

@@ -107,6 +107,7 @@ class WorkerStore:
             import torch
 
             del slot
+            torch.cuda.ipc_collect()  # a block held for IPC peers that have released it since
             torch.cuda.empty_cache()  # torch's caching allocator would keep the block otherwise
         return True
 

@@ -64,6 +64,11 @@ class Transport(Protocol):
         """A run starts: called by the executor's `begin`, with its lock held."""
         ...
 
+    def set_timeout(self, seconds: float | None) -> None:
+        """The next run's timeout (`RunOptions.timeout`; None: none), from the worker's shell just
+        before the run begins: a pull that waits on the host gives up once it has passed."""
+        ...
+
     def watched(self) -> Collection[int]:
         """This worker's vertices whose completion the transport needs to hear of (`completed`):
         asked at each run's start (NCCL: the sources of its sends)."""
@@ -123,6 +128,9 @@ class TransportBase:
         pass
 
     def begin_run(self) -> None:
+        pass
+
+    def set_timeout(self, seconds: float | None) -> None:
         pass
 
     def watched(self) -> Collection[int]:

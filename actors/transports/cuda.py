@@ -22,6 +22,12 @@ every worker has loaded its graph), from what each worker reports of itself (`de
   and the others' pairs fall back to "ray".
 - "ray": the last fallback, `actors.transports.objectstore.RayTransport` (bytes through the object store).
 
+The choice, the reason a pair is left on "ray" and the driver's setup calls are
+`actors.transports.paths`: a pair that falls back (no cupy, no NCCL, an arena IPC cannot export)
+is logged as a warning naming it and the reason, and the run summary shows it under its path.
+Each peer gets an IPC export of its own, released once (`actors.transports.ipc`), so the arena's
+memory goes back to the device at unload and resize.
+
 The run summary reports the path each pair actually opened (`connect_workers` returns it). With
 the sanitizer on (`check=True`), every IPC/P2P/NCCL pull is checked after its copy completed:
 the same range read through Ray, checked by the source's sanitizer, must hold the same bytes.
@@ -30,6 +36,7 @@ the same range read through Ray, checked by the source's sanitizer, must hold th
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 from collections.abc import Sequence
@@ -42,19 +49,34 @@ from disco_ray.graph.memgraph import Loc
 
 from ..backends.base import Mode
 from .base import TransportBase
+from .ipc import ArenaExports, opened_at
 from .nccl import TIMEOUT_S, NcclChannel, NcclOp, nccl_ops
 from .objectstore import RayTransport
+from .paths import (  # noqa: F401  (the path choice: its home is .paths)
+    PATHS,
+    Connected,
+    choose_path,
+    choose_paths,
+    fallbacks,
+    nccl_members,
+    shared_visible,
+)
 
-PATHS = ("ipc", "p2p", "nccl", "ray")
+SETUP_S = 180.0  # bound of each setup call of the driver (an NCCL communicator's creation waits up to 120 s)
+log = logging.getLogger("disco_ray")
 IPC_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+
+
+IMPORT_ERRORS: dict[str, str] = {}  # "nccl", "p2p" -> why its CuPy module did not import here
 
 
 def nccl_module() -> Any:
     """cupy's NCCL module, or None (imported lazily: the CPU build has no cupy)."""
     try:
         from cupy.cuda import nccl
-    except Exception:
+    except Exception as e:
+        IMPORT_ERRORS["nccl"] = f"cannot import cupy.cuda.nccl ({type(e).__name__}: {e})"
         return None
     return nccl
 
@@ -63,7 +85,8 @@ def cupy_runtime() -> Any:
     """cupy's CUDA runtime bindings, or None."""
     try:
         from cupy.cuda import runtime
-    except Exception:
+    except Exception as e:
+        IMPORT_ERRORS["p2p"] = f"cannot import cupy.cuda.runtime ({type(e).__name__}: {e})"
         return None
     return runtime
 
@@ -75,71 +98,6 @@ def nccl_available() -> bool:
 def nccl_timeout() -> float:
     """Seconds a posted NCCL group may make no progress before the run fails (DISCO_NCCL_TIMEOUT_S)."""
     return float(os.environ.get("DISCO_NCCL_TIMEOUT_S", TIMEOUT_S))
-
-
-# ---- choosing paths (pure) ------------------------------------------------------------------------
-def choose_path(a: dict, b: dict, allow: Sequence[str] = PATHS) -> str:
-    """The transfer path between two workers described by `describe` (pure)."""
-    same_node = a["node"] == b["node"]
-    same_gpu = a["uuid"] == b["uuid"]
-    if "ipc" in allow and same_node and same_gpu and a["ipc"] and b["ipc"]:
-        return "ipc"
-    if "p2p" in allow and same_node and not same_gpu and _peers(a, b) and _peers(b, a):
-        return "p2p"
-    if "nccl" in allow and not same_gpu and a["nccl"] and b["nccl"]:
-        return "nccl"
-    return "ray"
-
-
-def _peers(a: dict, b: dict) -> bool:
-    """`a` can read `b`'s arena: both see the same device list, and `a`'s device can access `b`'s."""
-    return bool(
-        a.get("ipc")
-        and a.get("p2p")
-        and a.get("visible")
-        and a.get("visible") == b.get("visible")
-        and b.get("device") in a.get("peer_access", ())
-    )
-
-
-def choose_paths(infos: Sequence[dict], allow: Sequence[str] = PATHS) -> dict[tuple[int, int], str]:
-    """Path of every unordered pair (i < j) of workers. NCCL pairs whose worker shares its GPU with
-    a worker already in the communicator (NCCL allows one rank per GPU) go through Ray instead."""
-    n = len(infos)
-    paths = {(i, j): choose_path(infos[i], infos[j], allow) for i in range(n) for j in range(i + 1, n)}
-    member_of: dict[str, int] = {}  # GPU uuid -> the worker that is its NCCL rank
-    for (i, j), path in sorted(paths.items()):
-        if path != "nccl":
-            continue
-        if all(member_of.setdefault(infos[w]["uuid"], w) == w for w in (i, j)):
-            continue
-        paths[(i, j)] = "ray"
-    return paths
-
-
-def nccl_members(paths: dict[tuple[int, int], str]) -> list[int]:
-    """The workers of the communicator (rank = position): those with an NCCL pair."""
-    return sorted({w for pair, p in paths.items() if p == "nccl" for w in pair})
-
-
-def shared_visible(assigned: Sequence[tuple[str, Sequence[str]]]) -> list[tuple[str, int]]:
-    """For workers given (node, the GPU ids Ray assigned to it): the CUDA_VISIBLE_DEVICES all
-    workers of that node share (the union of their ids, in order) and the index of each worker's
-    own GPU in it (pure)."""
-    union: dict[str, list[str]] = {}
-    for node, ids in assigned:
-        seen = union.setdefault(node, [])
-        for g in ids:
-            if str(g) not in seen:
-                seen.append(str(g))
-    for ids in union.values():
-        ids.sort(key=lambda g: (not g.isdigit(), int(g) if g.isdigit() else 0, g))
-    out = []
-    for node, ids in assigned:
-        if not ids:
-            raise RunError(f"a worker on node {node} was given no GPU by Ray")
-        out.append((",".join(union[node]), union[node].index(str(ids[0]))))
-    return out
 
 
 # ---- one worker's transport ----------------------------------------------------------------------
@@ -155,6 +113,7 @@ class CudaTransport(TransportBase):
         self.peers: dict[int, torch.Tensor] = {}  # ipc: the peer's arena mapped into this process
         self.p2p: dict[int, tuple[int, int]] = {}  # p2p: peer -> (mapped base pointer, arena offset)
         self.channel: NcclChannel | None = None
+        self.exports = ArenaExports()  # this worker's arena exported to its peers
         self.pulls = dict.fromkeys(PATHS, 0)
         self.bytes = dict.fromkeys(PATHS, 0)
         self._check_stream: Any = None
@@ -165,15 +124,20 @@ class CudaTransport(TransportBase):
     # ---- setup ---------------------------------------------------------------------------------
     def describe(self) -> dict:
         """What the driver needs to choose paths: node, GPU uuid and index, the device list this
-        process sees, the devices it can access, its arena's IPC handle, NCCL and P2P support."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
+        process sees, the devices it can access, an IPC export of its arena per peer, NCCL and
+        P2P support, and why each path it cannot take is out (`why`)."""
         dev = self.ex.arena.device
-        ipc = None
-        with contextlib.suppress(Exception):  # e.g. expandable segments: no IPC for this arena
-            ipc = reduce_tensor(self.ex.arena)  # (rebuild function, args): picklable
+        # an export per peer, each released once (actors/transports/ipc.py); None: no IPC for it
+        ipc = self.exports.make(self.ex.arena, [g for g in range(len(self.handles)) if g != self.gpu])
         n = torch.cuda.device_count()
         index = dev.index if dev.index is not None else torch.cuda.current_device()
+        p2p = ipc is not None and cupy_runtime() is not None
+        nccl = nccl_available()
+        why = {  # what rules a path out here, for the driver's warning and the run summary
+            "ipc": self.exports.error if ipc is None else None,
+            "p2p": (self.exports.error if ipc is None else IMPORT_ERRORS.get("p2p")) if not p2p else None,
+            "nccl": IMPORT_ERRORS.get("nccl", "has no NCCL") if not nccl else None,
+        }
         return {
             "gpu": self.gpu,
             "node": _node_id(),
@@ -185,8 +149,9 @@ class CudaTransport(TransportBase):
                 d for d in range(n) if d != index and torch.cuda.can_device_access_peer(index, d)
             ],
             "ipc": ipc,
-            "p2p": ipc is not None and cupy_runtime() is not None,
-            "nccl": nccl_available(),
+            "p2p": p2p,
+            "nccl": nccl,
+            "why": {k: v for k, v in why.items() if v},
         }
 
     def nccl_id(self) -> Any:
@@ -198,20 +163,25 @@ class CudaTransport(TransportBase):
     ) -> dict[int, str]:
         """Opens the IPC handles of this worker's pairs and its NCCL channel (its communicator's
         creation blocks until every member joins, so the driver calls every worker's `connect`
-        at once). Returns {peer: path opened}."""
+        at once); the exports of this worker's arena that no peer rebuilds are released here.
+        Returns {peer: path opened}."""
         me = self.gpu
+        mine = {}  # peer -> the path of the pair
         for (i, j), path in sorted(paths.items()):
-            if me not in (i, j):
-                continue
-            peer = j if me == i else i
-            if path in ("ipc", "p2p") and infos[peer]["pid"] == os.getpid():
-                path = "ray"  # a process cannot open its own IPC handle (the local engine never gets here)
+            if me in (i, j):
+                peer = j if me == i else i
+                # a process cannot open its own IPC handle (the local engine never gets here)
+                same = path in ("ipc", "p2p") and infos[peer]["pid"] == os.getpid()
+                mine[peer] = "ray" if same else path
+        # the ipc peers rebuild this worker's export (torch releases it with their copy)
+        self.exports.settle(p for p, path in mine.items() if path == "ipc")
+        for peer, path in mine.items():
             if path == "ipc":
-                rebuild, args = infos[peer]["ipc"]
+                rebuild, args = infos[peer]["ipc"][me]
                 with torch.cuda.device(self.ex.arena.device):
                     self.peers[peer] = rebuild(*args)
             elif path == "p2p":
-                self.p2p[peer] = _open_peer(infos[peer]["ipc"], self.ex.arena.device)
+                self.p2p[peer] = _open_peer(infos[peer]["ipc"][me], self.ex.arena.device)
             self.paths[peer] = path
         nccl_peers = sorted(p for p, path in self.paths.items() if path == "nccl")
         if nccl_peers:
@@ -242,6 +212,9 @@ class CudaTransport(TransportBase):
         if path in ("ipc", "p2p"):
             return Mode.LAUNCH
         return Mode.DEFERRED if path == "nccl" else Mode.BLOCKING
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self.fallback.set_timeout(seconds)  # its pulls, and the sanitizer's reads through Ray
 
     def begin_run(self) -> None:
         if self.channel is not None:
@@ -314,6 +287,7 @@ class CudaTransport(TransportBase):
             "paths": {str(k): v for k, v in sorted(self.paths.items())},
             "pulls": self.pulls,
             "bytes": self.bytes,
+            "ipc_exports": self.exports.statistics(),
         }
         if self.channel is not None:
             out["nccl"] = self.channel.statistics()
@@ -329,41 +303,56 @@ class CudaTransport(TransportBase):
             with contextlib.suppress(Exception):
                 rt.ipcCloseMemHandle(base)
         self.p2p.clear()
+        self.exports.close()  # exports no peer took over (connect never came)
 
 
 def _open_peer(ipc: Any, device: torch.device) -> tuple[int, int]:
     """Maps a peer's arena (torch's IPC export of it) into `device`: (base pointer, offset of the
     arena in the mapped allocation). Peer access is enabled as needed (lazily) by CUDA."""
-    _, args = ipc
-    # torch's rebuild_cuda_tensor arguments: 3 tensor offset (elements of uint8), 7 the
-    # allocation's cudaIpcMemHandle, 9 the storage's byte offset in that allocation
-    handle, offset = args[7], args[9] + args[3]
+    handle, offset = opened_at(ipc)
     rt = cupy_runtime()
     with torch.cuda.device(device):
         base = rt.ipcOpenMemHandle(handle, IPC_LAZY_PEER_ACCESS)
     return base, offset
 
 
-def connect_workers(workers: Sequence[Any], key: str, allow: Sequence[str] = PATHS) -> dict[str, str]:
-    """Driver side: chooses the path of every worker pair of graph `key` and has the workers open them.
-
-    Returns {"i-j": path} for the run summary: what the workers opened. DISCO_CUDA_PATHS
-    (comma-separated) narrows `allow`.
-    """
+def connect_workers(
+    workers: Sequence[Any], key: str, allow: Sequence[str] = PATHS, timeout_s: float = SETUP_S
+) -> Connected:
+    """Driver side: chooses the path of every worker pair of graph `key`, has the workers open
+    them, and logs a warning for each pair left on Ray's object store, naming it and why.
+    DISCO_CUDA_PATHS (comma-separated) narrows `allow`. Each call is bounded by `timeout_s`."""
     import ray
 
     if "DISCO_CUDA_PATHS" in os.environ:  # e.g. "ray": force the fallback (tests, debugging)
         allow = tuple(os.environ["DISCO_CUDA_PATHS"].split(","))
-    infos = ray.get([w.transport_describe.remote(key) for w in workers])
+    infos = ray.get([w.transport_describe.remote(key) for w in workers], timeout=timeout_s)
     paths = choose_paths(infos, allow)
+    why = fallbacks(infos, paths, allow)
     members = nccl_members(paths)
-    uid = ray.get(workers[members[0]].transport_nccl_id.remote(key)) if members else None
-    opened = ray.get([w.transport_connect.remote(key, infos, paths, uid) for w in workers])
+    uid = ray.get(workers[members[0]].transport_nccl_id.remote(key), timeout=timeout_s) if members else None
+    opened = ray.get([w.transport_connect.remote(key, infos, paths, uid) for w in workers], timeout=timeout_s)
     out: dict[str, str] = {}
     for g, got in enumerate(opened):
         for peer, path in got.items():
-            out[f"{min(g, peer)}-{max(g, peer)}"] = path
-    return dict(sorted(out.items()))
+            pair = (min(g, peer), max(g, peer))
+            out[f"{pair[0]}-{pair[1]}"] = path
+            if path == "ray" and pair not in why:  # ipc/p2p chosen, but both in one process
+                why[pair] = (
+                    f"{paths[pair]}: both workers run in one process (it cannot open its own IPC handle)"
+                )
+    for (i, j), r in sorted(why.items()):
+        log.warning("gpu:%d and gpu:%d: transfers go through Ray's object store: %s", i, j, r)
+    return Connected(dict(sorted(out.items())), {f"{i}-{j}": r for (i, j), r in sorted(why.items())})
+
+
+def disconnect_workers(workers: Sequence[Any], key: str, timeout_s: float) -> None:
+    """Driver side, before graph `key` is unloaded: every worker closes its mappings of its
+    peers' arenas first, so that no arena is freed while a peer still maps it (torch would then
+    hold it for IPC until a later collect: actors/transports/ipc.py)."""
+    import ray
+
+    ray.get([w.transport_close.remote(key) for w in workers], timeout=timeout_s)
 
 
 def _node_id() -> str:

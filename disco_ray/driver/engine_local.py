@@ -203,5 +203,10 @@ class LocalEngine:
 
     def close(self) -> None:
         with self.pool.lock:  # closing frees store space another thread's run may be using
+            # every worker's mappings of its peers' arenas go before any arena (actors/transports/ipc.py)
+            for tr in {
+                id(ex.transport): ex.transport for ex in self.execs if ex.transport is not None
+            }.values():
+                tr.close()
             for ex in self.execs:
                 ex.close()

@@ -26,7 +26,7 @@ from disco_ray.graph.memgraph import MemGraph
 from disco_ray.graph.taskgraph import TaskGraph
 
 from .alone import await_alone, run_steps_alone
-from .placement import PlacementConfig, describe
+from .placement import PlacementConfig, connect
 from .pool import RayPool, shared_pool, ship_own_ops
 from .watch import HEARTBEAT_S, GcsMonitor, Watchdog, gcs_address, watched_get
 
@@ -66,6 +66,7 @@ class RayEngine:
         self.broken = False
         self.workers: list = []
         self.transports: dict[str, str] = {}  # "i-j" -> the transfer path of that worker pair
+        self.fallbacks: dict[str, str] = {}  # "i-j" -> why that pair is left on the object store
         # per plan, once: the caller inputs each worker reads, the (value, vid) outputs it holds
         self.wants: list[list[str]] = [[] for _ in range(mg.gpus)]
         for v in tg.caller_inputs():  # sourced inputs and states are the workers' own
@@ -103,14 +104,10 @@ class RayEngine:
                 ],
                 when="loading the graph",
             )
-            n = len(self.workers)
-            self.transports = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}
-            if config.backend == "cuda" and n > 1:  # per pair: CUDA IPC, NCCL or the object store
-                from actors.transports.cuda import connect_workers
-
-                self.transports = connect_workers(self.workers, self.key)
-            if self.pool.placed is not None:  # node of each worker, path of each transferring pair
-                self.placement_summary = describe(self.pool.placed.info, mg, config.backend, self.transports)
+            placed = None if self.pool.placed is None else self.pool.placed.info
+            self.transports, self.fallbacks, self.placement_summary = connect(
+                self.workers, self.key, mg, config.backend, placed
+            )
         except (RayActorError, RayTaskError) as e:
             self.broken = True
             self.close()
@@ -155,6 +152,7 @@ class RayEngine:
                         opts.check,
                         opts.delay,
                         opts.seed,
+                        opts.timeout,
                     )
                     for g, w in enumerate(self.workers)
                 ],
@@ -425,6 +423,10 @@ class RayEngine:
             self.pool.discard()
             return
         try:
+            if any(p in ("ipc", "p2p") for p in self.transports.values()):  # peers' mappings first
+                from actors.transports.cuda import disconnect_workers
+
+                disconnect_workers(self.workers, self.key, 30)
             ray.get(
                 [w.unload.remote(self.key) for w in self.workers] + [self.coord.unload.remote(self.key)],
                 timeout=30,

@@ -156,12 +156,18 @@ OPENED = {
 }
 
 
-def describe(info: dict, mg, backend: str, opened: dict[str, str] | None = None) -> dict:
+def describe(
+    info: dict,
+    mg,
+    backend: str,
+    opened: dict[str, str] | None = None,
+    fallbacks: dict[str, str] | None = None,
+) -> dict:
     """The run summary's "placement" entry: `info` (from `place`) plus the transfer path of each used pair.
 
     `opened` ({"i-j": "ray"|"ipc"|"nccl"}, i < j): what the transports actually opened (a cuda
     worker falls back to the object store where CUDA IPC or NCCL cannot run); it overrides the
-    choice by node ids.
+    choice by node ids. `fallbacks` ({"i-j": why}): why such a pair is on the object store.
     """
     nodes = [w["node_id"] for w in info["workers"]]
     paths = transfer_paths(nodes, backend, [p for p in transfer_pairs(mg) if max(p) < len(nodes)])
@@ -180,7 +186,25 @@ def describe(info: dict, mg, backend: str, opened: dict[str, str] | None = None)
         "nodes": len({w["node_id"] for w in info["workers"][: mg.gpus]}),
         "paths": paths,
         "path_counts": counts,
+        **({"fallbacks": dict(fallbacks)} if fallbacks else {}),
     }
+
+
+def connect(
+    workers: Sequence, key: str, mg, backend: str, placed: dict | None
+) -> tuple[dict, dict, dict | None]:
+    """Each worker pair's transfer path ({"i-j": path}; cuda: CUDA IPC, NCCL or the object store),
+    why a pair is left on the object store ({"i-j": why}), and the run summary's "placement"
+    entry (`describe`; None without `placed`, the pool's placement info)."""
+    n = len(workers)
+    paths, fallbacks = {f"{i}-{j}": "ray" for i in range(n) for j in range(i + 1, n)}, {}
+    if backend == "cuda" and n > 1:
+        from actors.transports.cuda import connect_workers
+
+        got = connect_workers(workers, key)
+        paths, fallbacks = got.paths, got.fallbacks
+    summary = None if placed is None else describe(placed, mg, backend, paths, fallbacks)
+    return paths, fallbacks, summary
 
 
 # ---- the Ray shell ---------------------------------------------------------------------------------

@@ -260,6 +260,7 @@ class Program:
         extra: dict = {
             "cold": self._runs == 0,  # the engine's first run: arenas, sourced inputs
             "transports": dict(getattr(eng, "transports", {})),  # "i-j" -> path
+            "transport_fallbacks": dict(getattr(eng, "fallbacks", {})),  # "i-j" -> why on the object store
         }
         if any(self.mg.disk_capacity):  # the spill files' I/O: bytes, seconds, bandwidth per worker
             extra["disk"] = disk_summary(eng.statistics()["workers"])

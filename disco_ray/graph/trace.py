@@ -250,4 +250,6 @@ def format_placement(p: dict) -> list[str]:
         lines.append(f"    gpu:{w['gpu']} on {short[w['node_id']]} {w['node_id'][:12]} ({w['ip']})")
     if p["paths"]:
         lines.append("  transfer paths: " + ", ".join(f"{k} {v}" for k, v in p["paths"].items()))
+    for pair, why in p.get("fallbacks", {}).items():  # a cuda pair on the object store, and why
+        lines.append(f"    {pair} object-store (fallback): {why}")
     return lines
