@@ -31,8 +31,8 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import FormatError, NonFiniteError, RunError
-from .quant import Quant
+from .errors import FormatError, NonFiniteError, RunError, UsageError
+from .quant import LAYOUT, Quant
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,17 @@ if TYPE_CHECKING:
 # the directory of a checkpoint with no files (`Checkpoint.from_config`): its sources refuse to be read
 CONFIG_ONLY = "(config only: no weights on disk)"
 # safetensors' dtype names -> ours
-FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+# a quantized checkpoint's safetensors metadata: the packed layout's version, and per packed
+# tensor its float shape, bits and group (JSON): docs/FORMATS.md
+LAYOUT_KEY, PACKED_KEY = "disco_ray.layout", "disco_ray.packed"
+FILE_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "U8": "uint8",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,8 @@ class Source:
     slices: tuple[tuple[int, int] | None, ...] = ()  # per leading dim: [start, stop) or whole
     finite: bool = False  # every value must be finite (checked where a worker reads it)
     quant: Quant | None = None  # the block is quantized where it is read, and kept packed
+    # with `quant`: the file holds the tensor packed already (`disco-ray quantize`): read as is
+    packed: bool = False
 
     def to_dict(self) -> dict:
         d: dict = {"path": self.path, "tensor": self.tensor}
@@ -59,6 +71,8 @@ class Source:
             d["finite"] = True
         if self.quant is not None:
             d["quant"] = self.quant.to_dict()
+        if self.packed:
+            d["packed"] = True
         return d
 
     @classmethod
@@ -66,7 +80,7 @@ class Source:
         """Parses a "source" object; FormatError names `where` (the vertex) and the field."""
         if not isinstance(doc, dict):
             raise FormatError(f'{where}: "source" must be an object with "path" and "tensor"')
-        unknown = set(doc) - {"path", "tensor", "slices", "finite", "quant"}
+        unknown = set(doc) - {"path", "tensor", "slices", "finite", "quant", "packed"}
         if unknown:
             raise FormatError(f'{where}: "source" has unknown field(s) {sorted(unknown)}')
         path, tensor, raw = doc.get("path"), doc.get("tensor"), doc.get("slices", [])
@@ -96,10 +110,16 @@ class Source:
                 raise FormatError(f'{where}: "source.slices[{n}]" [{a}, {b}] is not a range')
             slices.append((a, b))
         quant = Quant.from_dict(doc["quant"], where) if "quant" in doc else None
-        return cls(path, tensor, tuple(slices), finite, quant)
+        packed = doc.get("packed", False)
+        if not isinstance(packed, bool) or (packed and quant is None):
+            raise FormatError(
+                f'{where}: "source.packed" must be true (with "quant") or false, got {packed!r}'
+            )
+        return cls(path, tensor, tuple(slices), finite, quant, packed)
 
     def describe(self) -> str:
-        packed = "" if self.quant is None else f" ({self.quant.name}, group {self.quant.group})"
+        stored = ", stored packed" if self.packed else ""
+        packed = "" if self.quant is None else f" ({self.quant.name}, group {self.quant.group}{stored})"
         if not self.slices:
             return f"{self.tensor} of {self.path}{packed}"
         dims = ", ".join(":" if s is None else f"{s[0]}:{s[1]}" for s in self.slices)
@@ -126,6 +146,8 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
         with safe_open(src.path, framework="pt") as f:
             if src.tensor not in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 raise RunError(f"{what}: the file has no tensor {src.tensor!r}")
+            if src.packed:
+                return _stored(src, f, shape, dtype, what)
             sl = f.get_slice(src.tensor)
             full = tuple(sl.get_shape())
             if len(src.slices) > len(full):
@@ -148,6 +170,60 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
     if src.finite:
         check_finite(out, what, t)
     return out
+
+
+def stored_shape(metadata: dict | None, src: Source, what: str) -> tuple[int, int]:
+    """The float shape [out, in] of a tensor the file holds packed (a quantized checkpoint's),
+    from the file's safetensors metadata, checked to be packed as `src.quant` says.
+
+    Raises:
+        RunError: naming `what`: no such record, another layout version, bits or group.
+    """
+    try:
+        meta = metadata or {}
+        if meta.get(LAYOUT_KEY) != str(LAYOUT):
+            raise ValueError(f"packed layout version {meta.get(LAYOUT_KEY)!r}, this disco-ray reads {LAYOUT}")
+        rec = json.loads(meta[PACKED_KEY])[src.tensor]
+        rows, cols = (operator.index(n) for n in rec["shape"])
+        if Quant(rec["bits"], rec["group"]) != src.quant:
+            raise ValueError(f"packed {rec['bits']} bits, group {rec['group']}")
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError, UsageError) as e:
+        raise RunError(f"{what}: not packed as the source says ({e})") from None
+    return rows, cols
+
+
+def packed_columns(rows: torch.Tensor, q: Quant, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """The packed form of columns `block` of packed `rows` [n, width] (float rows of `cols`): the
+    bytes packing that block would give (`Quant.column_spans`)."""
+    import torch
+
+    out = torch.zeros(rows.shape[0], q.packed_shape((1, block[1] - block[0]))[1], dtype=torch.uint8)
+    for a, b, at in q.column_spans(cols, *block):
+        out[:, at : at + b - a] = rows[:, a:b]
+    return out
+
+
+def _stored(src: Source, f, shape: tuple[int, ...], dtype: str, what: str):
+    """The packed block `src` names of a tensor its file holds packed, read as stored."""
+    assert src.quant is not None
+    full = stored_shape(f.metadata(), src, what)
+    sl = f.get_slice(src.tensor)
+    width = src.quant.packed_shape(full)[1]
+    if sl.get_dtype() != "U8" or tuple(sl.get_shape()) != (full[0], width):
+        raise RunError(f"{what}: has {sl.get_dtype()} {sl.get_shape()}, packed it is U8 {[full[0], width]}")
+    r0, r1 = src.slices[0] if src.slices and src.slices[0] is not None else (0, full[0])
+    c = src.slices[1] if len(src.slices) > 1 else None
+    if len(src.slices) > 2 or r1 > full[0] or (c is not None and c[1] > full[1]):
+        raise RunError(f"{what}: the block is not one of a tensor of shape {list(full)}")
+    t = sl[r0:r1]
+    if c is not None:
+        try:
+            t = packed_columns(t, src.quant, full[1], c)
+        except UsageError as e:
+            raise RunError(f"{what}: {e}") from None
+    if dtype != "uint8" or tuple(t.shape) != tuple(shape):
+        raise RunError(f"{what}: is {list(t.shape)} uint8 packed, the input {list(shape)} {dtype}")
+    return t.contiguous()
 
 
 def _packed(q: Quant, t: torch.Tensor, shape: tuple[int, ...], dtype: str, what: str, finite: bool):

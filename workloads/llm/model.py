@@ -126,6 +126,13 @@ class _Builder:
             if cols is not None:
                 shape[1] = cols[1] - cols[0]
             src, dtype = self.ck.source(name, rows, cols), self.dtype
+            if src.packed and src.quant != packed:  # a quantized checkpoint packed it otherwise
+                assert src.quant is not None
+                how = "unpacked" if packed is None else f"as {packed.name}, group {packed.group}"
+                raise UsageError(
+                    f"{src.path}: tensor {name!r} is stored packed ({src.quant.name}, group "
+                    f"{src.quant.group}); this model reads it {how}"
+                )
             if packed is not None:
                 shape, dtype = list(packed.packed_shape(tuple(shape))), "uint8"
                 src = replace(src, quant=packed)
