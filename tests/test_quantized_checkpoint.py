@@ -346,3 +346,16 @@ def test_a_worker_refuses_a_block_recorded_otherwise(tiny, tmp_path):
         read(moved.source, v.shape, v.dtype, "input 'x'")
     with pytest.raises(RunError, match=r"input 'l0.q_g0': source .*stored packed.*layout version '9'"):
         FileBlock.of(moved)
+
+
+def test_a_stored_packed_source_round_trips_through_json(tiny):
+    from disco_ray.graph.errors import FormatError
+    from disco_ray.graph.sources import Source
+
+    _, q4, _ = tiny
+    src = decode_graph(Checkpoint(q4), 1, 1, oracle.BLOCK).taskgraph["l0.q_g0"].source
+    assert src.packed and src.to_dict()["packed"] is True
+    assert Source.from_dict(json.loads(json.dumps(src.to_dict())), "x") == src
+    for bad in ({"packed": True}, {"packed": 1, "quant": {"bits": 4}}):
+        with pytest.raises(FormatError, match=r'x: "source.packed"'):
+            Source.from_dict({"path": "m", "tensor": "w", **bad}, "x")
