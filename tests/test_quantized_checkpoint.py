@@ -359,3 +359,15 @@ def test_a_stored_packed_source_round_trips_through_json(tiny):
     for bad in ({"packed": True}, {"packed": 1, "quant": {"bits": 4}}):
         with pytest.raises(FormatError, match=r'x: "source.packed"'):
             Source.from_dict({"path": "m", "tensor": "w", **bad}, "x")
+
+
+def test_a_tensor_read_otherwise_than_stored_is_refused(tiny):
+    _, q4, _ = tiny
+    ck, name = Checkpoint(q4), "model.layers.0.mlp.up_proj.weight"
+    assert ck.source(name, packed=Quant(4, 32)).packed
+    for how, says in ((None, "as floats"), (Quant(8, 32), "as int8, group 32")):
+        with pytest.raises(
+            UsageError,
+            match=rf"model.safetensors: tensor '{name}' is stored packed \(int4, group 32\); it is read {says}",
+        ):
+            ck.source(name, packed=how)

@@ -182,14 +182,28 @@ class Checkpoint:
                 )
 
     def source(
-        self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+        self,
+        name: str,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+        packed: Quant | None = None,
     ) -> Source:
-        """The block of tensor `name` with rows [a, b) and columns [c, d) (None: all)."""
+        """The block of tensor `name` with rows [a, b) and columns [c, d) (None: all), read
+        quantized by `packed` (None: as floats).
+
+        Raises:
+            UsageError: the tensor is stored packed otherwise, or cut off its groups (`cols`).
+        """
         file = self.tensors[name][0]
         slices: tuple = () if rows is None and cols is None else (rows, cols) if cols is not None else (rows,)
         q = self.stored.get(name)
-        if q is None:
-            return Source(file, name, slices, finite=True)  # a NaN weight never computes an answer
+        if q is None:  # a NaN weight never computes an answer
+            return Source(file, name, slices, finite=True, quant=packed)
+        if q != packed:  # a quantized checkpoint packed it otherwise
+            how = "as floats" if packed is None else f"as {packed.name}, group {packed.group}"
+            raise UsageError(
+                f"{file}: tensor {name!r} is stored packed ({q.name}, group {q.group}); it is read {how}"
+            )
         if cols is not None:  # a packed block is cut out of the packed rows: on group boundaries
             try:
                 q.column_spans(self.tensors[name][1][1], *cols)

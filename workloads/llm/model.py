@@ -32,7 +32,7 @@ cache length, never per token, and a step's run-time inputs are the token, p and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -125,17 +125,9 @@ class _Builder:
                 shape[0] = rows[1] - rows[0]
             if cols is not None:
                 shape[1] = cols[1] - cols[0]
-            src, dtype = self.ck.source(name, rows, cols), self.dtype
-            if src.packed and src.quant != packed:  # a quantized checkpoint packed it otherwise
-                assert src.quant is not None
-                how = "unpacked" if packed is None else f"as {packed.name}, group {packed.group}"
-                raise UsageError(
-                    f"{src.path}: tensor {name!r} is stored packed ({src.quant.name}, group "
-                    f"{src.quant.group}); this model reads it {how}"
-                )
+            src, dtype = self.ck.source(name, rows, cols, packed), self.dtype
             if packed is not None:
                 shape, dtype = list(packed.packed_shape(tuple(shape))), "uint8"
-                src = replace(src, quant=packed)
             self.g.input(id, tuple(shape), dtype, gpu=j, source=src)
         return id
 
