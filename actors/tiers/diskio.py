@@ -33,7 +33,7 @@ import torch
 
 from disco_ray.graph import sources
 from disco_ray.graph.dtypes import torch_dtype
-from disco_ray.graph.errors import RunError, UsageError
+from disco_ray.graph.errors import RunError
 from disco_ray.graph.quant import Quant
 from disco_ray.graph.taskgraph import Vertex
 
@@ -222,25 +222,22 @@ class FileBlock:
         meta = h.get(src.tensor)
         if not isinstance(meta, dict):
             raise RunError(f"{what}: the file has no tensor {src.tensor!r}")
-        full = sources.stored_shape(h.get("__metadata__"), src, what)
-        width = src.quant.packed_shape(full)[1]
-        if meta["dtype"] != "U8" or tuple(meta["shape"]) != (full[0], width):
-            raise RunError(f"{what}: has {meta['dtype']} {meta['shape']}, packed it is U8 {[full[0], width]}")
-        r0, r1 = src.slices[0] if src.slices and src.slices[0] is not None else (0, full[0])
-        cols = src.slices[1] if len(src.slices) > 1 else None
-        if len(src.slices) > 2 or r1 > full[0] or (cols is not None and cols[1] > full[1]):
-            raise RunError(f"{what}: the block is not one of a tensor of shape {list(full)}")
-        if cols is not None:
-            try:
-                src.quant.column_spans(full[1], *cols)
-            except UsageError as e:
-                raise RunError(f"{what}: {e}") from None
-        begin = h["__data_start__"] + meta["data_offsets"][0] + r0 * width
+        b = sources.StoredBlock.of(src, h.get("__metadata__"), meta["dtype"], meta["shape"], what)
         st = os.stat(src.path)
+        begin = h["__data_start__"] + meta["data_offsets"][0] + b.r0 * b.width
+        rows = (b.r1 - b.r0, b.width)
         version = (st.st_mtime_ns, st.st_size)
-        rows = (r1 - r0, width)
         return cls(
-            src.path, begin, rows[0] * width, rows, "uint8", cols, False, what, version, (src.quant, full[1])
+            src.path,
+            begin,
+            rows[0] * b.width,
+            rows,
+            "uint8",
+            b.block,
+            False,
+            what,
+            version,
+            (src.quant, b.cols),
         )
 
     def copy_into(

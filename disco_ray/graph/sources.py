@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 
 # the directory of a checkpoint with no files (`Checkpoint.from_config`): its sources refuse to be read
 CONFIG_ONLY = "(config only: no weights on disk)"
-# safetensors' dtype names -> ours
 # a quantized checkpoint's safetensors metadata: the packed layout's version, and per packed
 # tensor its float shape, bits and group (JSON): docs/FORMATS.md
 LAYOUT_KEY, PACKED_KEY = "disco_ray.layout", "disco_ray.packed"
+# safetensors' dtype names -> ours
 FILE_DTYPES = {
     "F32": "float32",
     "F16": "float16",
@@ -172,24 +172,75 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
     return out
 
 
-def stored_shape(metadata: dict | None, src: Source, what: str) -> tuple[int, int]:
-    """The float shape [out, in] of a tensor the file holds packed (a quantized checkpoint's),
-    from the file's safetensors metadata, checked to be packed as `src.quant` says.
+def packed_records(metadata: dict | None) -> dict[str, tuple[Quant, tuple[int, int]]]:
+    """The tensors a safetensors file's `metadata` records packed: name -> (how, float shape);
+    none for a file that records none.
 
     Raises:
-        RunError: naming `what`: no such record, another layout version, bits or group.
+        ValueError: another layout version, or a record that is not {bits, group, shape}.
     """
+    meta = metadata or {}
+    if PACKED_KEY not in meta:
+        return {}
+    if meta.get(LAYOUT_KEY) != str(LAYOUT):
+        raise ValueError(f"packed layout version {meta.get(LAYOUT_KEY)!r}, this disco-ray reads {LAYOUT}")
+    out = {}
     try:
-        meta = metadata or {}
-        if meta.get(LAYOUT_KEY) != str(LAYOUT):
-            raise ValueError(f"packed layout version {meta.get(LAYOUT_KEY)!r}, this disco-ray reads {LAYOUT}")
-        rec = json.loads(meta[PACKED_KEY])[src.tensor]
-        rows, cols = (operator.index(n) for n in rec["shape"])
-        if Quant(rec["bits"], rec["group"]) != src.quant:
-            raise ValueError(f"packed {rec['bits']} bits, group {rec['group']}")
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError, UsageError) as e:
-        raise RunError(f"{what}: not packed as the source says ({e})") from None
-    return rows, cols
+        for name, rec in json.loads(meta[PACKED_KEY]).items():
+            shape = tuple(operator.index(n) for n in rec["shape"])
+            if len(shape) != 2:
+                raise ValueError(f"shape {rec['shape']} of {name!r} is not [out, in]")
+            out[name] = Quant(rec["bits"], rec["group"]), shape
+    except (AttributeError, KeyError, TypeError, ValueError, UsageError) as e:
+        raise ValueError(f"metadata {PACKED_KEY!r} is not a record of packed tensors ({e})") from None
+    return out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """The block a packed source names in a tensor its file holds packed (a quantized
+    checkpoint's): packed rows [r0, r1) of `width` bytes, of float rows of `cols` elements, of which
+    columns `block` (None: all) are the source's."""
+
+    r0: int
+    r1: int
+    width: int
+    cols: int
+    block: tuple[int, int] | None
+
+    @classmethod
+    def of(
+        cls, src: Source, metadata: dict | None, file_dtype: str, file_shape: list[int], what: str
+    ) -> StoredBlock:
+        """Checked against the file's `metadata` record and its tensor's dtype and shape.
+
+        Raises:
+            RunError: naming `what`: no record of the tensor, another layout version, bits or
+                group, a dtype or shape other than the record packs to, a block outside it or
+                cutting its groups.
+        """
+        assert src.quant is not None
+        try:
+            rec = packed_records(metadata).get(src.tensor)
+        except ValueError as e:
+            raise RunError(f"{what}: {e}") from None
+        if rec is None or rec[0] != src.quant:
+            how = "no record of it" if rec is None else f"packed {rec[0].name}, group {rec[0].group}"
+            raise RunError(f"{what}: the file's metadata has {how}")
+        rows, cols = rec[1]
+        width = src.quant.packed_shape((rows, cols))[1]
+        if file_dtype != "U8" or list(file_shape) != [rows, width]:
+            raise RunError(f"{what}: has {file_dtype} {list(file_shape)}, packed it is U8 {[rows, width]}")
+        r0, r1 = src.slices[0] if src.slices and src.slices[0] is not None else (0, rows)
+        block = src.slices[1] if len(src.slices) > 1 else None
+        if len(src.slices) > 2 or r1 > rows or (block is not None and block[1] > cols):
+            raise RunError(f"{what}: the block is not one of a tensor of shape {[rows, cols]}")
+        if block is not None:
+            try:
+                src.quant.column_spans(cols, *block)
+            except UsageError as e:
+                raise RunError(f"{what}: {e}") from None
+        return cls(r0, r1, width, cols, block)
 
 
 def packed_columns(rows: torch.Tensor, q: Quant, cols: int, block: tuple[int, int]) -> torch.Tensor:
@@ -206,21 +257,11 @@ def packed_columns(rows: torch.Tensor, q: Quant, cols: int, block: tuple[int, in
 def _stored(src: Source, f, shape: tuple[int, ...], dtype: str, what: str):
     """The packed block `src` names of a tensor its file holds packed, read as stored."""
     assert src.quant is not None
-    full = stored_shape(f.metadata(), src, what)
     sl = f.get_slice(src.tensor)
-    width = src.quant.packed_shape(full)[1]
-    if sl.get_dtype() != "U8" or tuple(sl.get_shape()) != (full[0], width):
-        raise RunError(f"{what}: has {sl.get_dtype()} {sl.get_shape()}, packed it is U8 {[full[0], width]}")
-    r0, r1 = src.slices[0] if src.slices and src.slices[0] is not None else (0, full[0])
-    c = src.slices[1] if len(src.slices) > 1 else None
-    if len(src.slices) > 2 or r1 > full[0] or (c is not None and c[1] > full[1]):
-        raise RunError(f"{what}: the block is not one of a tensor of shape {list(full)}")
-    t = sl[r0:r1]
-    if c is not None:
-        try:
-            t = packed_columns(t, src.quant, full[1], c)
-        except UsageError as e:
-            raise RunError(f"{what}: {e}") from None
+    b = StoredBlock.of(src, f.metadata(), sl.get_dtype(), sl.get_shape(), what)
+    t = sl[b.r0 : b.r1]
+    if b.block is not None:
+        t = packed_columns(t, src.quant, b.cols, b.block)
     if dtype != "uint8" or tuple(t.shape) != tuple(shape):
         raise RunError(f"{what}: is {list(t.shape)} uint8 packed, the input {list(shape)} {dtype}")
     return t.contiguous()

@@ -24,12 +24,11 @@ import copy
 import dataclasses
 import json
 import math
-import operator
 from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.quant import LAYOUT, Quant
-from disco_ray.graph.sources import CONFIG_ONLY, FILE_DTYPES, LAYOUT_KEY, PACKED_KEY, Source
+from disco_ray.graph.sources import CONFIG_ONLY, FILE_DTYPES, Source, packed_records
 
 from .families import FAMILIES, ModelConfig, parse_config
 
@@ -255,25 +254,13 @@ def _packed_records(
 ) -> dict[str, tuple[Quant, tuple[int, int]]]:
     """The tensors safetensors file `file` records packed in its metadata `meta`: name -> (how,
     float shape); UsageError naming the file for a bad record or another layout version."""
-    meta = meta or {}
-    if PACKED_KEY not in meta:
-        return {}
-    if quant is None:
-        raise UsageError(f"{file}: holds packed tensors, but config.json has no quantization_config")
-    if meta.get(LAYOUT_KEY) != str(LAYOUT):
-        raise UsageError(
-            f"{file}: packed layout version {meta.get(LAYOUT_KEY)!r}, this disco-ray reads {LAYOUT}: "
-            "quantize the float checkpoint again"
-        )
-    out = {}
     try:
-        for name, rec in json.loads(meta[PACKED_KEY]).items():
-            out[name] = Quant(rec["bits"], rec["group"]), tuple(operator.index(n) for n in rec["shape"])
-            if len(out[name][1]) != 2:
-                raise ValueError(f"shape {rec['shape']} of {name!r} is not [out, in]")
-    except (AttributeError, KeyError, TypeError, ValueError, UsageError) as e:
-        raise UsageError(f"{file}: metadata {PACKED_KEY!r} is not a record of packed tensors ({e})") from None
-    return out  # type: ignore[return-value]
+        out = packed_records(meta)
+    except ValueError as e:
+        raise UsageError(f"{file}: {e}: quantize the float checkpoint again") from None
+    if out and quant is None:
+        raise UsageError(f"{file}: holds packed tensors, but config.json has no quantization_config")
+    return out
 
 
 def _shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
