@@ -31,7 +31,7 @@ from .errors import FormatError, UsageError
 BITS = (8, 4)  # the code widths: int8 and int4
 # the packed layout's version, written in a quantized checkpoint (`disco-ray quantize`): bump it
 # with any change to the layout below, so that a checkpoint packed otherwise is refused, not misread
-LAYOUT = 1
+LAYOUT_VERSION = 1
 NAMES = {"int8": 8, "int4": 4}  # --quantize's values -> bits
 DEFAULT_GROUP = 64  # FlexGen's group size
 
@@ -70,13 +70,6 @@ class Quant:
         """Bytes of a row's codes (an even count: the float16 scales after them stay aligned)."""
         return 2 * (-(-cols * self.bits // 16))
 
-    def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """The packed uint8 shape of a weight of `shape` [out, in]."""
-        if len(shape) != 2 or min(shape) < 1:
-            raise UsageError(f"only a 2-d weight [out, in] is quantized, got shape {list(shape)}")
-        rows, cols = shape
-        return rows, self.code_bytes(cols) + 4 * self.groups(cols)
-
     def column_spans(self, cols: int, c0: int, c1: int) -> tuple[tuple[int, int, int], ...]:
         """How the packed form of columns [c0, c1) of rows of `cols` elements is cut out of the
         whole rows' packed form: (from, to, at) byte ranges of a packed row, copied to offset `at`
@@ -102,6 +95,13 @@ class Quant:
             (cb + 2 * g0, cb + 2 * g1, own),  # the scales
             (cb + 2 * (self.groups(cols) + g0), cb + 2 * (self.groups(cols) + g1), own + 2 * ng),  # zeros
         )
+
+    def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The packed uint8 shape of a weight of `shape` [out, in]."""
+        if len(shape) != 2 or min(shape) < 1:
+            raise UsageError(f"only a 2-d weight [out, in] is quantized, got shape {list(shape)}")
+        rows, cols = shape
+        return rows, self.code_bytes(cols) + 4 * self.groups(cols)
 
     def to_dict(self) -> dict:
         return {"bits": self.bits, "group": self.group}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import FormatError, NonFiniteError, RunError, UsageError
-from .quant import LAYOUT, Quant
+from .quant import LAYOUT_VERSION, Quant
 
 if TYPE_CHECKING:
     import torch
@@ -182,8 +182,10 @@ def packed_records(metadata: dict | None) -> dict[str, tuple[Quant, tuple[int, i
     meta = metadata or {}
     if PACKED_KEY not in meta:
         return {}
-    if meta.get(LAYOUT_KEY) != str(LAYOUT):
-        raise ValueError(f"packed layout version {meta.get(LAYOUT_KEY)!r}, this disco-ray reads {LAYOUT}")
+    if meta.get(LAYOUT_KEY) != str(LAYOUT_VERSION):
+        raise ValueError(
+            f"packed layout version {meta.get(LAYOUT_KEY)!r}, this disco-ray reads {LAYOUT_VERSION}"
+        )
     out = {}
     try:
         for name, rec in json.loads(meta[PACKED_KEY]).items():

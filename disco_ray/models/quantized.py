@@ -28,7 +28,7 @@ from disco_ray.graph import sources
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.files import new_directory
 from disco_ray.graph.kernels_quant import quantize
-from disco_ray.graph.quant import DEFAULT_GROUP, LAYOUT, Quant
+from disco_ray.graph.quant import DEFAULT_GROUP, LAYOUT_VERSION, Quant
 from workloads.llm.checkpoint import QUANT_METHOD, Checkpoint
 
 log = logging.getLogger("disco_ray")
@@ -118,7 +118,10 @@ def _write_file(path: str, plan: dict[str, Quant], out: Path) -> int:
                 tensors[name] = t
     meta.setdefault("format", "pt")
     if records:
-        meta |= {sources.LAYOUT_KEY: str(LAYOUT), sources.PACKED_KEY: json.dumps(records, sort_keys=True)}
+        meta |= {
+            sources.LAYOUT_KEY: str(LAYOUT_VERSION),
+            sources.PACKED_KEY: json.dumps(records, sort_keys=True),
+        }
     save_file(tensors, str(out), metadata=meta)
     log.debug("%s: %d of %d tensors packed", out.name, len(records), len(tensors))
     return out.stat().st_size
@@ -141,7 +144,7 @@ def _write_config(src: Path, out: Path, q: Quant) -> None:
     cfg = json.loads(src.read_text())
     cfg["quantization_config"] = {
         "quant_method": QUANT_METHOD,
-        "layout_version": LAYOUT,
+        "layout_version": LAYOUT_VERSION,
         "bits": q.bits,
         "group_size": q.group,
     }

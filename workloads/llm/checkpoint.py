@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 
 from disco_ray.graph.errors import UsageError
-from disco_ray.graph.quant import LAYOUT, Quant
+from disco_ray.graph.quant import LAYOUT_VERSION, Quant
 from disco_ray.graph.sources import CONFIG_ONLY, FILE_DTYPES, Source, packed_records
 
 from .families import FAMILIES, ModelConfig, parse_config
@@ -108,20 +108,21 @@ class Checkpoint:
     def quantized(self, quant: Quant | None) -> Checkpoint:
         """This checkpoint with its decoder layers' linear weights read as `quant` packs them
         (None: as stored; the embedding table and LM head: docs/QUANTIZATION.md). A quantized
-        checkpoint is read as it was packed: None means its own bits and group.
+        checkpoint is read as it was packed, whatever else `quant` says: None means its own bits
+        and group.
 
         Raises:
             UsageError: `quant` is not a quantized checkpoint's bits and group.
         """
         have = self.stored_quant
-        if have is not None and quant is not None and quant != have:
+        if have is not None and quant is not None and (quant.bits, quant.group) != (have.bits, have.group):
             raise UsageError(
                 f"{self.path}: quantized {have.name}, group {have.group} (config.json's "
                 f"quantization_config): quantize {quant.name} with group {quant.group} conflicts; "
                 "leave quantize out to read it as stored"
             )
         ck = copy.copy(self)
-        ck.quant = quant or have
+        ck.quant = have or quant  # a stored checkpoint's packed bytes are read as they are
         return ck
 
     @classmethod
@@ -238,10 +239,10 @@ def _stored_quant(cfg: dict, where: str) -> Quant | None:
             f"{where}: quantization_config with quant_method {method!r} is not read here (only "
             f"{QUANT_METHOD!r}, which `disco-ray quantize` writes): give the float checkpoint"
         )
-    if qc.get("layout_version") != LAYOUT:
+    if qc.get("layout_version") != LAYOUT_VERSION:
         raise UsageError(
             f"{where}: quantization_config layout_version {qc.get('layout_version')!r}, this disco-ray "
-            f"reads {LAYOUT}: quantize the float checkpoint again"
+            f"reads {LAYOUT_VERSION}: quantize the float checkpoint again"
         )
     try:
         return Quant(qc.get("bits"), qc.get("group_size"))  # type: ignore[arg-type]
