@@ -182,7 +182,9 @@ class FileBlock:
         src = v.source
         where = f"input {v.id!r}"
         if src.packed:
-            return cls._stored(src, f"{where}: source {src.describe()}")
+            block = cls._stored(src, f"{where}: source {src.describe()}")
+            if block.packed is not None and block.packed[0] == src.quant:  # else rearranged once, below
+                return block
         if src.quant is not None:
             path = packed_file(v)
             st = os.stat(path)
@@ -237,7 +239,7 @@ class FileBlock:
             False,
             what,
             version,
-            (src.quant, b.cols),
+            (b.stored, b.cols),
         )
 
     def copy_into(

@@ -202,13 +202,15 @@ def packed_records(metadata: dict | None) -> dict[str, tuple[Quant, tuple[int, i
 class StoredBlock:
     """The block a packed source names in a tensor its file holds packed (a quantized
     checkpoint's): packed rows [r0, r1) of `width` bytes, of float rows of `cols` elements, of which
-    columns `block` (None: all) are the source's."""
+    columns `block` (None: all) are the source's; `stored`: how the file packed them (the codes
+    the source's `quant` reads; its bytes, once the same, are streamed as they are)."""
 
     r0: int
     r1: int
     width: int
     cols: int
     block: tuple[int, int] | None
+    stored: Quant
 
     @classmethod
     def of(
@@ -226,11 +228,11 @@ class StoredBlock:
             rec = packed_records(metadata).get(src.tensor)
         except ValueError as e:
             raise RunError(f"{what}: {e}") from None
-        if rec is None or rec[0] != src.quant:
+        if rec is None or (rec[0].bits, rec[0].group) != (src.quant.bits, src.quant.group):
             how = "no record of it" if rec is None else f"packed {rec[0].name}, group {rec[0].group}"
             raise RunError(f"{what}: the file's metadata has {how}")
-        rows, cols = rec[1]
-        width = src.quant.packed_shape((rows, cols))[1]
+        (q, (rows, cols)) = rec
+        width = q.packed_shape((rows, cols))[1]
         if file_dtype != "U8" or list(file_shape) != [rows, width]:
             raise RunError(f"{what}: has {file_dtype} {list(file_shape)}, packed it is U8 {[rows, width]}")
         r0, r1 = src.slices[0] if src.slices and src.slices[0] is not None else (0, rows)
@@ -239,10 +241,10 @@ class StoredBlock:
             raise RunError(f"{what}: the block is not one of a tensor of shape {[rows, cols]}")
         if block is not None:
             try:
-                src.quant.column_spans(cols, *block)
+                q.column_spans(cols, *block)
             except UsageError as e:
                 raise RunError(f"{what}: {e}") from None
-        return cls(r0, r1, width, cols, block)
+        return cls(r0, r1, width, cols, block, q)
 
 
 def packed_columns(rows: torch.Tensor, q: Quant, cols: int, block: tuple[int, int]) -> torch.Tensor:
@@ -263,7 +265,9 @@ def _stored(src: Source, f, shape: tuple[int, ...], dtype: str, what: str):
     b = StoredBlock.of(src, f.metadata(), sl.get_dtype(), sl.get_shape(), what)
     t = sl[b.r0 : b.r1]
     if b.block is not None:
-        t = packed_columns(t, src.quant, b.cols, b.block)
+        t = packed_columns(t, b.stored, b.cols, b.block)
+    if b.stored != src.quant:  # the same codes, wanted in another byte layout: none to convert to here
+        raise RunError(f"{what}: stored as {b.stored}, read as {src.quant}: no conversion between them")
     if dtype != "uint8" or tuple(t.shape) != tuple(shape):
         raise RunError(f"{what}: is {list(t.shape)} uint8 packed, the input {list(shape)} {dtype}")
     return t.contiguous()

@@ -108,8 +108,7 @@ class Checkpoint:
     def quantized(self, quant: Quant | None) -> Checkpoint:
         """This checkpoint with its decoder layers' linear weights read as `quant` packs them
         (None: as stored; the embedding table and LM head: docs/QUANTIZATION.md). A quantized
-        checkpoint is read as it was packed, whatever else `quant` says: None means its own bits
-        and group.
+        checkpoint is read with its own bits and group (None: as it was packed).
 
         Raises:
             UsageError: `quant` is not a quantized checkpoint's bits and group.
@@ -122,7 +121,7 @@ class Checkpoint:
                 "leave quantize out to read it as stored"
             )
         ck = copy.copy(self)
-        ck.quant = have or quant  # a stored checkpoint's packed bytes are read as they are
+        ck.quant = have if quant is None else quant
         return ck
 
     @classmethod
@@ -199,7 +198,7 @@ class Checkpoint:
         q = self.stored.get(name)
         if q is None:  # a NaN weight never computes an answer
             return Source(file, name, slices, finite=True, quant=packed)
-        if q != packed:  # a quantized checkpoint packed it otherwise
+        if packed is None or (q.bits, q.group) != (packed.bits, packed.group):  # packed otherwise
             how = "as floats" if packed is None else f"as {packed.name}, group {packed.group}"
             raise UsageError(
                 f"{file}: tensor {name!r} is stored packed ({q.name}, group {q.group}); it is read {how}"
@@ -212,7 +211,7 @@ class Checkpoint:
                     f"{file}: tensor {name!r} (stored {q.name}, group {q.group}): {e}: split it over "
                     "GPUs at group boundaries, or quantize at load from the float checkpoint"
                 ) from None
-        return Source(file, name, slices, quant=q, packed=True)
+        return Source(file, name, slices, quant=packed, packed=True)
 
     def weight_bytes(self, dtype: str | None = None) -> int:
         """Bytes of all weights, as stored or (dtype given) converted."""
