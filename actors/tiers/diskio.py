@@ -11,6 +11,8 @@ worker by default, each the size of the largest block: loads on several lanes ta
 
 A quantized source (`Source.quant`) is read and packed once, when the graph is loaded, into a file
 of the worker's own (`packed_file`): its loads then read the packed bytes, never the float ones.
+One whose file holds it packed already (`Source.packed`: a `disco-ray quantize` checkpoint) is
+read from that file as any other block: no quantization at all.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from disco_ray.graph import sources
 from disco_ray.graph.dtypes import torch_dtype
 from disco_ray.graph.errors import RunError
+from disco_ray.graph.quant import Quant
 from disco_ray.graph.taskgraph import Vertex
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffer addresses on common file systems
@@ -171,12 +174,17 @@ class FileBlock:
     finite: bool = False  # the source's: its values are checked (`sources.check_finite`)
     what: str = ""  # the input and its source, for messages
     version: tuple[int, int] = (0, 0)  # the file's (mtime_ns, size) when the header was read
+    packed: tuple[Quant, int] | None = None  # stored packed: how, and the float rows' length
 
     @classmethod
     def of(cls, v: Vertex) -> FileBlock:
         assert v.source is not None
         src = v.source
         where = f"input {v.id!r}"
+        if src.packed:
+            block = cls._stored(src, f"{where}: source {src.describe()}")
+            if block.packed is not None and block.packed[0] == src.quant:  # else rearranged once, below
+                return block
         if src.quant is not None:
             path = packed_file(v)
             st = os.stat(path)
@@ -208,13 +216,41 @@ class FileBlock:
         version = (st.st_mtime_ns, st.st_size)
         return cls(src.path, begin + r0 * row, (r1 - r0) * row, shape, dtype, cols, src.finite, what, version)
 
+    @classmethod
+    def _stored(cls, src: sources.Source, what: str) -> FileBlock:
+        """The block of a tensor its file holds packed: whole packed rows (`what`: for messages)."""
+        assert src.quant is not None
+        h = sources.header(src.path, what)
+        meta = h.get(src.tensor)
+        if not isinstance(meta, dict):
+            raise RunError(f"{what}: the file has no tensor {src.tensor!r}")
+        b = sources.StoredBlock.of(src, h.get("__metadata__"), meta["dtype"], meta["shape"], what)
+        st = os.stat(src.path)
+        begin = h["__data_start__"] + meta["data_offsets"][0] + b.r0 * b.width
+        rows = (b.r1 - b.r0, b.width)
+        version = (st.st_mtime_ns, st.st_size)
+        return cls(
+            src.path,
+            begin,
+            rows[0] * b.width,
+            rows,
+            "uint8",
+            b.block,
+            False,
+            what,
+            version,
+            (b.stored, b.cols),
+        )
+
     def copy_into(
         self, raw: torch.Tensor, out: torch.Tensor, dtype: str, shape: tuple[int, ...], check: bool = False
     ) -> None:
         """The block from its file bytes `raw` into `out` (uint8 view of `shape` x `dtype`);
         `check`: NonFiniteError naming the tensor unless every value is finite."""
         t = raw.view(torch_dtype(self.file_dtype)).view(self.rows)
-        if self.cols is not None:
+        if self.packed is not None and self.cols is not None:  # its codes, scales and zeros
+            t = sources.packed_columns(t, self.packed[0], self.packed[1], self.cols)
+        elif self.cols is not None:
             t = t[:, self.cols[0] : self.cols[1]]
         typed = out.view(torch_dtype(dtype)).view(shape)
         typed.copy_(t)

@@ -49,6 +49,7 @@ COMMANDS: dict[str, str] = {
     "plot": "disco_ray.cli.plot",
     "generate": "disco_ray.cli.generate",
     "finetune": "disco_ray.cli.finetune",
+    "quantize": "disco_ray.cli.quantize",
     "demo": "disco_ray.cli.demo",
 }
 

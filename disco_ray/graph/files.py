@@ -75,9 +75,11 @@ def new_directory(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
+        files = sorted(tmp.iterdir())
+        for f in files:  # writers that make their files private (safetensors': 0600) too
+            f.chmod(0o666 & ~umask())
         if existed:
-            for f in sorted(tmp.iterdir()):
-                f.chmod(0o666 & ~umask())
+            for f in files:
                 os.replace(f, path / f.name)
         else:
             tmp.chmod(0o777 & ~umask())

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from .errors import FormatError, UsageError
 
 BITS = (8, 4)  # the code widths: int8 and int4
+# the packed layout's version, written in a quantized checkpoint (`disco-ray quantize`): bump it
+# with any change to the layout below, so that a checkpoint packed otherwise is refused, not misread
+LAYOUT_VERSION = 1
 NAMES = {"int8": 8, "int4": 4}  # --quantize's values -> bits
 DEFAULT_GROUP = 64  # FlexGen's group size
 
@@ -66,6 +69,32 @@ class Quant:
     def code_bytes(self, cols: int) -> int:
         """Bytes of a row's codes (an even count: the float16 scales after them stay aligned)."""
         return 2 * (-(-cols * self.bits // 16))
+
+    def column_spans(self, cols: int, c0: int, c1: int) -> tuple[tuple[int, int, int], ...]:
+        """How the packed form of columns [c0, c1) of rows of `cols` elements is cut out of the
+        whole rows' packed form: (from, to, at) byte ranges of a packed row, copied to offset `at`
+        of the block's packed row (its other bytes are zero, as `kernels_quant.quantize` pads).
+        The same bytes as packing the block itself, which needs the block to start on a group
+        (and, int4, on a whole byte) and end on one or at the row's end.
+
+        Raises:
+            UsageError: the block does not fall on those boundaries.
+        """
+        if not 0 <= c0 < c1 <= cols:
+            raise UsageError(f"columns {c0}:{c1} are not a range of a row of {cols}")
+        per_byte = 8 // self.bits
+        if c0 % self.group or c0 % per_byte or (c1 != cols and (c1 % self.group or c1 % per_byte)):
+            raise UsageError(
+                f"columns {c0}:{c1} of a row of {cols} do not start and end on groups of {self.group}"
+            )
+        n, g0, g1 = c1 - c0, c0 // self.group, self.groups(c1)
+        cb, own = self.code_bytes(cols), self.code_bytes(n)
+        ng = g1 - g0
+        return (
+            (c0 // per_byte, c0 // per_byte + -(-n // per_byte), 0),  # the codes
+            (cb + 2 * g0, cb + 2 * g1, own),  # the scales
+            (cb + 2 * (self.groups(cols) + g0), cb + 2 * (self.groups(cols) + g1), own + 2 * ng),  # zeros
+        )
 
     def packed_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The packed uint8 shape of a weight of `shape` [out, in]."""

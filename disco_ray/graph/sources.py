@@ -31,16 +31,26 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import FormatError, NonFiniteError, RunError
-from .quant import Quant
+from .errors import FormatError, NonFiniteError, RunError, UsageError
+from .quant import LAYOUT_VERSION, Quant
 
 if TYPE_CHECKING:
     import torch
 
 # the directory of a checkpoint with no files (`Checkpoint.from_config`): its sources refuse to be read
 CONFIG_ONLY = "(config only: no weights on disk)"
+# a quantized checkpoint's safetensors metadata: the packed layout's version, and per packed
+# tensor its float shape, bits and group (JSON): docs/FORMATS.md
+LAYOUT_KEY, PACKED_KEY = "disco_ray.layout", "disco_ray.packed"
 # safetensors' dtype names -> ours
-FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+FILE_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "U8": "uint8",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,8 @@ class Source:
     slices: tuple[tuple[int, int] | None, ...] = ()  # per leading dim: [start, stop) or whole
     finite: bool = False  # every value must be finite (checked where a worker reads it)
     quant: Quant | None = None  # the block is quantized where it is read, and kept packed
+    # with `quant`: the file holds the tensor packed already (`disco-ray quantize`): read as is
+    packed: bool = False
 
     def to_dict(self) -> dict:
         d: dict = {"path": self.path, "tensor": self.tensor}
@@ -59,6 +71,8 @@ class Source:
             d["finite"] = True
         if self.quant is not None:
             d["quant"] = self.quant.to_dict()
+        if self.packed:
+            d["packed"] = True
         return d
 
     @classmethod
@@ -66,7 +80,7 @@ class Source:
         """Parses a "source" object; FormatError names `where` (the vertex) and the field."""
         if not isinstance(doc, dict):
             raise FormatError(f'{where}: "source" must be an object with "path" and "tensor"')
-        unknown = set(doc) - {"path", "tensor", "slices", "finite", "quant"}
+        unknown = set(doc) - {"path", "tensor", "slices", "finite", "quant", "packed"}
         if unknown:
             raise FormatError(f'{where}: "source" has unknown field(s) {sorted(unknown)}')
         path, tensor, raw = doc.get("path"), doc.get("tensor"), doc.get("slices", [])
@@ -96,10 +110,16 @@ class Source:
                 raise FormatError(f'{where}: "source.slices[{n}]" [{a}, {b}] is not a range')
             slices.append((a, b))
         quant = Quant.from_dict(doc["quant"], where) if "quant" in doc else None
-        return cls(path, tensor, tuple(slices), finite, quant)
+        packed = doc.get("packed", False)
+        if not isinstance(packed, bool) or (packed and quant is None):
+            raise FormatError(
+                f'{where}: "source.packed" must be true (with "quant") or false, got {packed!r}'
+            )
+        return cls(path, tensor, tuple(slices), finite, quant, packed)
 
     def describe(self) -> str:
-        packed = "" if self.quant is None else f" ({self.quant.name}, group {self.quant.group})"
+        stored = ", stored packed" if self.packed else ""
+        packed = "" if self.quant is None else f" ({self.quant.name}, group {self.quant.group}{stored})"
         if not self.slices:
             return f"{self.tensor} of {self.path}{packed}"
         dims = ", ".join(":" if s is None else f"{s[0]}:{s[1]}" for s in self.slices)
@@ -126,6 +146,8 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
         with safe_open(src.path, framework="pt") as f:
             if src.tensor not in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 raise RunError(f"{what}: the file has no tensor {src.tensor!r}")
+            if src.packed:
+                return _stored(src, f, shape, dtype, what)
             sl = f.get_slice(src.tensor)
             full = tuple(sl.get_shape())
             if len(src.slices) > len(full):
@@ -148,6 +170,107 @@ def read(src: Source, shape: tuple[int, ...], dtype: str, where: str = ""):
     if src.finite:
         check_finite(out, what, t)
     return out
+
+
+def packed_records(metadata: dict | None) -> dict[str, tuple[Quant, tuple[int, int]]]:
+    """The tensors a safetensors file's `metadata` records packed: name -> (how, float shape);
+    none for a file that records none.
+
+    Raises:
+        ValueError: another layout version, or a record that is not {bits, group, shape}.
+    """
+    meta = metadata or {}
+    if PACKED_KEY not in meta:
+        return {}
+    if meta.get(LAYOUT_KEY) != str(LAYOUT_VERSION):
+        raise ValueError(
+            f"packed layout version {meta.get(LAYOUT_KEY)!r}, this disco-ray reads {LAYOUT_VERSION}"
+        )
+    out = {}
+    try:
+        for name, rec in json.loads(meta[PACKED_KEY]).items():
+            shape = tuple(operator.index(n) for n in rec["shape"])
+            if len(shape) != 2:
+                raise ValueError(f"shape {rec['shape']} of {name!r} is not [out, in]")
+            out[name] = Quant(rec["bits"], rec["group"]), shape
+    except (AttributeError, KeyError, TypeError, ValueError, UsageError) as e:
+        raise ValueError(f"metadata {PACKED_KEY!r} is not a record of packed tensors ({e})") from None
+    return out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """The block a packed source names in a tensor its file holds packed (a quantized
+    checkpoint's): packed rows [r0, r1) of `width` bytes, of float rows of `cols` elements, of which
+    columns `block` (None: all) are the source's; `stored`: how the file packed them (the codes
+    the source's `quant` reads; its bytes, once the same, are streamed as they are)."""
+
+    r0: int
+    r1: int
+    width: int
+    cols: int
+    block: tuple[int, int] | None
+    stored: Quant
+
+    @classmethod
+    def of(
+        cls, src: Source, metadata: dict | None, file_dtype: str, file_shape: list[int], what: str
+    ) -> StoredBlock:
+        """Checked against the file's `metadata` record and its tensor's dtype and shape.
+
+        Raises:
+            RunError: naming `what`: no record of the tensor, another layout version, bits or
+                group, a dtype or shape other than the record packs to, a block outside it or
+                cutting its groups.
+        """
+        assert src.quant is not None
+        try:
+            rec = packed_records(metadata).get(src.tensor)
+        except ValueError as e:
+            raise RunError(f"{what}: {e}") from None
+        if rec is None or (rec[0].bits, rec[0].group) != (src.quant.bits, src.quant.group):
+            how = "no record of it" if rec is None else f"packed {rec[0].name}, group {rec[0].group}"
+            raise RunError(f"{what}: the file's metadata has {how}")
+        (q, (rows, cols)) = rec
+        width = q.packed_shape((rows, cols))[1]
+        if file_dtype != "U8" or list(file_shape) != [rows, width]:
+            raise RunError(f"{what}: has {file_dtype} {list(file_shape)}, packed it is U8 {[rows, width]}")
+        r0, r1 = src.slices[0] if src.slices and src.slices[0] is not None else (0, rows)
+        block = src.slices[1] if len(src.slices) > 1 else None
+        if len(src.slices) > 2 or r1 > rows or (block is not None and block[1] > cols):
+            raise RunError(f"{what}: the block is not one of a tensor of shape {[rows, cols]}")
+        if block is not None:
+            try:
+                q.column_spans(cols, *block)
+            except UsageError as e:
+                raise RunError(f"{what}: {e}") from None
+        return cls(r0, r1, width, cols, block, q)
+
+
+def packed_columns(rows: torch.Tensor, q: Quant, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """The packed form of columns `block` of packed `rows` [n, width] (float rows of `cols`): the
+    bytes packing that block would give (`Quant.column_spans`)."""
+    import torch
+
+    out = torch.zeros(rows.shape[0], q.packed_shape((1, block[1] - block[0]))[1], dtype=torch.uint8)
+    for a, b, at in q.column_spans(cols, *block):
+        out[:, at : at + b - a] = rows[:, a:b]
+    return out
+
+
+def _stored(src: Source, f, shape: tuple[int, ...], dtype: str, what: str):
+    """The packed block `src` names of a tensor its file holds packed, read as stored."""
+    assert src.quant is not None
+    sl = f.get_slice(src.tensor)
+    b = StoredBlock.of(src, f.metadata(), sl.get_dtype(), sl.get_shape(), what)
+    t = sl[b.r0 : b.r1]
+    if b.block is not None:
+        t = packed_columns(t, b.stored, b.cols, b.block)
+    if b.stored != src.quant:  # the same codes, wanted in another byte layout: none to convert to here
+        raise RunError(f"{what}: stored as {b.stored}, read as {src.quant}: no conversion between them")
+    if dtype != "uint8" or tuple(t.shape) != tuple(shape):
+        raise RunError(f"{what}: is {list(t.shape)} uint8 packed, the input {list(shape)} {dtype}")
+    return t.contiguous()
 
 
 def _packed(q: Quant, t: torch.Tensor, shape: tuple[int, ...], dtype: str, what: str, finite: bool):

@@ -32,7 +32,7 @@ cache length, never per token, and a step's run-time inputs are the token, p and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -125,10 +125,10 @@ class _Builder:
                 shape[0] = rows[1] - rows[0]
             if cols is not None:
                 shape[1] = cols[1] - cols[0]
-            src, dtype = self.ck.source(name, rows, cols), self.dtype
+            dtype = self.dtype
             if packed is not None:
                 shape, dtype = list(packed.packed_shape(tuple(shape))), "uint8"
-                src = replace(src, quant=packed)
+            src = self.ck.source(name, rows, cols, packed)
             self.g.input(id, tuple(shape), dtype, gpu=j, source=src)
         return id
 
