@@ -75,6 +75,15 @@ class Checkpoint:
     config_only = False  # True: no files behind it (`from_config`); its sources refuse to be read
     quant: Quant | None = None  # the decoder layers' projections are quantized where read (`quantized`)
 
+    kv_cache: Quant | None = None  # a batch's KV cache blocks stored packed so (`with_kv_cache`)
+
+    def with_kv_cache(self, kv: Quant | None) -> Checkpoint:
+        """This checkpoint with its batch graphs' KV cache blocks stored as `kv` packs them, group-wise
+        within each head (docs/QUANTIZATION.md#kv-cache-in-8-bits; None: in the compute dtype)."""
+        ck = copy.copy(self)
+        ck.kv_cache = kv
+        return ck
+
     def quantized(self, quant: Quant | None) -> Checkpoint:
         """This checkpoint with its decoder layers' linear weights read as `quant` packs them
         (None: as stored); the embeddings, norms and LM head stay in the compute dtype."""
