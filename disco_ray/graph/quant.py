@@ -41,6 +41,8 @@ def kv_quant(name: str | None, head_dim: int, group: int | None = None) -> Quant
     scale and zero point per `group` elements (default: a head's row, `head_dim`), so a group never
     straddles two heads: `group` must divide `head_dim`. UsageError naming the value otherwise."""
     if name is None or name == "float":
+        if group is not None:  # a group with nothing to group is a mistaken request
+            raise UsageError(f"kv_group {group!r} takes kv_cache int8, got kv_cache {name!r}")
         return None
     if name not in KV_NAMES:
         raise UsageError(f"kv_cache must be int8 or float, got {name!r}")
