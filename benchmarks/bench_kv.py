@@ -1,14 +1,15 @@
 """Batched generation with the KV cache in float32 against int8 (issue 26 item 3), on this CPU.
 
     .venv/bin/python benchmarks/bench_kv.py [--dir /tmp/bench_llama] [--prompt 128] [--new 32]
-        [--batches 16,64] [--rounds 2] [--weights host] [--json out.json]
+        [--batches 16,64] [--rounds 2] [--weights host] [--micro auto] [--json out.json]
 
 On the 0.49 GB benchmark checkpoint (benchmarks/bench_llama_cpu.py makes it once: 8 layers, 4
 key/value heads of 64), `batch` prompts of --prompt random tokens, --new new tokens each (greedy,
 no stop), local engine, an arena of a third of the float32 weights, so the cache is offloaded
 (every decode step loads each row's cache blocks from the host store, and the weights that do
-not stay). Two models are open at once, one per cache kind, and the runs interleave (per round,
-per batch: float32, then int8) so that both see the same minutes of this shared machine.
+not stay), micro-batches the plans' choice (`--micro auto`) or fixed. Two models are open at
+once, one per cache kind, and the runs interleave (per round, per batch: float32, then int8) so
+that both see the same minutes of this shared machine.
 
 Per run: new tokens/s over the whole call (prefill included), the median decode step, the bytes
 a decode step loads (inputs and reloads, `BatchGeneration.bytes_loaded`, median over the steps)
@@ -51,9 +52,9 @@ def cache_bytes(model, rows: int) -> int:
     return sum(v.out.nbytes for v in prog.mg.vertices if v.kind in kinds and v.value in states)
 
 
-def run(model, batch: list[list[int]], new: int) -> dict:
+def run(model, batch: list[list[int]], new: int, micro: int | str) -> dict:
     t = time.perf_counter()
-    out = model.run_generate_batch(batch, new, stop_at_eos=False)
+    out = model.run_generate_batch(batch, new, stop_at_eos=False, micro=micro)
     wall = time.perf_counter() - t
     st = out.statistics()
     return {
@@ -76,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     weights = Checkpoint(path).weight_bytes()
     third = weights // 3
     batches = [int(b) for b in args.batches.split(",")]
+    micro = args.micro if args.micro == "auto" else int(args.micro)
     print(
         f"checkpoint {path}: {weights / 1e9:.2f} GB float32; prompt {args.prompt}, {args.new} new tokens; "
-        f"arena {third / 1e6:.0f} MB (a third of the weights), weights={args.weights}; "
+        f"arena {third / 1e6:.0f} MB (a third of the weights), weights={args.weights}, micro {micro}; "
         f"{torch.get_num_threads()} torch threads; load average {os.getloadavg()[0]:.1f} at start"
     )
     kw = dict(capacity=third, engine="local", weights=args.weights)
@@ -87,11 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for b in batches:  # warm-up: each shape's plans, the weights read
             for kv in KINDS:
-                models[kv].run_generate_batch(prompts(b, args.prompt), args.new, stop_at_eos=False)
+                models[kv].run_generate_batch(
+                    prompts(b, args.prompt), args.new, stop_at_eos=False, micro=micro
+                )
         for rnd in range(args.rounds):
             for b in batches:
                 for kv in KINDS:
-                    r = run(models[kv], prompts(b, args.prompt), args.new)
+                    r = run(models[kv], prompts(b, args.prompt), args.new, micro)
                     r["load_average"] = os.getloadavg()[0]
                     rows.setdefault((b, kv), []).append(r)
                     print(
@@ -147,6 +151,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (float32, int8) per batch")
     ap.add_argument("--weights", choices=["host", "disk"], default="host")
+    ap.add_argument("--micro", default="auto", help="micro-batches per step (auto: the plans' choice)")
     ap.add_argument("--json", help="write the figures here too")
     return ap.parse_args(argv)
 
