@@ -151,6 +151,21 @@ def _add_run_args(p) -> None:
     add_tier_args(p)  # --host-capacity, --disk
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: the checkpoint's")
     p.add_argument("--block", type=int, default=64, metavar="N", help="KV cache block, in tokens (64)")
+    p.add_argument(
+        "--kv-cache",
+        choices=["float", "int8"],
+        default="float",
+        help="how the KV cache is stored: in the compute dtype (float), or int8, group-wise per head "
+        "(a scale and zero point per --kv-group elements): about 4x fewer bytes than float32 held, "
+        "offloaded and reloaded (docs/QUANTIZATION.md#kv-cache-in-8-bits)",
+    )
+    p.add_argument(
+        "--kv-group",
+        type=positive_int,
+        metavar="N",
+        help="--kv-cache int8: elements per scale and zero point, a divisor of the head dimension "
+        "(default: the head dimension)",
+    )
     p.add_argument("--tile", type=int, metavar="N", help="prefill row tile, a multiple of --block (4 blocks)")
     p.add_argument(
         "--logits",

@@ -99,6 +99,7 @@ def model_stats(args, stats: dict) -> dict:
         "engine": args.engine,
         "backend": args.backend,
         "dtype": stats["dtype"],
+        "kv_cache": stats["kv_cache"],
         "resizes": stats["resizes"],
         "clamped_plans": stats["clamped_plans"],
         "capacity_choice": stats["capacity_choice"],
@@ -119,6 +120,8 @@ def open_model(args, capacity):
             dtype=args.dtype,
             block=args.block,
             tile=args.tile,
+            kv_cache=args.kv_cache,
+            kv_group=args.kv_group,
             **kw,
         )
     )

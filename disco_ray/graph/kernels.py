@@ -42,7 +42,7 @@ Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 # ops), kernels_train (training ops), kernels_attn_grad (the fused attention backward),
 # kernels_optim (gradient clipping), kernels_sample (token choice), kernels_act (the activations and soft-capping of families beyond LLaMA),
 # kernels_headnorm (per-head RMSNorm), kernels_moe (the mixture-of-experts ops), kernels_quant
-# (dequantization), kernels_mask (masks and positions), kernels_math (elementwise math),
+# (quantization, dequantization), kernels_mask (masks and positions), kernels_math (elementwise math),
 # kernels_conv (the CNN ops and the rest of ops_math); this module has those of the base op set (`ops`)
 IMPLS: dict[str, Impl] = {
     **LLM_KERNELS,

@@ -128,7 +128,11 @@ def _attention_at(out, ins, attrs):
     rows = torch.arange(t, device=q.device).unsqueeze(1) + pos
     keys = torch.arange(s, device=q.device).unsqueeze(0) + attrs.get("start", 0)
     mask = seen(keys, rows, attrs.get("window", 0))
-    _sdpa(out, q, kv[:m], kv[m:], h, attrs["kv_heads"] or h, attrs["scale"], mask, attrs.get("softcap"))
+    kvh = attrs["kv_heads"] or h
+    if attrs.get("kv_bits") is not None:  # packed tiles (an int8 KV cache): keys and values as floats
+        width = q.shape[1] // h * kvh
+        kv, m = [_dequant_stacked(x, 1, m, width, q.dtype, attrs)[0] for x in (kv[:m], kv[m:])], 1
+    _sdpa(out, q, kv[:m], kv[m:], h, kvh, attrs["scale"], mask, attrs.get("softcap"))
 
 
 @_into(KERNELS, "attention_span")
@@ -143,7 +147,10 @@ def _attention_span(out, ins, attrs):
     t, per = q.shape[0] // groups, h // kvh
 
     def stacked(tiles):  # -> [groups, kvh, s, d]
-        x = torch.stack([torch.cat(tiles[g * m : (g + 1) * m], dim=0) for g in range(groups)])
+        if attrs.get("kv_bits") is None:
+            x = torch.stack([torch.cat(tiles[g * m : (g + 1) * m], dim=0) for g in range(groups)])
+        else:  # packed tiles (an int8 KV cache): dequantized straight into the stacked keys
+            x = _dequant_stacked(tiles, groups, m, q.shape[1] // per, q.dtype, attrs)
         return x.unflatten(-1, (kvh, -1)).transpose(1, 2)
 
     k, v = stacked(kv[: groups * m]), stacked(kv[groups * m :])
@@ -161,6 +168,20 @@ def _attention_span(out, ins, attrs):
     sc.masked_fill_(~mask, float("-inf"))
     o = torch.matmul(sc.softmax(-1), v)  # [groups, kvh, per*t, d]
     out.view(groups, t, kvh, per, d).copy_(o.view(groups, kvh, per, t, d).permute(0, 3, 1, 2, 4))
+
+
+def _dequant_stacked(tiles, groups: int, m: int, width: int, dtype, attrs) -> torch.Tensor:
+    """Packed key or value tiles (`quant`'s layout), m per group, as floats [groups, s, width]."""
+    from .kernels_quant import dequant_tile  # at call: this module imports none of the project's
+
+    s = sum(t.shape[0] for t in tiles[:m])
+    x = torch.empty(groups, s, width, dtype=dtype, device=tiles[0].device)
+    for g in range(groups):
+        at = 0
+        for t in tiles[g * m : (g + 1) * m]:
+            dequant_tile(x[g, at : at + t.shape[0]], t, attrs["kv_bits"], attrs["kv_group"])
+            at += t.shape[0]
+    return x
 
 
 @_into(KERNELS, "kv_write")
@@ -244,7 +265,15 @@ def _attention_temps_op(out, ins, attrs):
 
 @_into(TEMPS, "attention_at")
 def _attention_at_temps(out, ins, attrs):
-    return _attention_temps(ins[0], ins[2:], attrs, True)
+    q, kv = ins[0], ins[2:]
+    if attrs.get("kv_bits") is None:
+        return _attention_temps(q, kv, attrs, True)
+    # packed tiles: the float keys and values (as if concatenated), the dequantizing scratch
+    h = attrs["heads"]
+    width, s = q.shape[1] // h * (attrs["kv_heads"] or h), sum(k.shape[0] for k in kv[: len(kv) // 2])
+    scratch = max(k.shape[0] for k in kv) * (4 * width + 16 * width // attrs["kv_group"] + 64)
+    flat = torch.empty(s, 0, dtype=q.dtype)  # a tile of s rows: what the count reads of it
+    return 2 * s * width * q.element_size() + scratch + _attention_temps(q, [flat, flat], attrs, True)
 
 
 @_into(TEMPS, "attention_span")
@@ -255,6 +284,8 @@ def _attention_span_temps(out, ins, attrs):
     t, d, esz = q.shape[0], q.shape[1] // h, q.element_size()
     kvh = attrs["kv_heads"] or h
     kv_bytes = 2 * groups * s * kvh * d * esz  # the stacked keys and values
+    if attrs.get("kv_bits") is not None:  # dequantizing a packed tile: its float32 rows, scales
+        kv_bytes += max(k.shape[0] for k in kv) * (4 * kvh * d + 16 * kvh * d // attrs["kv_group"] + 64)
     # the mask (two aranges' compares, its per-head copy), scores and probabilities, the output
     return kv_bytes + t * s * (2 + 2 * 8 + h) + 2 * t * s * h * max(esz, 4) + t * h * d * esz
 

@@ -1,5 +1,6 @@
 """Group-wise min-max quantization in torch (`quant` says the packed layout): `quantize` (where a
-worker reads a weight), `dequantize` and the `dequant` op's kernel (on the device that uses it)."""
+worker reads a weight) and the `quant` op's kernel (a KV cache row as it is written),
+`dequantize` and the `dequant` op's kernel (on the device that uses it)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
 
 def quantize(w: torch.Tensor, q: Quant) -> torch.Tensor:
     """The packed uint8 form [out, width] of weight `w` [out, in] (any float dtype)."""
+    out = torch.empty(q.packed_shape(tuple(w.shape)), dtype=torch.uint8, device=w.device)
+    if not _quant_into(out, w, q):
+        raise ValueError("values beyond float16's range (65504): a scale or zero point overflows")
+    return out
+
+
+def _quant_into(out: torch.Tensor, w: torch.Tensor, q: Quant, check: bool = True) -> bool:
+    """Packs `w` [rows, cols] into `out` [rows, width] (uint8); with `check`, False when a scale or
+    zero point overflows float16 (a host sync: a kernel skips it, the logits' check sees the NaN)."""
     rows, cols = w.shape
     ng, top = q.groups(cols), (1 << q.bits) - 1
     x = w.float()
@@ -26,20 +36,20 @@ def quantize(w: torch.Tensor, q: Quant) -> torch.Tensor:
     scale = ((hi - lo) / top).half()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: codes 0
     zero = lo.half()
-    if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
-        raise ValueError("values beyond float16's range (65504): a scale or zero point overflows")
+    if check and not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+        return False
     codes = ((x - zero.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, top)
     codes = codes.to(torch.uint8).view(rows, ng * q.group)[:, :cols]
     cb = q.code_bytes(cols)
-    out = torch.zeros(rows, cb + 4 * ng, dtype=torch.uint8)
     if q.bits == 8:
         out[:, :cols] = codes
+        out[:, cols:cb] = 0
     else:
-        pairs = torch.zeros(rows, 2 * cb, dtype=torch.uint8)
+        pairs = torch.zeros(rows, 2 * cb, dtype=torch.uint8, device=w.device)
         pairs[:, :cols] = codes
         out[:, :cb] = pairs[:, 0::2] | (pairs[:, 1::2] << 4)
     out[:, cb:] = torch.cat([scale, zero], dim=1).view(torch.uint8)
-    return out
+    return True
 
 
 def dequantize(packed: torch.Tensor, q: Quant, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -76,6 +86,25 @@ def _dequant(out, ins, attrs):
     )
 
 
+def _quant(out, ins, attrs):
+    _quant_into(out, ins[0], Quant(attrs["bits"], attrs["group"]), check=False)
+
+
+def dequant_tile(out: torch.Tensor, packed: torch.Tensor, bits: int, group: int) -> None:
+    """`packed` rows (`quant`'s layout) dequantized into `out` [rows, cols]: a KV cache tile
+    read by attention (`attention_span` with kv_bits)."""
+    _dequant_into(out, packed, Quant(bits, group))
+
+
+def _quant_temps(out, ins, attrs):
+    # float32 copies rounded up to whole groups (the input, its padding, (x - zero) / scale), the
+    # codes, the nibble pairs; min, max, scale and zero per group
+    rows, cols = ins[0].shape
+    q = Quant(attrs["bits"], attrs["group"])
+    full = q.groups(cols) * q.group
+    return rows * (17 * full + 2 * q.code_bytes(cols) + 24 * q.groups(cols))
+
+
 def _dequant_temps(out, ins, attrs):
     # the float32 codes (a row rounded up to whole groups), the unpacked nibbles, the scales
     rows, cols = out.shape
@@ -83,5 +112,5 @@ def _dequant_temps(out, ins, attrs):
     return rows * (4 * q.groups(cols) * q.group + 2 * q.code_bytes(cols) + 16 * q.groups(cols))
 
 
-KERNELS: dict[str, Impl] = {"dequant": _dequant}
-TEMPS: dict[str, TempBytes] = {"dequant": _dequant_temps}
+KERNELS: dict[str, Impl] = {"dequant": _dequant, "quant": _quant}
+TEMPS: dict[str, TempBytes] = {"dequant": _dequant_temps, "quant": _quant_temps}

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import math
 
-from .opspec import REQUIRED, OpSpec, _same_dtype, no_flops, numel, register
+from .opspec import ATTR_TYPES, REQUIRED, OpSpec, _is_int, _same_dtype, no_flops, numel, register
+from .quant import Quant
+
+for _op in ("attention_at", "attention_span"):  # an int8 KV cache's packing (null: floats)
+    for _a in ("kv_bits", "kv_group"):
+        ATTR_TYPES[(_op, _a)] = (lambda x: x is None or (_is_int(x) and x >= 1), "null or an integer >= 1")
 
 
 def _infer_concat(shapes, dtypes, attrs):
@@ -143,8 +148,9 @@ def _infer_attention_at(shapes, dtypes, attrs):
     if "start" in attrs:
         _int_attr("attention_at", attrs, "start")
     _window("attention_at", attrs)
-    _check_kv("attention_at", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
-    return q, _same_dtype("attention_at", [dtypes[0], *dtypes[2:]])
+    width, kvd = _packed_kv("attention_at", attrs, kvh * d, dtypes[2:])
+    _check_kv("attention_at", kv, width, f"q {list(q)} with kv_heads={kvh}{kvd}")
+    return q, _same_dtype("attention_at", [dtypes[0]] if kvd else [dtypes[0], *dtypes[2:]])
 
 
 def _flops_attention_at(shapes, out, attrs):  # an upper bound: every key scored (pos is data)
@@ -172,11 +178,30 @@ def _infer_attention_span(shapes, dtypes, attrs):
     if "start" in attrs:
         _int_attr("attention_span", attrs, "start")
     _window("attention_span", attrs)
-    _check_kv("attention_span", kv, kvh * d, f"q {list(q)} with kv_heads={kvh}")
+    width, kvd = _packed_kv("attention_span", attrs, kvh * d, dtypes[2:])
+    _check_kv("attention_span", kv, width, f"q {list(q)} with kv_heads={kvh}{kvd}")
     m = len(kv) // 2 // groups  # key tiles per group: the same shapes in every group
     if any(kv[g * m + j] != kv[j] for g in range(groups) for j in range(m)):
         raise ValueError(f"attention_span: the {groups} groups' key tiles differ in shape")
-    return q, _same_dtype("attention_span", [dtypes[0], *dtypes[2:]])
+    return q, _same_dtype("attention_span", [dtypes[0]] if kvd else [dtypes[0], *dtypes[2:]])
+
+
+def _packed_kv(name: str, attrs, width: int, dtypes) -> tuple[int, str]:
+    """A cached attention's key/value tiles' width, and how they are packed ("": the compute
+    dtype's floats): with kv_bits, uint8 rows of `width` elements in `quant`'s layout, kv_group
+    elements per scale and zero point."""
+    bits, group = attrs.get("kv_bits"), attrs.get("kv_group")
+    if bits is None and group is None:
+        return width, ""
+    try:
+        q = Quant(bits, group)  # type: ignore[arg-type]
+    except Exception as e:  # UsageError: a bad bits or group, said as the op's reason
+        raise ValueError(f"{name}: packed key/value tiles: {e}") from None
+    if any(dt != "uint8" for dt in dtypes):
+        raise ValueError(
+            f"{name}: kv_bits {bits}: the key/value tiles must be uint8, got {sorted(set(dtypes))}"
+        )
+    return q.packed_shape((1, width))[1], f" packed as int{bits}, group {group} (uint8)"
 
 
 def _flops_attention_span(shapes, out, attrs):  # an upper bound: every key of its group scored
@@ -277,12 +302,15 @@ register(
             "start": 0,
             "window": 0,
             "softcap": None,
+            "kv_bits": None,
+            "kv_group": None,
         },
         flops=_flops_attention_at,
         doc="attention of q [t, heads*d] at run-time position pos (int [1]) over cached key tiles k_1..k_m "
         "then value tiles v_1..v_m ([t_j, kv_heads*d], positions start.. in order): query row r sees keys "
         "at positions <= pos + r, and > pos + r - window when window > 0 (a decode step's attention over "
-        "its KV cache, from its first block in the window; no host sync); softcap as attention's",
+        "its KV cache, from its first block in the window; no host sync); softcap as attention's; "
+        "kv_bits, kv_group: packed tiles as attention_span's",
     )
 )
 register(
@@ -299,6 +327,8 @@ register(
             "start": 0,
             "window": 0,
             "softcap": None,
+            "kv_bits": None,
+            "kv_group": None,
         },
         flops=_flops_attention_span,
         doc="attention of q [groups*t, heads*d] where each group of t query rows has key tiles of its own: "
@@ -307,7 +337,9 @@ register(
         "index start); query row r sees its group's keys at indices span[r,0]..span[r,1] (and > "
         "span[r,1] - window when window > 0) and always the one at span[r,1] (a "
         "padding row sees itself: finite, never NaN). Ragged batches: left padding and causality as "
-        "run-time data; softcap as attention's",
+        "run-time data; softcap as attention's; kv_bits 8 (kv_group g): the key/value tiles are "
+        "packed uint8 rows (`quant`'s layout, g elements per scale and zero point), dequantized in "
+        "the kernel (an int8 KV cache; null: floats in q's dtype)",
     )
 )
 register(

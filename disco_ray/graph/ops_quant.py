@@ -1,5 +1,6 @@
-"""The weight-only quantization op: `dequant` turns a packed weight (`quant`) into the compute
-dtype. Kernel in `kernels_quant`."""
+"""The quantization ops: `dequant` turns a packed weight (`quant` says the layout) into the
+compute dtype; `quant` packs rows as they are made (a KV cache row, docs/QUANTIZATION.md).
+Kernels in `kernels_quant`."""
 
 from __future__ import annotations
 
@@ -50,5 +51,33 @@ register(
         doc="a weight [n, cols] in `dtype` from its packed uint8 form [n, codes | scales | zeros] "
         "(docs/QUANTIZATION.md): group-wise min-max, `bits` 8 or 4 per code, `group` codes per "
         "float16 scale and zero point: code * scale + zero; rows start..stop-1 only (stop null: to the end)",
+    )
+)
+
+
+def _infer_quant(shapes, dtypes, attrs):
+    (x,) = shapes
+    if dtypes[0] not in FLOATS:
+        raise ValueError(f"quant: the input must be floating, got {dtypes[0]}")
+    try:
+        q = Quant(attrs["bits"], attrs["group"])
+    except Exception as e:  # UsageError: a bad bits or group, said as the op's reason
+        raise ValueError(f"quant: {e}") from None
+    if len(x) != 2 or min(x) < 1:
+        raise ValueError(f"quant: the input must be [rows, cols], got {list(x)}")
+    return q.packed_shape(x), "uint8"
+
+
+register(
+    OpSpec(
+        "quant",
+        1,
+        1,
+        _infer_quant,
+        attrs={"bits": REQUIRED, "group": REQUIRED},
+        flops=lambda s, o, a: 4.0 * numel(s[0]),
+        doc="rows x [n, cols] packed (uint8 [n, codes | scales | zeros], docs/QUANTIZATION.md): "
+        "group-wise min-max along each row, `bits` 8 or 4 per code, `group` elements per float16 "
+        "scale and zero point; `dequant`'s inverse (a KV cache row quantized as it is written)",
     )
 )

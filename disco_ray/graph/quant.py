@@ -36,6 +36,28 @@ NAMES = {"int8": 8, "int4": 4}  # --quantize's values -> bits
 DEFAULT_GROUP = 64  # FlexGen's group size
 
 
+KV_NAMES = {"int8": 8}  # --kv-cache's packed values -> bits ("float": the compute dtype)
+
+
+def kv_quant(name: str | None, head_dim: int, group: int | None = None) -> Quant | None:
+    """The KV cache's packing: `name` "int8" (None or "float": the compute dtype's floats), one
+    scale and zero point per `group` elements (default: a head's row, `head_dim`), so a group never
+    straddles two heads: `group` must divide `head_dim`. UsageError naming the value otherwise."""
+    if name is None or name == "float":
+        if group is not None:  # a group with nothing to group is a mistaken request
+            raise UsageError(f"kv_group {group!r} takes kv_cache int8, got kv_cache {name!r}")
+        return None
+    if name not in KV_NAMES:
+        raise UsageError(f"kv_cache must be int8 or float, got {name!r}")
+    if group is not None and (
+        not isinstance(group, int) or isinstance(group, bool) or group < 1 or head_dim % group
+    ):
+        raise UsageError(
+            f"kv_group must divide the head dimension {head_dim} (a group within a head), got {group!r}"
+        )
+    return Quant(KV_NAMES[name], head_dim if group is None else group)
+
+
 @dataclass(frozen=True, slots=True)
 class Quant:
     """How a weight is quantized: `bits` per code and `group` elements per scale and zero point."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from disco_ray.graph.memgraph import MemGraph, MKind
-from disco_ray.graph.quant import Quant
+from disco_ray.graph.quant import Quant, kv_quant
 from planner.capacity import CapacityBounds
 from workloads.llm.batch import batch_decode_graph, batch_prefill_graph
 from workloads.llm.checkpoint import Checkpoint
@@ -69,6 +69,8 @@ def capacity_bounds(
     stops: int = STOPS,
     quantize: str | None = None,
     quant_group: int = 64,
+    kv_cache: str | None = None,
+    kv_group: int | None = None,
 ) -> CapacityBounds:
     """Per GPU, the least capacity that plans every graph a generation of `new_tokens` after a
     prompt of `prompt` tokens uses (`min`: its largest vertex fits), and the capacity with room
@@ -78,8 +80,10 @@ def capacity_bounds(
     (rows rounded up to a power of two, `micro` micro-batches; the fewer rows after compaction
     need no more), instead of the single-sequence ones; its decode steps sample on the device with
     `stops` stop ids per row (`run_generate_batch` rounds a request's up to a power of two >= 4).
-    `quantize`, `quant_group`: the graphs of a model run with them (packed weights)."""
+    `quantize`, `quant_group`: the graphs of a model run with them (packed weights); `kv_cache`,
+    `kv_group` alike (an int8 KV cache)."""
     ck = Checkpoint(path).quantized(Quant.named(quantize, quant_group))
+    ck = ck.with_kv_cache(kv_quant(kv_cache, ck.config.head_dim, kv_group))
     blocks = math.ceil(prompt / block)
     tile = tile or 4 * block
     last = prompt + new_tokens - 2  # the position the last decode step feeds

@@ -28,6 +28,7 @@ from actors.options import STALL_S
 from disco_ray.driver.elastic import device_memory, fit_budget
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
+from disco_ray.graph.quant import kv_quant
 from disco_ray.graph.sizes import parse_capacity
 from workloads.llm.model import ModelGraph
 
@@ -92,6 +93,11 @@ class LlamaModel(PlannedModel):
         quantize: "int8" or "int4": the decoder layers' linear weights are read quantized, kept
             and moved packed, dequantized where used (docs/QUANTIZATION.md); None: as stored.
         quant_group: elements per scale and zero point of a quantized weight's rows.
+        kv_cache: "int8": the KV cache blocks stored packed, group-wise within each head, each
+            new key and value row quantized as it is written, the blocks dequantized in attention
+            (docs/QUANTIZATION.md#kv-cache-in-8-bits); None or "float": in the compute dtype.
+        kv_group: elements per scale and zero point of an int8 cache row (a divisor of the head
+            dimension; default: the head dimension, one per head).
         pool: a `RayPool` / `LocalPool` to run on and keep (default: one of its own, closed
             with the model).
     """
@@ -120,6 +126,8 @@ class LlamaModel(PlannedModel):
         stall_timeout: float = STALL_S,
         quantize: str | None = None,
         quant_group: int = 64,
+        kv_cache: str | None = None,
+        kv_group: int | None = None,
     ):
         if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
             raise UsageError(f"gpus must be a positive integer, got {gpus!r}")
@@ -130,6 +138,7 @@ class LlamaModel(PlannedModel):
             raise UsageError(f"tile must be a multiple of block {block}, got {tile!r}")
         self.tile = tile
         self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine, quantize, quant_group)
+        self.ck = self.ck.with_kv_cache(kv_quant(kv_cache, self.ck.config.head_dim, kv_group))
         self.config = self.ck.config
         self.gpus, self.block = gpus, block
         cluster = dict(num_cpus=num_cpus, placement=placement, address=address)
@@ -417,6 +426,7 @@ class LlamaModel(PlannedModel):
             "capacity_choice": None if self.capacity_choice is None else self.capacity_choice.statistics(),
             "weight_bytes": self.ck.weight_bytes(self.dtype),
             "quantize": None if self.ck.quant is None else self.ck.quant.to_dict(),
+            "kv_cache": None if self.ck.kv_cache is None else self.ck.kv_cache.to_dict(),
             "plans": list(self.plans),
             "planning_s": round(self.planning_s, 4),
             "load_s": round(self.load_s, 4),

@@ -34,6 +34,7 @@ from .checkpoint import Checkpoint, ModelConfig
 from .decode_sample import add_sampling
 from .layer import Attend, rope_tables
 from .model import ModelGraph, _Builder, first_block
+from .packed import cache_block, kv_attrs, kv_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,12 +236,14 @@ def _rows_attend(
         return g.slice(x, axis=0, start=s, stop=s + block, id=f"{x}.r{i}.b{n}")
 
     def attend(j: int, q: str, k: str, v: str) -> str:
+        pk = b.ck.kv_cache  # an int8 cache stores packed rows; the tile's attention reads the floats
+        kq, vq = kv_rows(g, pk, k, f"{stem}.kq_g{j}"), kv_rows(g, pk, v, f"{stem}.vq_g{j}")
         for i, row in enumerate(grp):
             for n in range(r // block):
                 blk = r0 // block + n
-                for x, kind, kept in ((k, "k", keys), (v, "v", vals)):
+                for x, xq, kind, kept in ((k, kq, "k", keys), (v, vq, "v", vals)):
                     part = cut(x, i, n)
-                    g.save_state(part, _state(kind, row, li, blk, j))
+                    g.save_state(part if xq == x else cut(xq, i, n), _state(kind, row, li, blk, j))
                     kept[j][i].append(part)
         if not q:
             return ""
@@ -323,24 +326,25 @@ def _cached_rows_attend(
     """The attention of the rows `grp` (one token each, at run-time index pos) over their own KV
     cache blocks of layer li from the first in the window (`first_block`), each row's key and
     value written into its last block."""
-    g, cur = b.g, blocks - 1
+    g, cur, kv = b.g, blocks - 1, b.ck.kv_cache
     first = first_block(b.layer.spec, li, blocks, block)
-    kvw = b.split.kv_heads * b.cfg.head_dim
+    shape, dtype = cache_block(kv, block, b.split.kv_heads * b.cfg.head_dim, b.dtype)
 
     def attend(j: int, q: str, k: str, v: str) -> str:
         keys: list[str] = []
         vals: list[str] = []
+        k, v = kv_rows(g, kv, k, f"{stem}.kq_g{j}"), kv_rows(g, kv, v, f"{stem}.vq_g{j}")  # int8: packed
         for i, row in enumerate(grp):
             for kind, new, kept in (("k", k, keys), ("v", v, vals)):
                 cache = [
-                    g.input(_state(kind, row, li, n, j), (block, kvw), b.dtype, gpu=j, state=True)
+                    g.input(_state(kind, row, li, n, j), shape, dtype, gpu=j, state=True)
                     for n in range(first, blocks)
                 ]
                 wid, at = f"{stem}.{kind}w{i}_g{j}", cur * block
                 w = g.kernel("kv_write", cache[-1], new, pos[j], id=wid, start=at, row=i)
                 g.save_state(w, cache[-1])
                 kept += [*cache[:-1], w]
-        attrs = b.layer.attention_attrs(li) | {"start": first * block}
+        attrs = b.layer.attention_attrs(li) | {"start": first * block} | kv_attrs(kv)
         return g.kernel(
             "attention_span", q, span[j], *keys, *vals, id=f"{stem}.attn_g{j}", groups=len(grp), **attrs
         )

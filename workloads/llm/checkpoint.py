@@ -105,6 +105,15 @@ class Checkpoint:
     stored_quant: Quant | None = None  # a quantized checkpoint's bits and group (its config.json's)
     stored: dict[str, Quant] = {}  # the tensors stored packed (a new dict per instance read)
 
+    kv_cache: Quant | None = None  # a batch's KV cache blocks stored packed so (`with_kv_cache`)
+
+    def with_kv_cache(self, kv: Quant | None) -> Checkpoint:
+        """This checkpoint with its batch graphs' KV cache blocks stored as `kv` packs them, group-wise
+        within each head (docs/QUANTIZATION.md#kv-cache-in-8-bits; None: in the compute dtype)."""
+        ck = copy.copy(self)
+        ck.kv_cache = kv
+        return ck
+
     def quantized(self, quant: Quant | None) -> Checkpoint:
         """This checkpoint with its decoder layers' linear weights read as `quant` packs them
         (None: as stored; the embedding table and LM head: docs/QUANTIZATION.md). A quantized

@@ -42,7 +42,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
 from .layer import COL_SPLIT, EXPERT_ROLES, ROW_SPLIT, Attend, Layer, LayerSpec, Split, rope_tables
-from .packed import dequantized, packed_linear
+from .packed import cache_block, dequantized, kv_attrs, kv_rows, packed_linear
 
 PROJECTIONS = frozenset(ROW_SPLIT + COL_SPLIT)  # the weights a quantized checkpoint packs
 
@@ -305,9 +305,11 @@ def _tile_attend(
     def attend(j: int, q: str, k: str, v: str) -> str:
         ks[j].append(k)
         vs[j].append(v)
-        if cache:
-            _save_blocks(b.g, k, f"kc.l{li}", r0, rows, cache, j)
-            _save_blocks(b.g, v, f"vc.l{li}", r0, rows, cache, j)
+        for x, c in ((k, "k"), (v, "v")) if cache else ():
+            # an int8 cache stores packed rows; the tiles' attention reads the floats
+            _save_blocks(
+                b.g, kv_rows(b.g, b.ck.kv_cache, x, f"{stem}.{c}q_g{j}"), f"{c}c.l{li}", r0, rows, cache, j
+            )
         return q and b.layer.attention(q, ks[j][n0:], vs[j][n0:], f"{stem}.attn_g{j}", r0 - k0, li)
 
     return attend
@@ -339,24 +341,22 @@ def behind_window(cfg: ModelConfig, gpus: int, p: int, block: int, first: bool) 
 def _cached_attend(b: _Builder, li: int, stem: str, pos: list[str], blocks: int, block: int) -> Attend:
     """The attention of one token at run-time position pos over layer li's KV cache blocks
     first..blocks-1 (states; `first_block`), its key and value written into the last one."""
-    g, cur = b.g, blocks - 1
+    g, cur, packing = b.g, blocks - 1, b.ck.kv_cache
     first = first_block(b.layer.spec, li, blocks, block)
-    kvw = b.split.kv_heads * b.cfg.head_dim
+    shape, dtype = cache_block(packing, block, b.split.kv_heads * b.cfg.head_dim, b.dtype)
 
     def attend(j: int, q: str, k: str, v: str) -> str:
         kc, vc = (
-            [
-                g.input(f"{c}c.l{li}.b{n}_g{j}", (block, kvw), b.dtype, gpu=j, state=True)
-                for n in range(first, blocks)
-            ]
+            [g.input(f"{c}c.l{li}.b{n}_g{j}", shape, dtype, gpu=j, state=True) for n in range(first, blocks)]
             for c in "kv"
         )
+        k, v = kv_rows(g, packing, k, f"{stem}.kq_g{j}"), kv_rows(g, packing, v, f"{stem}.vq_g{j}")
         kn = g.kernel("kv_write", kc[-1], k, pos[j], id=f"{stem}.kw_g{j}", start=cur * block)
         vn = g.kernel("kv_write", vc[-1], v, pos[j], id=f"{stem}.vw_g{j}", start=cur * block)
         g.save_state(kn, kc[-1])
         g.save_state(vn, vc[-1])
         kv = (*kc[:-1], kn, *vc[:-1], vn)
-        attrs = b.layer.attention_attrs(li)
+        attrs = b.layer.attention_attrs(li) | kv_attrs(packing)
         return g.kernel("attention_at", q, pos[j], *kv, id=f"{stem}.attn_g{j}", start=first * block, **attrs)
 
     return attend

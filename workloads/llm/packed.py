@@ -1,8 +1,11 @@
-"""Packed (quantized) weights in the model graphs: each use reads the weight through `dequantized`."""
+"""Packed (quantized) values in the model graphs: each use of a packed weight reads it through
+`dequantized`; an int8 KV cache (`Checkpoint.kv_cache`) stores rows as `kv_rows` packs them,
+in blocks of `cache_block`, read by a cached attention with `kv_attrs` (dequantized in it)."""
 
 from __future__ import annotations
 
 from disco_ray.graph.dtypes import ITEMSIZE
+from disco_ray.graph.quant import Quant
 from disco_ray.graph.taskgraph import TaskGraph
 
 
@@ -42,3 +45,20 @@ def packed_linear(g: TaskGraph, x: str, w: str, cols: int, id: str) -> str:
         for k, a in enumerate(range(0, n, step))
     ]
     return parts[0] if len(parts) == 1 else g.kernel("concat", *parts, id=id, axis=-1)
+
+
+def cache_block(kv: Quant | None, block: int, width: int, dtype: str) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype of one GPU's KV cache block of `block` rows of `width` (its key/value
+    heads): in the compute `dtype`, or packed uint8 rows as `kv` packs them."""
+    return ((block, width), dtype) if kv is None else (kv.packed_shape((block, width)), "uint8")
+
+
+def kv_rows(g: TaskGraph, kv: Quant | None, x: str, id: str) -> str:
+    """Key or value rows `x` as the KV cache stores them: themselves, or packed by a `quant`
+    vertex `id` (on the device, as the rows are made)."""
+    return x if kv is None else g.kernel("quant", x, id=id, bits=kv.bits, group=kv.group)
+
+
+def kv_attrs(kv: Quant | None) -> dict:
+    """What a cached attention (`attention_at`, `attention_span`) adds to read packed blocks."""
+    return {} if kv is None else {"kv_bits": kv.bits, "kv_group": kv.group}
