@@ -121,3 +121,19 @@ def pytest_collection_modifyitems(config, items):
     """Orders the longest modules first, the rest as collected (a stable sort)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_ray_for_module(request):
+    """Stops the process's shared Ray (tests/ray_fixtures.py) before a module that says
+    `NO_SHARED_RAY = True` (its tests start their own Ray or check that none runs)."""
+    if getattr(request.module, "NO_SHARED_RAY", False) and "tests.ray_fixtures" in sys.modules:
+        sys.modules["tests.ray_fixtures"].SHARED.stop()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_ray():
+    yield
+    if "tests.ray_fixtures" in sys.modules:
+        sys.modules["tests.ray_fixtures"].SHARED.stop()

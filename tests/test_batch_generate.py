@@ -29,8 +29,6 @@ from tests.test_models import make_checkpoint, rel_err  # noqa: E402
 from workloads.llm.batch import batch_decode_graph, batch_prefill_graph  # noqa: E402
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 BLOCK = 4
 PROMPTS = [
     [5, 17, 3],

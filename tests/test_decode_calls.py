@@ -17,8 +17,6 @@ from disco_ray.models.sampling import SamplingParams
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture for the ray test)
 from tests.test_batch_generate import BLOCK, MAX_NEW, PROMPTS, capacity, ckpt, free, own_stop  # noqa: F401
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 SAMPLED = SamplingParams(do_sample=True, temperature=1.3, top_k=50, top_p=0.9, seed=11)
 
 

@@ -24,8 +24,6 @@ from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 from workloads.llm.families.gemma2 import layer_windows  # noqa: E402
 from workloads.llm.layer import Activation  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 ARCH = "Gemma2ForCausalLM"
 GEMMA = dict(
     head_dim=16,

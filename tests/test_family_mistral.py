@@ -20,8 +20,6 @@ from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 from workloads.llm.model import decode_graph, prefill_graph  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 WINDOW = 5
 ARCH = "MistralForCausalLM"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

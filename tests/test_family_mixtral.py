@@ -27,8 +27,6 @@ from workloads.llm.lora import default_targets  # noqa: E402
 from workloads.llm.model import decode_graph  # noqa: E402
 from workloads.llm.train import LoraSpec, OptimSpec, train_graph  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 EXPERTS, TOP_K = 4, 2
 CFG = dict(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, intermediate_size=32)
 

@@ -22,8 +22,6 @@ from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 from workloads.llm.model import prefill_graph  # noqa: E402
 from workloads.llm.train import LoraSpec, OptimSpec, train_graph  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 ARCH = "Phi3ForCausalLM"
 MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # peft's names of its linear layers
 WINDOW = 64  # below max_position_embeddings (128), as Phi-3 mini's 2047 is below its 4096

@@ -19,8 +19,6 @@ from tests import family_oracle as oracle  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen2_tied": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CONFIG = {"qwen2": {}, "qwen2_tied": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 16}}

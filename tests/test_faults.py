@@ -23,6 +23,7 @@ from tests.test_runtime_local import assert_same, noop_graph
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
+NO_SHARED_RAY = True  # its first test starts Ray itself and checks that shutdown() stops it
 
 
 @pytest.mark.slow
@@ -50,8 +51,6 @@ def test_runs_share_one_warm_pool_until_shutdown():
 
 
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture)
-
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
 
 
 def test_kernel_that_raises_names_worker_and_vertex(pool, noop_op):  # noqa: F811

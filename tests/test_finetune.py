@@ -27,8 +27,6 @@ from tests.test_models import make_checkpoint  # noqa: E402
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 from workloads.llm.train import LoraSpec, OptimSpec, train_graph  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BLOCK = 4
 

@@ -28,8 +28,6 @@ from tests import family_oracle as oracle  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.train import OptimSpec  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 ARCH = "LlamaForCausalLM"
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 BLOCK = 4

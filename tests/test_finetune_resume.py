@@ -28,8 +28,6 @@ from tests.ray_fixtures import pool  # noqa: F401  (module fixture for the ray t
 from tests.test_models import make_checkpoint
 from workloads.llm.train import LoraSpec, OptimSpec
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 LORA = LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"))
 OPTIM = OptimSpec(lr=1e-2, weight_decay=0.01)
 SCHEDULE = LrSchedule.named("linear", 1)

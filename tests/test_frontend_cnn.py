@@ -17,8 +17,6 @@ from disco_ray.graph.errors import FrontendError, UsageError
 from tests.cnn_models import resnet18
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture)
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 TOL = dict(atol=2e-6, rtol=1e-5)  # the same torch kernels on the same values: rounding only
 
 

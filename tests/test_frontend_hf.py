@@ -18,8 +18,6 @@ from disco_ray.graph.kernels import run_kernel
 from disco_ray.graph.ops_mask import index_shape
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture)
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 HEADS = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 HF = {  # name: (config class, model class, config arguments)

@@ -15,6 +15,8 @@ from disco_ray.driver.program import Program
 from disco_ray.graph.reference import evaluate, random_inputs
 from tests.runtime_helpers import plan, random_taskgraph
 
+NO_SHARED_RAY = True  # its pools start a Ray with the machine's real GPUs
+
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 

@@ -25,8 +25,6 @@ from tests.conftest import run_cli  # noqa: E402
 from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the ray test)
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 PROMPT = [5, 17, 3, 99, 42, 7, 8, 1, 60, 63]
 BLOCK = 4  # KV cache block and prefill tile: a 10-token prompt is 3 tiles, generation crosses blocks
 

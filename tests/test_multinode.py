@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray")
 from tests.ray_cluster import LocalCluster  # noqa: E402
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.slow]
+NO_SHARED_RAY = True  # its tests drive a cluster of their own
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,6 @@ from tests.ray_fixtures import joining, pool, ray_address  # noqa: E402, F401  (
 from tests.test_models import make_checkpoint  # noqa: E402
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 NORM = "model.layers.0.input_layernorm.weight"
 POST_NORM = "model.layers.1.post_attention_layernorm.weight"
 PROMPT = "5,17,3,99"

@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 from disco_ray.cli import main
 from tests.conftest import ROOT, run_cli
 
+NO_SHARED_RAY = True  # the --address cases must find no Ray running in this process
+
 CHAIN = ROOT / "examples" / "chain.json"
 CHAIN_DOC = json.loads(CHAIN.read_text())
 

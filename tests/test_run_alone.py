@@ -21,8 +21,6 @@ from tests.ray_fixtures import pool  # noqa: F401  (module fixture)
 from tests.runtime_helpers import MODES, noop_op, plan, random_taskgraph  # noqa: F401
 from tests.test_runtime_local import assert_same, noop_graph
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 

@@ -16,8 +16,6 @@ from disco_ray.graph.kernels_sample import as_bits
 from disco_ray.graph.taskgraph import TaskGraph
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture for the ray tests)
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 V, ROWS = 16, 3
 
 

@@ -23,8 +23,6 @@ from planner.verify import verify
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture: the ray engine cases)
 from tests.runtime_helpers import tight_capacity
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 
 @pytest.fixture
 def weights(tmp_path):

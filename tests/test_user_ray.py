@@ -16,8 +16,6 @@ from disco_ray.graph.taskgraph import TaskGraph
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture)
 from tests.torch_models import build
 
-POOL_GPUS = 2  # the most GPUs its Ray tests use: the pool makes no more workers
-
 pytestmark = pytest.mark.ray
 
 
