@@ -177,7 +177,8 @@ class Executor(GpuResources):
             # launch ahead a kernel may wait on a load launched in the same pass, on its lane
             inline = delay is None and not check and not ahead
             self._inline = self._skip - self._watched if inline else frozenset()
-            self.slots.start(ahead, lane_of)
+            # nothing goes ahead behind a vertex another thread enqueues (`WorkerCore`: deadlocks)
+            self.slots.start(ahead, lane_of, self._mode)
             self.trace = []
             if self.spill is not None:
                 self.spill.flush()  # the last run's writes behind are in (RunError if one failed)
