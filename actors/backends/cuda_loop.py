@@ -38,7 +38,8 @@ Work that does not only enqueue (`actors.backends.base.Mode`):
 Whatever a helper or the channel hits, the vertex comes back to the loop (`_recorded`), with its
 error, so no thread's death holds a stream for ever.
 
-Failures: an error of one vertex's launch (its waits, events, `work`) ends that vertex with it;
+Failures: an error of one vertex's launch (its waits, events, `work`, or the launch path itself)
+ends that vertex with it, so its run ends and the next one starts;
 an error of the loop outside any vertex (a bug, a broken device) ends every vertex it holds, each
 exactly once (`_fail_in_hand`), and the loop goes on.
 """
@@ -234,9 +235,15 @@ class CudaLoop:
                 continue
             launched += 1
             if mode == Mode.LAUNCH:
-                rec = self._launch(vid, s, waits)
-                if rec is not None:
-                    st.inflight[s].append(rec)
+                try:
+                    vid, exc, evs = self._launch(vid, s, waits)
+                except BaseException as e:  # a bug in the launch path: this vertex ends with it
+                    exc, evs = e, None
+                if evs is not None:
+                    st.inflight[s].append((vid, exc, evs))
+                else:  # nothing of it is on the device: it ends now (else its run never ends)
+                    t = time.time_ns()
+                    self.done(vid, s, t, t, exc)
                 continue
             held[vid] = s
             st.held_on[s] += 1
@@ -249,17 +256,13 @@ class CudaLoop:
         return launched
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]):
-        """Enqueues vertex `vid` on stream `s` from the loop; returns its in-flight record, or None
-        when its end event could not be recorded (then `done` already has its error)."""
+        """Enqueues vertex `vid` on stream `s` from the loop; returns its in-flight record (vid,
+        its error or None, its events), the events None when its end event is not recorded."""
         t0 = time.perf_counter_ns()
         exc, evs, ok = self._enqueue(vid, s, waits, set_stream=True)
         self.host[0] += 1
         self.host[1] += time.perf_counter_ns() - t0
-        if ok:
-            return vid, exc, evs
-        t = time.time_ns()
-        self.done(vid, s, t, t, exc)
-        return None
+        return vid, exc, evs if ok else None
 
     def _enqueue(self, vid: int, s: int, waits: tuple[int, ...], set_stream: bool = False):
         """On stream `s`: waits, start event, `work`, end event. Never raises: returns (the
