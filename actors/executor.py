@@ -78,6 +78,7 @@ class Executor(GpuResources):
         super().__init__(gpu, mg, tg, config, backend=backend, store=store)
         self.transport = transport
         self._report = report
+        self._reports = report is not None  # else completions are queued for nobody
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self._init_run_state()
@@ -272,7 +273,7 @@ class Executor(GpuResources):
         """Outside the lock, the end of the run and the reports of what `_pump` completed."""
         if finished and inline:
             self._end_run()
-        if self._coordinated:
+        if self._coordinated and self._reports:
             for vid in inline:
                 self._reporter.completed(vid, vid in self.core.awaited)
 
@@ -351,7 +352,7 @@ class Executor(GpuResources):
                 self._landed.notify_all()
         if finished:
             self._end_run()
-        if self._coordinated:
+        if self._coordinated and self._reports:
             self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
         if inline:
             self._after_inline(inline, False)

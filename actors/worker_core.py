@@ -110,8 +110,13 @@ class WorkerCore:
         if not self.ahead:
             return
         self.launched.add(vid)
-        if vid not in self.aside:
-            self._launched(vid)
+        if vid in self.aside:
+            return
+        for w in self.local_succs.get(vid, ()):  # as `_launched`, inline: once per launch
+            k = self.unlaunched[w] - 1
+            self.unlaunched[w] = k
+            if k == 0 and w in self.dispatched and self.left[w] and w in self.kernels:
+                heapq.heappush(self.queued, w)
 
     def _launched(self, vid: int) -> None:
         for w in self.local_succs.get(vid, ()):
@@ -238,26 +243,29 @@ class StreamSlots:
         """With launch ahead: kernels, ready or queued, the lowest id first, while a compute stream
         has room for it. A ready kernel takes a free stream, or else goes behind the least busy
         one: were streams kept for queued chains until one ran dry, a ready kernel of a low id
-        would wait for those chains to end (after 15 of 17 completions in the stand-in's case)."""
+        would wait for those chains to end (after 15 of 17 completions in the stand-in's case).
+        Hot (once per completion): no helper calls in the scan."""
         core, limit, depth, inflight = self.core, self.ahead + 1, self.depth, self.inflight
         left, launched, preds, ready = core.left, core.launched, core.local_preds, self.ready_kernels
-        stale = lambda h: h and (h[0] in launched or not left[h[0]])  # noqa: E731  (launched, or ready: served as ready)
-        roomy = lambda: [t for t in range(self.streams) if depth[t] < limit]  # noqa: E731
+        behind, anywhere, streams = self.behind, self.anywhere, range(self.streams)
         while True:
-            self._sort_queued()
+            if core.queued:
+                self._sort_queued()
             vid, s, h = -1, -1, None  # the lowest candidate id, its stream, its heap
-            for t in range(self.streams):
-                q = self.behind[t]
-                if depth[t] < limit:
-                    while stale(q):
+            for t in streams:
+                q = behind[t]
+                if q and depth[t] < limit:
+                    while q and (q[0] in launched or not left[q[0]]):  # launched, or ready: served as ready
                         heapq.heappop(q)
                     if q and (vid < 0 or q[0] < vid):
                         vid, s, h = q[0], t, q
-            while stale(self.anywhere):
-                heapq.heappop(self.anywhere)
-            for q in (self.anywhere, ready):
-                if q and (vid < 0 or q[0] < vid) and (room := roomy()):
-                    vid, s, h = q[0], min(room, key=lambda t: depth[t]), q
+            while anywhere and (anywhere[0] in launched or not left[anywhere[0]]):
+                heapq.heappop(anywhere)
+            for q in (anywhere, ready):
+                if q and (vid < 0 or q[0] < vid):
+                    t = min(streams, key=depth.__getitem__)  # the least busy
+                    if depth[t] < limit:
+                        vid, s, h = q[0], t, q
             if h is None:
                 return
             heapq.heappop(h)
@@ -278,9 +286,14 @@ class StreamSlots:
 
     def _sort_queued(self) -> None:
         """Moves newly queued kernels to the heap of the compute stream of their most recently
-        launched running predecessor there: behind it, they wait on no vertex of that stream."""
+        launched running predecessor there: behind it, they wait on no vertex of that stream
+        (`WorkerCore.pop_queued`, inline: once per completion)."""
         core, inflight, base = self.core, self.inflight, self.streams
-        while (vid := core.pop_queued()) is not None:
+        q, launched, left = core.queued, core.launched, core.left
+        while q:
+            vid = heapq.heappop(q)
+            if vid in launched or not left[vid]:
+                continue
             on = [inflight[u] for u in core.local_preds[vid] if u in inflight and inflight[u][1] < base]
             heapq.heappush(self.behind[max(on)[1]] if on else self.anywhere, vid)
 

@@ -7,7 +7,9 @@ program's host thread does:
 - it launches the submitted vertices in submission order: makes the vertex's stream wait on the
   end events of the vertices it waits on (`Stream.wait_event`: the device orders them, the host
   does not wait), records a start event, runs `work(vid, s)` with that stream current (kernels
-  and cudaMemcpyAsync are only enqueued) and records the end event;
+  and cudaMemcpyAsync are only enqueued) and records the end event; a vertex behind one still in
+  flight on its stream, with nothing to wait on (a chain launched ahead), starts when that one
+  ends, so that end event is its start and it records only its own end;
 - it finds completions itself, by querying the end event at the head of each stream (a stream
   runs its vertices in order), and calls `done`, so the executor's counters and its next
   submissions run on this thread too;
@@ -52,6 +54,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from threading import get_ident
 
 import torch
 
@@ -128,6 +131,9 @@ class CudaLoop:
         self.host = [0, 0, 0, 0]
         self.error: BaseException | None = None  # of the warm-up
         self._warm = warm
+        self.ident: int | None = None  # the loop thread's
+        self.st: LoopState  # the loop's own state, made on its thread
+        self.current = -1  # the stream the loop last made current
         warmed = threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(warmed,), daemon=True, name="cuda-loop")]
         # daemons: one stuck in a Ray call to a lost peer must not keep the process from exiting
@@ -146,10 +152,11 @@ class CudaLoop:
 
     # ---- the loop ----------------------------------------------------------------------------------
     def _loop(self, warmed: threading.Event) -> None:
+        self.ident = get_ident()
         try:  # everything the loop needs, before `open` returns: an error here fails `open`
             torch.cuda.set_device(self.device)
             self._warm()  # in this thread: torch keeps a cuBLAS handle per thread
-            st = LoopState(len(self.streams), Clock(self.streams[0]))
+            st = self.st = LoopState(len(self.streams), Clock(self.streams[0]))
         except BaseException as e:  # e.g. out of memory
             self.error = e
             warmed.set()
@@ -180,14 +187,16 @@ class CudaLoop:
     def _turn(self, st: LoopState) -> bool:
         """One pass: completions, records handed back, launches. False: nothing happened."""
         busy = False
-        done = self.done
+        done, clock = self.done, st.clock
         for s, fl in enumerate(st.inflight):  # completions: a stream runs its vertices in order
             while fl:
                 vid, exc, evs = fl[0]
                 try:
                     if not evs[1].query():
                         break
-                    t0, t1 = st.clock.interval(evs[0], evs[1])
+                    base = clock.base  # `Clock.interval`, inline: once per vertex
+                    t0 = clock.base_ns + int(base.elapsed_time(evs[0]) * 1e6)
+                    t1 = clock.base_ns + int(base.elapsed_time(evs[1]) * 1e6)
                 except BaseException as e:  # an asynchronous CUDA error of this vertex's work
                     t0 = t1 = time.time_ns()
                     exc = exc or e
@@ -228,7 +237,7 @@ class CudaLoop:
             vid, s, waits, mode = item
             # LAUNCH work goes on no stream a helper enqueues on; external work joins the others'
             busy_stream = st.held_on[s] and mode == Mode.LAUNCH
-            if s in stalled or busy_stream or any(u in blocked or u in held for u in waits):
+            if s in stalled or busy_stream or (waits and any(u in blocked or u in held for u in waits)):
                 waiting.append(item)
                 blocked.add(vid)
                 stalled.add(s)
@@ -256,29 +265,51 @@ class CudaLoop:
         return launched
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]):
-        """Enqueues vertex `vid` on stream `s` from the loop; returns its in-flight record (vid,
-        its error or None, its events), the events None when its end event is not recorded."""
+        """Enqueues vertex `vid` on stream `s` from the loop: waits, start, `work`, end event, as
+        `_enqueue` without its context switches (hot: once per vertex). Returns its in-flight
+        record (vid, its error or None, (start, end) events), the events None when its end event
+        is not recorded. Behind a vertex still in flight on its stream and with nothing to wait
+        for, it starts when that one ends: that end event is its start, no event of its own."""
         t0 = time.perf_counter_ns()
-        exc, evs, ok = self._enqueue(vid, s, waits, set_stream=True)
-        self.host[0] += 1
-        self.host[1] += time.perf_counter_ns() - t0
-        return vid, exc, evs if ok else None
+        exc: BaseException | None = None
+        evs = self.events.get(vid) or self._events_of(vid)
+        stream = self.streams[s]
+        ahead = self.st.inflight[s]
+        start = ahead[-1][2][1] if ahead and not waits else evs[0]
+        try:
+            if self.current != s:  # set_stream is not free: only when it changes
+                torch.cuda.set_stream(stream)
+                self.current = s
+            try:
+                for u in waits:
+                    stream.wait_event(self.events[u][1])
+                if start is evs[0]:
+                    start.record(stream)
+                self.work(vid, s)
+            except BaseException as e:  # reported to the executor, which stops the run
+                exc = e
+            evs[1].record(stream)  # also after a failed `work`: the loop finds it done
+        except BaseException as e:  # the end event itself: e.g. a sticky CUDA error
+            exc, start = exc or e, None
+        host = self.host
+        host[0] += 1
+        host[1] += time.perf_counter_ns() - t0
+        return vid, exc, None if start is None else (start, evs[1])
 
-    def _enqueue(self, vid: int, s: int, waits: tuple[int, ...], set_stream: bool = False):
-        """On stream `s`: waits, start event, `work`, end event. Never raises: returns (the
-        exception of the vertex or None, its events, whether its end event is recorded)."""
+    def _enqueue(self, vid: int, s: int, waits: tuple[int, ...]):
+        """On stream `s`, from a helper: waits, start event, `work`, end event. Never raises:
+        returns (the exception of the vertex or None, its events, whether its end event is
+        recorded)."""
         exc: BaseException | None = None
         evs = None
         try:
             evs = self._events_of(vid)
             stream = self.streams[s]
-            if set_stream:
-                torch.cuda.set_stream(stream)
             try:
                 for u in waits:
                     stream.wait_event(self.events[u][1])
                 evs[0].record(stream)
-                with contextlib.nullcontext() if set_stream else torch.cuda.stream(stream):
+                with torch.cuda.stream(stream):
                     self.work(vid, s)
             except BaseException as e:  # reported to the executor, which stops the run
                 exc = e
@@ -368,10 +399,11 @@ class CudaLoop:
                 end.synchronize()  # blocking-sync event: this thread sleeps, the GIL released
             wake.set()
 
-    def submit(self, s: int, vid: int, waits: tuple[int, ...], mode: Mode) -> None:
+    def submit(self, s: int, vid: int, waits: tuple[int, ...] = (), mode: Mode = Mode.LAUNCH) -> None:
         # the executor submits under its lock, lowest id first: this deque holds its order
         self.submitted.append((vid, s, waits, mode))
-        self.wake.set()
+        if get_ident() != self.ident:  # from the loop (in `done`) it runs its next pass anyway
+            self.wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the threads, waiting `timeout_s` in all for them: a waker asleep on work that
