@@ -78,7 +78,6 @@ class Executor(GpuResources):
         super().__init__(gpu, mg, tg, config, backend=backend, store=store)
         self.transport = transport
         self._report = report
-        self._reports = report is not None  # else completions are queued for nobody
         self._fail_cb = fail
         self.flush_s, self.lazy_s = config.flush_s, config.lazy_s
         self._init_run_state()
@@ -138,8 +137,7 @@ class Executor(GpuResources):
         cross the host link once).
         """
         with self._lock:
-            if self.slots.running and self._error is not None:
-                # a failed run ends at once; what it had launched is still landing (work skipped)
+            if self.slots.running and self._error is not None:  # a failed run's vertices still land
                 self._landed.wait_for(lambda: not self.slots.running, DRAIN_S)
             if self.slots.running:
                 raise RunError(f"gpu:{self.gpu}: a run is still in progress")
@@ -183,8 +181,7 @@ class Executor(GpuResources):
             # launch ahead a kernel may wait on a load launched in the same pass, on its lane
             inline = delay is None and not check and not ahead
             self._inline = self._skip - self._watched if inline else frozenset()
-            # nothing goes ahead behind a vertex another thread enqueues (`WorkerCore`: deadlocks)
-            self.slots.start(ahead, lane_of, self._mode)
+            self.slots.start(ahead, lane_of, self._mode)  # nothing ahead behind a non-LAUNCH vertex
             self.trace = []
             if self.spill is not None:
                 self.spill.flush()  # the last run's writes behind are in (RunError if one failed)
@@ -273,7 +270,7 @@ class Executor(GpuResources):
         """Outside the lock, the end of the run and the reports of what `_pump` completed."""
         if finished and inline:
             self._end_run()
-        if self._coordinated and self._reports:
+        if self._coordinated and self._report is not None:  # else queued for nobody
             for vid in inline:
                 self._reporter.completed(vid, vid in self.core.awaited)
 
@@ -352,7 +349,7 @@ class Executor(GpuResources):
                 self._landed.notify_all()
         if finished:
             self._end_run()
-        if self._coordinated and self._reports:
+        if self._coordinated and self._report is not None:
             self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
         if inline:
             self._after_inline(inline, False)

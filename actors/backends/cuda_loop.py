@@ -20,11 +20,8 @@ program's host thread does:
   it, each armed waker busy-waits a CPU core, and up to one per stream starve the loop and Ray).
   The sleep itself is bounded (WAKE_S): a wake-up lost for any reason costs WAKE_S, never a hang.
 A busy host thus makes no handoff between Python threads per vertex, and nothing contends for the
-GIL with the launches; an idle one is woken as soon as a stream finishes. Measured with kernels
-on the CPU behind the same threads (the stand-in device of tests/fake_cuda.py,
-benchmarks/bench_host.py; CPU figures): a launcher and a waiter thread per stream, the earlier
-design, cost 105-227 us per vertex of the llama graph above its kernels' own host time; the loop
-costs 1-19 us (docs/RUNTIME.md).
+GIL with the launches; an idle one is woken as soon as a stream finishes. Its host cost per
+vertex: docs/BENCHMARKS.md (benchmarks/bench_host.py, on the stand-in device).
 Rejected: cupy's `launch_host_func` callbacks (43 us median on the H100, run on CUDA's one
 callback thread for all streams, and may not call CUDA themselves) and polling the events on a
 timer (a poll interval of latency).
@@ -40,10 +37,9 @@ Work that does not only enqueue (`actors.backends.base.Mode`):
 Whatever a helper or the channel hits, the vertex comes back to the loop (`_recorded`), with its
 error, so no thread's death holds a stream for ever.
 
-Failures: an error of one vertex's launch (its waits, events, `work`, or the launch path itself)
-ends that vertex with it, so its run ends and the next one starts;
-an error of the loop outside any vertex (a bug, a broken device) ends every vertex it holds, each
-exactly once (`_fail_in_hand`), and the loop goes on.
+Failures: an error of one vertex's launch (its waits, events, `work`, the launch path itself)
+ends that vertex with it; an error of the loop outside any vertex (a bug, a broken device) ends
+every vertex it holds, each exactly once (`_fail_in_hand`), and the loop goes on.
 """
 
 from __future__ import annotations
@@ -89,14 +85,6 @@ class Clock:
         self.base.synchronize()
         self.base_ns = time.time_ns()
         self.at = time.perf_counter()
-
-    def interval(self, start, end) -> tuple[int, int]:
-        """(t0_ns, t1_ns) of two completed events."""
-        base = self.base
-        return (
-            self.base_ns + int(base.elapsed_time(start) * 1e6),
-            self.base_ns + int(base.elapsed_time(end) * 1e6),
-        )
 
 
 class LoopState:
@@ -194,7 +182,7 @@ class CudaLoop:
                 try:
                     if not evs[1].query():
                         break
-                    base = clock.base  # `Clock.interval`, inline: once per vertex
+                    base = clock.base  # device times since the clock's base event, in host ns
                     t0 = clock.base_ns + int(base.elapsed_time(evs[0]) * 1e6)
                     t1 = clock.base_ns + int(base.elapsed_time(evs[1]) * 1e6)
                 except BaseException as e:  # an asynchronous CUDA error of this vertex's work
@@ -251,8 +239,7 @@ class CudaLoop:
                 if evs is not None:
                     st.inflight[s].append((vid, exc, evs))
                 else:  # nothing of it is on the device: it ends now (else its run never ends)
-                    t = time.time_ns()
-                    self.done(vid, s, t, t, exc)
+                    self.done(vid, s, (t := time.time_ns()), t, exc)
                 continue
             held[vid] = s
             st.held_on[s] += 1
@@ -265,17 +252,14 @@ class CudaLoop:
         return launched
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]):
-        """Enqueues vertex `vid` on stream `s` from the loop: waits, start, `work`, end event, as
-        `_enqueue` without its context switches (hot: once per vertex). Returns its in-flight
-        record (vid, its error or None, (start, end) events), the events None when its end event
-        is not recorded. Behind a vertex still in flight on its stream and with nothing to wait
-        for, it starts when that one ends: that end event is its start, no event of its own."""
+        """`_enqueue` from the loop, with no context switch (hot). Returns its in-flight record:
+        (vid, its error or None, its (start, end) events or None when its end is not recorded)."""
         t0 = time.perf_counter_ns()
         exc: BaseException | None = None
         evs = self.events.get(vid) or self._events_of(vid)
         stream = self.streams[s]
         ahead = self.st.inflight[s]
-        start = ahead[-1][2][1] if ahead and not waits else evs[0]
+        start = ahead[-1][2][1] if ahead and not waits else evs[0]  # behind a chain: its end
         try:
             if self.current != s:  # set_stream is not free: only when it changes
                 torch.cuda.set_stream(stream)
@@ -291,9 +275,8 @@ class CudaLoop:
             evs[1].record(stream)  # also after a failed `work`: the loop finds it done
         except BaseException as e:  # the end event itself: e.g. a sticky CUDA error
             exc, start = exc or e, None
-        host = self.host
-        host[0] += 1
-        host[1] += time.perf_counter_ns() - t0
+        self.host[0] += 1
+        self.host[1] += time.perf_counter_ns() - t0
         return vid, exc, None if start is None else (start, evs[1])
 
     def _enqueue(self, vid: int, s: int, waits: tuple[int, ...]):
@@ -320,9 +303,7 @@ class CudaLoop:
 
     def _events_of(self, vid: int) -> tuple:
         evs = self.events.get(vid)
-        if evs is None:
-            evs = self.events[vid] = new_events()
-        return evs
+        return evs if evs is not None else self.events.setdefault(vid, new_events())
 
     def _defer(self, vid: int, s: int, waits: tuple[int, ...]) -> None:
         """A DEFERRED vertex: `work` registers it with whoever enqueues it later."""
