@@ -273,7 +273,10 @@ class StreamSlots:
                 out.append(self._launch(vid, self._free_stream() if depth[s] == 0 else s, ()))
                 continue
             self.launched_ahead += 1
-            waits = tuple(u for u in preds[vid] if u in inflight and inflight[u][1] != s)
+            waits: tuple[int, ...] = ()
+            for u in preds[vid]:  # a loop, not a generator: no call per kernel
+                if u in inflight and inflight[u][1] != s:
+                    waits += (u,)
             out.append(self._launch(vid, s, waits))
 
     def _free_stream(self) -> int:
@@ -294,8 +297,12 @@ class StreamSlots:
             vid = heapq.heappop(q)
             if vid in launched or not left[vid]:
                 continue
-            on = [inflight[u] for u in core.local_preds[vid] if u in inflight and inflight[u][1] < base]
-            heapq.heappush(self.behind[max(on)[1]] if on else self.anywhere, vid)
+            last = None  # its most recently launched running predecessor on a compute stream
+            for u in core.local_preds[vid]:
+                at = inflight.get(u)
+                if at is not None and at[1] < base and (last is None or at > last):
+                    last = at
+            heapq.heappush(self.behind[last[1]] if last else self.anywhere, vid)
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
         self.running += 1

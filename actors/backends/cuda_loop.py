@@ -96,6 +96,7 @@ class LoopState:
         self.held_on = [0] * streams  # per stream: how many of `held` are on it
         self.inflight: list[collections.deque] = [collections.deque() for _ in range(streams)]
         self.armed: list = [None] * streams  # per stream: the end event its waker was given
+        self.last: list = [(None, 0)] * streams  # per stream: (end event, its time) of the last completed
         self.clock = clock
 
 
@@ -175,16 +176,16 @@ class CudaLoop:
     def _turn(self, st: LoopState) -> bool:
         """One pass: completions, records handed back, launches. False: nothing happened."""
         busy = False
-        done, clock = self.done, st.clock
+        done, clock, last = self.done, st.clock, st.last
         for s, fl in enumerate(st.inflight):  # completions: a stream runs its vertices in order
             while fl:
                 vid, exc, evs = fl[0]
                 try:
                     if not evs[1].query():
                         break
-                    base = clock.base  # device times since the clock's base event, in host ns
-                    t0 = clock.base_ns + int(base.elapsed_time(evs[0]) * 1e6)
-                    t1 = clock.base_ns + int(base.elapsed_time(evs[1]) * 1e6)
+                    base, t = clock.base, clock.base_ns  # device times since the base event; a chain's:
+                    t0 = last[s][1] if evs[0] is last[s][0] else t + int(base.elapsed_time(evs[0]) * 1e6)
+                    last[s] = evs[1], (t1 := t + int(base.elapsed_time(evs[1]) * 1e6))
                 except BaseException as e:  # an asynchronous CUDA error of this vertex's work
                     t0 = t1 = time.time_ns()
                     exc = exc or e
@@ -224,8 +225,8 @@ class CudaLoop:
             item = waiting.popleft()
             vid, s, waits, mode = item
             # LAUNCH work goes on no stream a helper enqueues on; external work joins the others'
-            busy_stream = st.held_on[s] and mode == Mode.LAUNCH
-            if s in stalled or busy_stream or (waits and any(u in blocked or u in held for u in waits)):
+            busy = s in stalled or (st.held_on[s] and mode == Mode.LAUNCH)
+            if busy or (waits and not (blocked.isdisjoint(waits) and held.keys().isdisjoint(waits))):
                 waiting.append(item)
                 blocked.add(vid)
                 stalled.add(s)
@@ -252,8 +253,7 @@ class CudaLoop:
         return launched
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]):
-        """`_enqueue` from the loop, with no context switch (hot). Returns its in-flight record:
-        (vid, its error or None, its (start, end) events or None when its end is not recorded)."""
+        """`_enqueue` from the loop, no context switch (hot); returns its in-flight record."""
         t0 = time.perf_counter_ns()
         exc: BaseException | None = None
         evs = self.events.get(vid) or self._events_of(vid)
@@ -277,7 +277,7 @@ class CudaLoop:
             exc, start = exc or e, None
         self.host[0] += 1
         self.host[1] += time.perf_counter_ns() - t0
-        return vid, exc, None if start is None else (start, evs[1])
+        return vid, exc, None if start is None else (start, evs[1])  # events None: end not recorded
 
     def _enqueue(self, vid: int, s: int, waits: tuple[int, ...]):
         """On stream `s`, from a helper: waits, start event, `work`, end event. Never raises:
