@@ -52,6 +52,7 @@ from .sanitizer import Sanitizer
 from .tiers.store import WorkerStore
 from .transports.base import Transport
 
+DRAIN_S = 10.0  # how long a run waits for the vertices a failed run had launched to land
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
 
@@ -101,6 +102,7 @@ class Executor(GpuResources):
         self._acc_started: set[str] = set()  # sum-into groups whose first member was launched
         self._acc_first: dict[int, bool] = {}  # sum-into member -> it is its group's first
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)  # notified when the last vertex in flight lands
         self._sanitizer: Sanitizer | None = None
         self._check = False
         self._mode: dict[int, Mode] = {}  # vid -> how its work behaves, when not LAUNCH
@@ -135,6 +137,8 @@ class Executor(GpuResources):
         cross the host link once).
         """
         with self._lock:
+            if self.slots.running and self._error is not None:  # a failed run's vertices still land
+                self._landed.wait_for(lambda: not self.slots.running, DRAIN_S)
             if self.slots.running:
                 raise RunError(f"gpu:{self.gpu}: a run is still in progress")
             # loads of values the arena still holds from the last run are skipped (actors/loads.py)
@@ -177,7 +181,7 @@ class Executor(GpuResources):
             # launch ahead a kernel may wait on a load launched in the same pass, on its lane
             inline = delay is None and not check and not ahead
             self._inline = self._skip - self._watched if inline else frozenset()
-            self.slots.start(ahead, lane_of)
+            self.slots.start(ahead, lane_of, self._mode)  # nothing ahead behind a non-LAUNCH vertex
             self.trace = []
             if self.spill is not None:
                 self.spill.flush()  # the last run's writes behind are in (RunError if one failed)
@@ -266,7 +270,7 @@ class Executor(GpuResources):
         """Outside the lock, the end of the run and the reports of what `_pump` completed."""
         if finished and inline:
             self._end_run()
-        if self._coordinated:
+        if self._coordinated and self._report is not None:  # else queued for nobody
             for vid in inline:
                 self._reporter.completed(vid, vid in self.core.awaited)
 
@@ -328,6 +332,8 @@ class Executor(GpuResources):
         if exc is not None:
             with self._lock:
                 self.slots.landed(vid, s)
+                if not self.slots.running:
+                    self._landed.notify_all()
             self._fail(vid, exc)
             return
         # a load skipped because the arena still holds the input moved nothing: a record of no length
@@ -339,9 +345,11 @@ class Executor(GpuResources):
             self.slots.landed(vid, s)
             inline = self._pump()
             finished = self.core.finished
+            if not self.slots.running:
+                self._landed.notify_all()
         if finished:
             self._end_run()
-        if self._coordinated:
+        if self._coordinated and self._report is not None:
             self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
         if inline:
             self._after_inline(inline, False)

@@ -11,6 +11,13 @@ their completion itself (a CUDA event), so the GPU never idles while the host pr
 kernel of a chain. Copies (loads, offloads, transfers) are only ever started when ready: a copy
 lane is FIFO, and a copy queued on it ahead of time would hold back every later copy.
 
+Nothing is launched ahead behind a vertex whose device work another thread enqueues at a time of
+its own (`aside`: a BLOCKING transfer a helper runs, a DEFERRED NCCL receive the channel posts in
+its order): its successors wait for its completion. A kernel queued behind such a vertex would
+hold its stream until that thread enqueued it, and an NCCL receive is enqueued only after every
+lower transfer of its communicator, whose sources may be queued on that very stream behind the
+kernel: a deadlock (docs/RUNTIME.md, "Launch ahead and NCCL").
+
 Sum-into groups (TURNIP appendix A): the kernels of one `accumulate` (MemGraph vertices with
 `acc`) add their operands into one range in any order, one at a time: the core makes at most one
 member of a group ready at once (the group's write lock, taken when a member becomes ready and
@@ -26,7 +33,7 @@ planned next vertex is not ready yet (work conservation, TURNIP section 5).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph, MKind
@@ -58,9 +65,12 @@ class WorkerCore:
         self._preds0 = preds
         self.start()
 
-    def start(self, ahead: bool = True) -> None:
-        """A new run; `ahead`: track launches for launch ahead (`launch`, `pop_queued`)."""
+    def start(self, ahead: bool = True, aside: Container[int] = frozenset()) -> None:
+        """A new run; `ahead`: track launches for launch ahead (`launch`, `pop_queued`);
+        `aside`: vertices nothing is launched ahead behind (their successors count them launched
+        only once they complete)."""
         self.ahead = ahead
+        self.aside = aside
         self.left = dict(self._preds0)  # local predecessors not done
         self.unlaunched = dict(self._preds0) if ahead else {}  # local predecessors not launched
         self.dispatched: set[int] = set()
@@ -100,6 +110,15 @@ class WorkerCore:
         if not self.ahead:
             return
         self.launched.add(vid)
+        if vid in self.aside:
+            return
+        for w in self.local_succs.get(vid, ()):  # as `_launched`, inline: once per launch
+            k = self.unlaunched[w] - 1
+            self.unlaunched[w] = k
+            if k == 0 and w in self.dispatched and self.left[w] and w in self.kernels:
+                heapq.heappush(self.queued, w)
+
+    def _launched(self, vid: int) -> None:
         for w in self.local_succs.get(vid, ()):
             k = self.unlaunched[w] - 1
             self.unlaunched[w] = k
@@ -121,6 +140,8 @@ class WorkerCore:
             self.left[w] = k
             if k == 0 and w in self.dispatched and w not in self.launched:
                 self._ready(w)
+        if self.ahead and vid in self.aside:  # its successors may now go behind their other predecessors
+            self._launched(vid)
 
     def pop(self) -> int | None:
         """The ready vertex with the lowest id (the planner's order), or None."""
@@ -152,7 +173,8 @@ class StreamSlots:
     launched ahead never holds a load back (it did when copies took a free compute stream).
 
     A ready kernel goes to a compute stream with nothing in flight, the one freed last first (a
-    chain on one worker stays on its thread). With launch ahead (`start(ahead)`, ahead > 0) a
+    chain on one worker stays on its thread); with launch ahead, when none is free, behind the
+    least busy stream with room, as the lowest id among the kernels to place. With launch ahead (`start(ahead)`, ahead > 0) a
     queued kernel (see `WorkerCore`) goes to the compute stream of its most recently launched
     running predecessor there, up to `ahead` vertices behind the one that stream runs (or, when
     its running predecessors are all copies on lanes, to the least busy compute stream with room),
@@ -168,8 +190,11 @@ class StreamSlots:
         self._lanes_given: Mapping[int, int] | None = None  # the lane table `start` last checked
         self.start(0)
 
-    def start(self, ahead: int, lane_of: Mapping[int, int] | None = None) -> None:
-        """A new run; `lane_of`: vertex -> the lane (a stream index >= S) it runs on."""
+    def start(
+        self, ahead: int, lane_of: Mapping[int, int] | None = None, aside: Container[int] = frozenset()
+    ) -> None:
+        """A new run; `lane_of`: vertex -> the lane (a stream index >= S) it runs on; `aside`:
+        vertices whose work another thread enqueues (`WorkerCore.start`)."""
         self.ahead = ahead
         if lane_of is None or lane_of is not self._lanes_given:
             # checked once per table (the executor keeps one per plan), not at every run
@@ -180,7 +205,7 @@ class StreamSlots:
                         f"vertex {v} was given lane {lane}; lanes are {self.streams}..{self.total - 1}"
                     )
             self._lanes_given = lane_of
-        self.core.start(ahead=ahead > 0)
+        self.core.start(ahead > 0, aside)
         self.free = list(range(self.streams - 1, -1, -1))  # nothing in flight; pop() takes stream 0 first
         self.depth = [0] * self.total  # vertices in flight per stream
         self.inflight: dict[int, tuple[int, int]] = {}  # vid -> (launch number, stream), with ahead
@@ -205,47 +230,79 @@ class StreamSlots:
             s, limit = base + i, self.lane_limits[i]
             while h and (limit is None or self.depth[s] < limit):
                 out.append(self._launch(heapq.heappop(h), s, ()))
-        free = self.free
-        while free and self.ready_kernels:
-            out.append(self._launch(heapq.heappop(self.ready_kernels), free.pop(), ()))
+        if self.ahead:
+            self._take_ahead(out)
+        else:
+            free = self.free
+            while free and self.ready_kernels:
+                out.append(self._launch(heapq.heappop(self.ready_kernels), free.pop(), ()))
         out.sort()  # the lowest id first: the loop launches in this order
-        if not self.ahead:
-            return out
-        limit, depth, inflight = self.ahead + 1, self.depth, self.inflight
-        left, launched, preds = core.left, core.launched, core.local_preds
-        stale = lambda h: h and (h[0] in launched or not left[h[0]])  # noqa: E731  (launched, or ready: served above)
+        return out
+
+    def _take_ahead(self, out: list) -> None:
+        """With launch ahead: kernels, ready or queued, the lowest id first, while a compute stream
+        has room for it. A ready kernel takes a free stream, or else goes behind the least busy
+        one: were streams kept for queued chains until one ran dry, a ready kernel of a low id
+        would wait for those chains to end (after 15 of 17 completions in the stand-in's case).
+        Hot (once per completion): no helper calls in the scan."""
+        core, limit, depth, inflight = self.core, self.ahead + 1, self.depth, self.inflight
+        left, launched, preds, ready = core.left, core.launched, core.local_preds, self.ready_kernels
+        behind, anywhere, streams = self.behind, self.anywhere, range(self.streams)
         while True:
-            self._sort_queued()
-            # the lowest queued id among the compute streams with room (the planner's order)
-            vid, s = -1, -1
-            for t in range(self.streams):
-                h = self.behind[t]
-                if depth[t] < limit:
-                    while stale(h):
-                        heapq.heappop(h)
-                    if h and (vid < 0 or h[0] < vid):
-                        vid, s = h[0], t
-            h = self.anywhere
-            while stale(h):
-                heapq.heappop(h)
-            if h and (vid < 0 or h[0] < vid):
-                roomy = [t for t in range(self.streams) if depth[t] < limit]
-                if roomy:
-                    vid, s = h[0], min(roomy, key=lambda t: depth[t])
-            if vid < 0:
-                return out
-            heapq.heappop(self.behind[s] if self.behind[s] and self.behind[s][0] == vid else self.anywhere)
+            if core.queued:
+                self._sort_queued()
+            vid, s, h = -1, -1, None  # the lowest candidate id, its stream, its heap
+            for t in streams:
+                q = behind[t]
+                if q and depth[t] < limit:
+                    while q and (q[0] in launched or not left[q[0]]):  # launched, or ready: served as ready
+                        heapq.heappop(q)
+                    if q and (vid < 0 or q[0] < vid):
+                        vid, s, h = q[0], t, q
+            while anywhere and (anywhere[0] in launched or not left[anywhere[0]]):
+                heapq.heappop(anywhere)
+            for q in (anywhere, ready):
+                if q and (vid < 0 or q[0] < vid):
+                    t = min(streams, key=depth.__getitem__)  # the least busy
+                    if depth[t] < limit:
+                        vid, s, h = q[0], t, q
+            if h is None:
+                return
+            heapq.heappop(h)
+            if h is ready:
+                out.append(self._launch(vid, self._free_stream() if depth[s] == 0 else s, ()))
+                continue
             self.launched_ahead += 1
-            waits = tuple(u for u in preds[vid] if u in inflight and inflight[u][1] != s)
+            waits: tuple[int, ...] = ()
+            for u in preds[vid]:  # a loop, not a generator: no call per kernel
+                if u in inflight and inflight[u][1] != s:
+                    waits += (u,)
             out.append(self._launch(vid, s, waits))
+
+    def _free_stream(self) -> int:
+        """The free compute stream freed last (some is free); `free` may also hold streams that
+        took a kernel launched ahead since they were freed: those are dropped here."""
+        free, depth = self.free, self.depth
+        while depth[free[-1]]:
+            free.pop()
+        return free.pop()
 
     def _sort_queued(self) -> None:
         """Moves newly queued kernels to the heap of the compute stream of their most recently
-        launched running predecessor there: behind it, they wait on no vertex of that stream."""
+        launched running predecessor there: behind it, they wait on no vertex of that stream
+        (`WorkerCore.pop_queued`, inline: once per completion)."""
         core, inflight, base = self.core, self.inflight, self.streams
-        while (vid := core.pop_queued()) is not None:
-            on = [inflight[u] for u in core.local_preds[vid] if u in inflight and inflight[u][1] < base]
-            heapq.heappush(self.behind[max(on)[1]] if on else self.anywhere, vid)
+        q, launched, left = core.queued, core.launched, core.left
+        while q:
+            vid = heapq.heappop(q)
+            if vid in launched or not left[vid]:
+                continue
+            last = None  # its most recently launched running predecessor on a compute stream
+            for u in core.local_preds[vid]:
+                at = inflight.get(u)
+                if at is not None and at[1] < base and (last is None or at > last):
+                    last = at
+            heapq.heappush(self.behind[last[1]] if last else self.anywhere, vid)
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
         self.running += 1

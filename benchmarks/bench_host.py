@@ -11,12 +11,18 @@ llama_prefill with the 7B run's vertex structure (4 layers, 8 sequence tiles: 51
 `serial` is the same kernels run one after another in one thread (disco_ray.graph.reference.evaluate):
 the floor. The outputs are checked against the workload's torch reference. Figures are host-CPU figures of this machine; no GPU is involved. OMP_NUM_THREADS=1
 keeps torch's CPU thread pool out of it (on a GPU, kernels do not use it).
+`cpu us/vertex` is the process's CPU time (all its threads) per vertex, kernels included: on a
+loaded machine it moves less than the wall time. `py calls` is the runtime's Python function calls per vertex, on every thread, in one more run
+under a profiler: those of actors/, disco_ray/ (not the kernels), threading, contextlib and
+queue; not the stand-in's own (on a GPU those are torch's C++ calls). Unlike the times, it does
+not depend on the load of the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 
 from actors.executor import Executor
@@ -33,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per setting; the best counts")
     ap.add_argument("--streams", default="1,5", help="comma-separated stream counts")
     ap.add_argument("--ahead", default="0,4", help="comma-separated launch-ahead depths")
+    ap.add_argument(
+        "--no-kernels",
+        action="store_true",
+        help="kernels and copies as no-ops: the host cost of the runtime and the stand-in alone "
+        "(outputs not checked)",
+    )
     args = ap.parse_args(argv)
     fake_cuda.install()
     from actors.backends.cuda import CudaBackend
@@ -45,27 +57,35 @@ def main(argv: list[str] | None = None) -> int:
     n = len(mg.vertices)
     evaluate(tg, w.inputs)
     serial = min(_timed(evaluate, tg, w.inputs) for _ in range(args.repeat))
+    if args.no_kernels:
+        serial = 0.0
+        CudaBackend.kernel = CudaBackend.copy = lambda self, *a: None  # type: ignore[method-assign]
     print(f"llama_prefill structure: {n} vertices; serial kernels {serial * 1e3:.1f} ms")
-    print("streams  ahead  wall ms  us/vertex  over serial us/vertex  launch us (mean)")
+    print(
+        "streams  ahead  wall ms  us/vertex  over serial us/vertex  launch us (mean)  cpu us/vertex  py calls"
+    )
     for streams in map(int, args.streams.split(",")):
         for ahead in map(int, args.ahead.split(",")):
             be = CudaBackend()
             ex = Executor(0, mg, tg, WorkerConfig(streams=streams, ahead=ahead), backend=be)
             try:
-                best = float("inf")
+                best = cpu = float("inf")
                 for _ in range(args.repeat + 1):  # the first run makes the events
-                    t = _timed(_run, ex, w.inputs)
-                    best = min(best, t)
+                    c = time.process_time()
+                    best = min(best, _timed(_run, ex, w.inputs))
+                    cpu = min(cpu, time.process_time() - c)
                 host = be.statistics()["host"]
                 outs = {k: ex.output(k, mg.outputs[k]) for k in tg.outputs}
                 got = check_outputs(outs, w.reference(w.inputs))
-                if not got["ok"]:
+                if not got["ok"] and not args.no_kernels:
                     raise SystemExit(f"bench_host: output {got['output']} is off by {got['max_rel_err']:.2g}")
             finally:
                 ex.close()
+            config = WorkerConfig(streams=streams, ahead=ahead)
+            calls = _calls(lambda c=config: Executor(0, mg, tg, c, backend=CudaBackend()), w.inputs)
             print(
                 f"{streams:7d}  {ahead:5d}  {best * 1e3:7.1f}  {best / n * 1e6:9.1f}  "
-                f"{(best - serial) / n * 1e6:21.1f}  {host['launch_us_mean']:16.1f}"
+                f"{(best - serial) / n * 1e6:21.1f}  {host['launch_us_mean']:16.1f}  {cpu / n * 1e6:13.1f}  {calls / n:8.1f}"
             )
     return 0
 
@@ -75,6 +95,37 @@ def _run(ex: Executor, inputs) -> None:
     ex.dispatch(list(ex.core.mine))
     if not ex.wait(timeout=300) or ex.error is not None:
         raise SystemExit(f"bench_host: run failed: {ex.error or 'timed out'}")
+
+
+RUNTIME = ("/actors/", "/disco_ray/", "/threading.py", "/contextlib.py", "/queue.py")
+
+
+def _calls(make, inputs) -> int:
+    """The runtime's Python calls in one run (the second) of a new executor, every thread."""
+    count = [0]
+
+    def prof(frame, event, arg):
+        if event == "call":
+            f = frame.f_code.co_filename
+            if any(d in f for d in RUNTIME) and "/kernels" not in f:
+                count[0] += 1
+
+    threading.setprofile(prof)  # the executor's threads start with it
+    try:
+        ex = make()
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    try:
+        _run(ex, inputs)  # makes the events
+        count[0] = 0
+        sys.setprofile(prof)
+        try:
+            _run(ex, inputs)
+        finally:
+            sys.setprofile(None)
+        return count[0]
+    finally:
+        ex.close()
 
 
 def _timed(fn, *args) -> float:

@@ -171,11 +171,10 @@ def test_one_rank_per_gpu_in_a_communicator():
 
 
 # ---- transfers through the channels, on the local engine ----------------------------------------
-def nccl_engine(monkeypatch, tg, mg, streams=2):
+def nccl_engine(monkeypatch, tg, mg, streams=2, ahead=None):
     """The local engine with a CudaTransport per GPU whose every pair goes over the stand-in NCCL,
-    connected as the driver does (every worker's connect at once). Launch ahead is off: the
-    stand-in device runs a kernel's work when it is launched, so a kernel launched behind a
-    receive (on a GPU: waiting on its event) would read bytes not yet there."""
+    connected as the driver does (every worker's connect at once); `ahead` None: the backend's
+    default launch ahead."""
     install(monkeypatch.setattr, gpus=mg.gpus)
     monkeypatch.setattr(resources, "make_backend", lambda name, device=None: CudaBackend(device))
     monkeypatch.setattr(transport_cuda, "nccl_module", lambda: fake_nccl)
@@ -183,7 +182,7 @@ def nccl_engine(monkeypatch, tg, mg, streams=2):
     eng = LocalEngine(
         tg,
         mg,
-        config=WorkerConfig(backend="cuda", streams=streams, ahead=0),
+        config=WorkerConfig(backend="cuda", streams=streams, ahead=ahead),
         transports=lambda execs: [CudaTransport(g, []) for g in range(n)],
     )
     infos = [{"node": "n0", "uuid": f"GPU-{g}", "ipc": None, "nccl": True, "pid": -1} for g in range(n)]

@@ -7,7 +7,9 @@ program's host thread does:
 - it launches the submitted vertices in submission order: makes the vertex's stream wait on the
   end events of the vertices it waits on (`Stream.wait_event`: the device orders them, the host
   does not wait), records a start event, runs `work(vid, s)` with that stream current (kernels
-  and cudaMemcpyAsync are only enqueued) and records the end event;
+  and cudaMemcpyAsync are only enqueued) and records the end event; a vertex behind one still in
+  flight on its stream, with nothing to wait on (a chain launched ahead), starts when that one
+  ends, so that end event is its start and it records only its own end;
 - it finds completions itself, by querying the end event at the head of each stream (a stream
   runs its vertices in order), and calls `done`, so the executor's counters and its next
   submissions run on this thread too;
@@ -18,11 +20,8 @@ program's host thread does:
   it, each armed waker busy-waits a CPU core, and up to one per stream starve the loop and Ray).
   The sleep itself is bounded (WAKE_S): a wake-up lost for any reason costs WAKE_S, never a hang.
 A busy host thus makes no handoff between Python threads per vertex, and nothing contends for the
-GIL with the launches; an idle one is woken as soon as a stream finishes. Measured with kernels
-on the CPU behind the same threads (the stand-in device of tests/fake_cuda.py,
-benchmarks/bench_host.py; CPU figures): a launcher and a waiter thread per stream, the earlier
-design, cost 105-227 us per vertex of the llama graph above its kernels' own host time; the loop
-costs 1-19 us (docs/RUNTIME.md).
+GIL with the launches; an idle one is woken as soon as a stream finishes. Its host cost per
+vertex: docs/BENCHMARKS.md (benchmarks/bench_host.py, on the stand-in device).
 Rejected: cupy's `launch_host_func` callbacks (43 us median on the H100, run on CUDA's one
 callback thread for all streams, and may not call CUDA themselves) and polling the events on a
 timer (a poll interval of latency).
@@ -38,9 +37,9 @@ Work that does not only enqueue (`actors.backends.base.Mode`):
 Whatever a helper or the channel hits, the vertex comes back to the loop (`_recorded`), with its
 error, so no thread's death holds a stream for ever.
 
-Failures: an error of one vertex's launch (its waits, events, `work`) ends that vertex with it;
-an error of the loop outside any vertex (a bug, a broken device) ends every vertex it holds, each
-exactly once (`_fail_in_hand`), and the loop goes on.
+Failures: an error of one vertex's launch (its waits, events, `work`, the launch path itself)
+ends that vertex with it; an error of the loop outside any vertex (a bug, a broken device) ends
+every vertex it holds, each exactly once (`_fail_in_hand`), and the loop goes on.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from threading import get_ident
 
 import torch
 
@@ -86,14 +86,6 @@ class Clock:
         self.base_ns = time.time_ns()
         self.at = time.perf_counter()
 
-    def interval(self, start, end) -> tuple[int, int]:
-        """(t0_ns, t1_ns) of two completed events."""
-        base = self.base
-        return (
-            self.base_ns + int(base.elapsed_time(start) * 1e6),
-            self.base_ns + int(base.elapsed_time(end) * 1e6),
-        )
-
 
 class LoopState:
     """What the loop holds between passes (only the loop thread touches it)."""
@@ -104,6 +96,7 @@ class LoopState:
         self.held_on = [0] * streams  # per stream: how many of `held` are on it
         self.inflight: list[collections.deque] = [collections.deque() for _ in range(streams)]
         self.armed: list = [None] * streams  # per stream: the end event its waker was given
+        self.last: list = [(None, 0)] * streams  # per stream: (end event, its time) of the last completed
         self.clock = clock
 
 
@@ -127,6 +120,9 @@ class CudaLoop:
         self.host = [0, 0, 0, 0]
         self.error: BaseException | None = None  # of the warm-up
         self._warm = warm
+        self.ident: int | None = None  # the loop thread's
+        self.st: LoopState  # the loop's own state, made on its thread
+        self.current = -1  # the stream the loop last made current
         warmed = threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(warmed,), daemon=True, name="cuda-loop")]
         # daemons: one stuck in a Ray call to a lost peer must not keep the process from exiting
@@ -145,10 +141,11 @@ class CudaLoop:
 
     # ---- the loop ----------------------------------------------------------------------------------
     def _loop(self, warmed: threading.Event) -> None:
+        self.ident = get_ident()
         try:  # everything the loop needs, before `open` returns: an error here fails `open`
             torch.cuda.set_device(self.device)
             self._warm()  # in this thread: torch keeps a cuBLAS handle per thread
-            st = LoopState(len(self.streams), Clock(self.streams[0]))
+            st = self.st = LoopState(len(self.streams), Clock(self.streams[0]))
         except BaseException as e:  # e.g. out of memory
             self.error = e
             warmed.set()
@@ -179,14 +176,16 @@ class CudaLoop:
     def _turn(self, st: LoopState) -> bool:
         """One pass: completions, records handed back, launches. False: nothing happened."""
         busy = False
-        done = self.done
+        done, clock, last = self.done, st.clock, st.last
         for s, fl in enumerate(st.inflight):  # completions: a stream runs its vertices in order
             while fl:
                 vid, exc, evs = fl[0]
                 try:
                     if not evs[1].query():
                         break
-                    t0, t1 = st.clock.interval(evs[0], evs[1])
+                    base, t = clock.base, clock.base_ns  # device times since the base event; a chain's:
+                    t0 = last[s][1] if evs[0] is last[s][0] else t + int(base.elapsed_time(evs[0]) * 1e6)
+                    last[s] = evs[1], (t1 := t + int(base.elapsed_time(evs[1]) * 1e6))
                 except BaseException as e:  # an asynchronous CUDA error of this vertex's work
                     t0 = t1 = time.time_ns()
                     exc = exc or e
@@ -226,17 +225,22 @@ class CudaLoop:
             item = waiting.popleft()
             vid, s, waits, mode = item
             # LAUNCH work goes on no stream a helper enqueues on; external work joins the others'
-            busy_stream = st.held_on[s] and mode == Mode.LAUNCH
-            if s in stalled or busy_stream or any(u in blocked or u in held for u in waits):
+            busy = s in stalled or (st.held_on[s] and mode == Mode.LAUNCH)
+            if busy or (waits and not (blocked.isdisjoint(waits) and held.keys().isdisjoint(waits))):
                 waiting.append(item)
                 blocked.add(vid)
                 stalled.add(s)
                 continue
             launched += 1
             if mode == Mode.LAUNCH:
-                rec = self._launch(vid, s, waits)
-                if rec is not None:
-                    st.inflight[s].append(rec)
+                try:
+                    vid, exc, evs = self._launch(vid, s, waits)
+                except BaseException as e:  # a bug in the launch path: this vertex ends with it
+                    exc, evs = e, None
+                if evs is not None:
+                    st.inflight[s].append((vid, exc, evs))
+                else:  # nothing of it is on the device: it ends now (else its run never ends)
+                    self.done(vid, s, (t := time.time_ns()), t, exc)
                 continue
             held[vid] = s
             st.held_on[s] += 1
@@ -249,33 +253,46 @@ class CudaLoop:
         return launched
 
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]):
-        """Enqueues vertex `vid` on stream `s` from the loop; returns its in-flight record, or None
-        when its end event could not be recorded (then `done` already has its error)."""
+        """`_enqueue` from the loop, no context switch (hot); returns its in-flight record."""
         t0 = time.perf_counter_ns()
-        exc, evs, ok = self._enqueue(vid, s, waits, set_stream=True)
+        exc: BaseException | None = None
+        evs = self.events.get(vid) or self._events_of(vid)
+        stream = self.streams[s]
+        ahead = self.st.inflight[s]
+        start = ahead[-1][2][1] if ahead and not waits else evs[0]  # behind a chain: its end
+        try:
+            if self.current != s:  # set_stream is not free: only when it changes
+                torch.cuda.set_stream(stream)
+                self.current = s
+            try:
+                for u in waits:
+                    stream.wait_event(self.events[u][1])
+                if start is evs[0]:
+                    start.record(stream)
+                self.work(vid, s)
+            except BaseException as e:  # reported to the executor, which stops the run
+                exc = e
+            evs[1].record(stream)  # also after a failed `work`: the loop finds it done
+        except BaseException as e:  # the end event itself: e.g. a sticky CUDA error
+            exc, start = exc or e, None
         self.host[0] += 1
         self.host[1] += time.perf_counter_ns() - t0
-        if ok:
-            return vid, exc, evs
-        t = time.time_ns()
-        self.done(vid, s, t, t, exc)
-        return None
+        return vid, exc, None if start is None else (start, evs[1])  # events None: end not recorded
 
-    def _enqueue(self, vid: int, s: int, waits: tuple[int, ...], set_stream: bool = False):
-        """On stream `s`: waits, start event, `work`, end event. Never raises: returns (the
-        exception of the vertex or None, its events, whether its end event is recorded)."""
+    def _enqueue(self, vid: int, s: int, waits: tuple[int, ...]):
+        """On stream `s`, from a helper: waits, start event, `work`, end event. Never raises:
+        returns (the exception of the vertex or None, its events, whether its end event is
+        recorded)."""
         exc: BaseException | None = None
         evs = None
         try:
             evs = self._events_of(vid)
             stream = self.streams[s]
-            if set_stream:
-                torch.cuda.set_stream(stream)
             try:
                 for u in waits:
                     stream.wait_event(self.events[u][1])
                 evs[0].record(stream)
-                with contextlib.nullcontext() if set_stream else torch.cuda.stream(stream):
+                with torch.cuda.stream(stream):
                     self.work(vid, s)
             except BaseException as e:  # reported to the executor, which stops the run
                 exc = e
@@ -286,9 +303,7 @@ class CudaLoop:
 
     def _events_of(self, vid: int) -> tuple:
         evs = self.events.get(vid)
-        if evs is None:
-            evs = self.events[vid] = new_events()
-        return evs
+        return evs if evs is not None else self.events.setdefault(vid, new_events())
 
     def _defer(self, vid: int, s: int, waits: tuple[int, ...]) -> None:
         """A DEFERRED vertex: `work` registers it with whoever enqueues it later."""
@@ -365,10 +380,11 @@ class CudaLoop:
                 end.synchronize()  # blocking-sync event: this thread sleeps, the GIL released
             wake.set()
 
-    def submit(self, s: int, vid: int, waits: tuple[int, ...], mode: Mode) -> None:
+    def submit(self, s: int, vid: int, waits: tuple[int, ...] = (), mode: Mode = Mode.LAUNCH) -> None:
         # the executor submits under its lock, lowest id first: this deque holds its order
         self.submitted.append((vid, s, waits, mode))
-        self.wake.set()
+        if get_ident() != self.ident:  # from the loop (in `done`) it runs its next pass anyway
+            self.wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the threads, waiting `timeout_s` in all for them: a waker asleep on work that

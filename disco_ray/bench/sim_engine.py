@@ -69,8 +69,8 @@ class _Worker:
         self.lanes = lanes = Lanes.of(mg, gpu, streams)
         self.core = WorkerCore(mg, gpu)
         self.slots = StreamSlots(self.core, streams, lanes.limits)
-        lane_of, _ = lanes.assign((v for v in mg.vertices if v.gpu == gpu), mode_of)
-        self.slots.start(ahead, lane_of)
+        lane_of, modes = lanes.assign((v for v in mg.vertices if v.gpu == gpu), mode_of)
+        self.slots.start(ahead, lane_of, modes)  # as the executor: nothing ahead behind a non-LAUNCH vertex
         self.engine = [lanes.engine(s) for s in range(lanes.total)]
         self.engine_no = [list(Route).index(e) for e in self.engine]  # (an int: hashed per start)
         # per stream: (submission number, vertex, waits, not before)
