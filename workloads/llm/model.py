@@ -127,6 +127,7 @@ class _Builder:
                 shape[1] = cols[1] - cols[0]
             src, dtype = self.ck.source(name, rows, cols), self.dtype
             if packed is not None:
+                packed = packed.for_weight(tuple(shape))  # Layout.ROWS where the CPU kernel's does not fit
                 shape, dtype = list(packed.packed_shape(tuple(shape))), "uint8"
                 src = replace(src, quant=packed)
             self.g.input(id, tuple(shape), dtype, gpu=j, source=src)

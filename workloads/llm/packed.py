@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from disco_ray.graph.dtypes import ITEMSIZE
+from disco_ray.graph.quant import Layout
 from disco_ray.graph.taskgraph import TaskGraph
 
 
@@ -23,7 +24,22 @@ def dequantized(
         return w
     q = src.quant
     at = {} if span is None else {"start": span[0], "stop": span[1]}
+    if q.layout is not Layout.ROWS:
+        at["layout"] = q.layout.value
     return g.kernel("dequant", rows or w, id=id, bits=q.bits, group=q.group, cols=cols, dtype=dtype, **at)
+
+
+def fused(g: TaskGraph, w: str) -> bool:
+    """Whether weight input `w` is packed in Layout.CPU, which `qlinear` multiplies by directly."""
+    src = g[w].source
+    return src is not None and src.quant is not None and src.quant.layout is Layout.CPU
+
+
+def qlinear(g: TaskGraph, x: str, w: str, cols: int, id: str) -> str:
+    """x @ w^T by one `qlinear` vertex `id`, for a packed weight input `w` [n, cols] (`fused`):
+    no float copy of w in the arena."""
+    q = g[w].source.quant
+    return g.kernel("qlinear", x, w, id=id, bits=q.bits, group=q.group, cols=cols, layout=q.layout.value)
 
 
 def packed_linear(g: TaskGraph, x: str, w: str, cols: int, id: str) -> str:
