@@ -15,6 +15,10 @@ import torch
 
 from .quant import CPU_ROWS, Layout, Quant
 
+# the most rows of x for which qlinear calls the int4 kernel: its time grows with the rows as a
+# matrix-vector product's (measured: past 64 rows, dequantizing then `matmul` is faster)
+KERNEL_ROWS = 64
+
 Impl = Callable[[torch.Tensor, list[torch.Tensor], Mapping], None]
 TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
 
@@ -81,29 +85,53 @@ def _cpu_parts(packed: torch.Tensor, q: Quant, cols: int) -> tuple[list[torch.Te
     return planes, sz
 
 
-def _cpu_dequant_into(out: torch.Tensor, packed: torch.Tensor, q: Quant, start: int) -> None:
-    """Rows start.. of a Layout.CPU weight, as `qlinear`'s kernel reads them, into `out`."""
-    cols = out.shape[1]
+def _cpu_codes(planes: list[torch.Tensor], cols: int, blocks: slice | torch.Tensor, j=None) -> torch.Tensor:
+    """The codes (uint8) of a Layout.CPU weight's row `blocks` (a slice: every row of them, a
+    strided [block, 2, 32, cols] view, row 32 h + i of a block at [block, h, i]), or of row j of
+    each of the blocks (a tensor, with `j`: [n, cols])."""
+    code = None
+    for plane in planes:  # [block, col, 32] bytes: row r's in byte r % 32, nibble by the half
+        b = plane.reshape(-1, cols, CPU_ROWS // 2)
+        if j is None:
+            nib = torch.stack([b[blocks] & 15, b[blocks] >> 4], dim=1).transpose(2, 3)
+        else:
+            row = b[blocks, :, j % (CPU_ROWS // 2)]
+            nib = torch.where((j >= CPU_ROWS // 2)[:, None], row >> 4, row & 15)
+        code = nib if code is None else (code << 4) | nib
+    assert code is not None
+    return code
+
+
+def _cpu_rows(out: torch.Tensor, packed: torch.Tensor, q: Quant, rows: int | torch.Tensor) -> None:
+    """Rows of a Layout.CPU weight, as `qlinear`'s kernel reads them, into `out` [n, cols]:
+    rows..rows+n-1 (an int), or the rows that int64 tensor `rows` [n] names."""
+    n, cols = out.shape
     planes, sz = _cpu_parts(packed, q, cols)
-    rows = packed.shape[0]
-    code = torch.zeros(rows, cols, dtype=torch.uint8, device=packed.device)
-    for plane in planes:  # [block, col, 32] bytes -> [block, half, 32, col] nibbles
-        b = plane.reshape(rows // CPU_ROWS, cols, CPU_ROWS // 2)
-        nib = torch.stack([b & 15, b >> 4], dim=1).permute(0, 1, 3, 2).reshape(rows, cols)
-        code = (code << 4) | nib
     lift = 1 << (q.bits - 4)
-    s = sz[..., 0].float().t() / lift
-    z = sz[..., 1].float().t() - 8 * lift * s
-    stop = start + out.shape[0]
-    w = code[start:stop].float().view(-1, q.groups(cols), q.group)
-    out.copy_(w.mul_(s[start:stop, :, None]).add_(z[start:stop, :, None]).view(out.shape))
+    idx: slice | torch.Tensor = slice(rows, rows + n) if isinstance(rows, int) else rows
+    s = sz[:, idx, 0].float().t() / lift
+    z = sz[:, idx, 1].float().t() - 8 * lift * s
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    if isinstance(rows, int):  # whole blocks, unpermuted by the copy into floats
+        b0, b1 = rows // CPU_ROWS, -(-(rows + n) // CPU_ROWS)
+        whole = direct and rows == b0 * CPU_ROWS and n == (b1 - b0) * CPU_ROWS
+        full = out if whole else torch.empty((b1 - b0) * CPU_ROWS, cols, device=out.device)
+        full.view(b1 - b0, 2, CPU_ROWS // 2, cols).copy_(_cpu_codes(planes, cols, slice(b0, b1)))
+        full = full[rows - b0 * CPU_ROWS : rows - b0 * CPU_ROWS + n]
+    else:
+        full = out if direct else torch.empty(n, cols, device=out.device)
+        full.copy_(_cpu_codes(planes, cols, rows // CPU_ROWS, rows % CPU_ROWS))
+    g = full.view(n, q.groups(cols), q.group)
+    g.mul_(s[..., None]).add_(z[..., None])
+    if full is not out:
+        out.copy_(full)
 
 
 def dequantize(packed: torch.Tensor, q: Quant, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Weight [out, cols] in `dtype` from its packed form (`quantize`'s)."""
     out = torch.empty(packed.shape[0], cols, dtype=dtype, device=packed.device)
     if q.layout is Layout.CPU:
-        _cpu_dequant_into(out, packed, q, 0)
+        _cpu_rows(out, packed, q, 0)
     else:
         _dequant_into(out, packed, q)
     return out
@@ -133,15 +161,32 @@ def _dequant_into(out: torch.Tensor, packed: torch.Tensor, q: Quant) -> None:
 def _dequant(out, ins, attrs):
     q = Quant(attrs["bits"], attrs["group"], Layout(attrs["layout"]))
     if q.layout is Layout.CPU:
-        _cpu_dequant_into(out, ins[0], q, attrs["start"])
+        _cpu_rows(
+            out, ins[0], q, torch.arange(attrs["start"], attrs["start"] + out.shape[0], device=out.device)
+        )
     else:
         _dequant_into(out, ins[0][attrs["start"] : attrs["start"] + out.shape[0]], q)
+
+
+def _qembedding(out, ins, attrs):
+    ids, table = ins
+    q, cols = Quant(attrs["bits"], attrs["group"], Layout(attrs["layout"])), attrs["cols"]
+    local = (ids - attrs["start"]).reshape(-1)
+    inside = (local >= 0) & (local < table.shape[0])  # a row outside the shard: zeros
+    flat = out.view(-1, cols)
+    idx = local.clamp(0, table.shape[0] - 1)
+    if q.layout is Layout.CPU:
+        _cpu_rows(flat, table, q, idx)
+    else:
+        _dequant_into(flat, table.index_select(0, idx), q)
+    flat.mul_(inside.unsqueeze(1).to(out.dtype))
 
 
 def _qlinear(out, ins, attrs):
     x, w = ins
     q, cols = Quant(attrs["bits"], attrs["group"], Layout(attrs["layout"])), attrs["cols"]
-    if q.layout is not Layout.CPU or x.device.type != "cpu":  # no fused kernel: dequantize, multiply
+    if q.layout is not Layout.CPU or x.device.type != "cpu" or x.numel() > cols * KERNEL_ROWS:
+        # no fused kernel, or rows enough that a float matrix product pays: dequantize, multiply
         wf = torch.empty(w.shape[0], cols, dtype=x.dtype, device=x.device)
         _dequant(wf, [w], {**attrs, "start": 0})
         torch.matmul(x, wf.t(), out=out)
@@ -161,9 +206,8 @@ def _dequant_temps(out, ins, attrs):
     rows, cols = out.shape
     q = Quant(attrs["bits"], attrs["group"])
     if attrs.get("layout", Layout.ROWS.value) == Layout.CPU.value:
-        # every row's codes and nibbles (uint8), the span's float32 codes, every row's scales
-        n = ins[0].shape[0]
-        return 5 * n * cols + 4 * rows * cols + 16 * n * q.groups(cols)
+        # the row indices, codes and nibbles (uint8), float32 codes, scales and zeros
+        return rows * (8 + 8 * cols + 16 * q.groups(cols))
     # the float32 codes (a row rounded up to whole groups), the unpacked nibbles, the scales
     return rows * (4 * q.groups(cols) * q.group + 2 * q.code_bytes(cols) + 16 * q.groups(cols))
 
@@ -171,7 +215,7 @@ def _dequant_temps(out, ins, attrs):
 def _qlinear_temps(out, ins, attrs):
     x, w = ins
     rows, cols = w.shape[0], attrs["cols"]
-    if attrs["layout"] != Layout.CPU.value or x.device.type != "cpu":  # the float weight, its dequant's
+    if attrs["layout"] != Layout.CPU.value or x.device.type != "cpu" or x.numel() > cols * KERNEL_ROWS:
         return rows * cols * x.element_size() + _dequant_temps(
             torch.empty(rows, cols, device="meta"), [w], attrs
         )
@@ -179,5 +223,16 @@ def _qlinear_temps(out, ins, attrs):
     return 2 * x.numel() + 4 * out.numel() + 4 * rows * Quant(attrs["bits"], attrs["group"]).groups(cols)
 
 
-KERNELS: dict[str, Impl] = {"dequant": _dequant, "qlinear": _qlinear}
-TEMPS: dict[str, TempBytes] = {"dequant": _dequant_temps, "qlinear": _qlinear_temps}
+def _qembedding_temps(out, ins, attrs):
+    n, cols = out.numel() // attrs["cols"], attrs["cols"]
+    q = Quant(attrs["bits"], attrs["group"])
+    # the ids, the packed rows or their codes and nibbles, float32 codes, scales and zeros
+    return 24 * n + n * (q.packed_shape((1, cols))[1] + 4 * cols) + 4 * n * cols + 16 * n * q.groups(cols)
+
+
+KERNELS: dict[str, Impl] = {"dequant": _dequant, "qlinear": _qlinear, "qembedding": _qembedding}
+TEMPS: dict[str, TempBytes] = {
+    "dequant": _dequant_temps,
+    "qlinear": _qlinear_temps,
+    "qembedding": _qembedding_temps,
+}

@@ -1,11 +1,11 @@
 """The weight-only quantization ops: `dequant` turns a packed weight (`quant`) into the compute
-dtype; `qlinear` multiplies by one without a float copy of it in the arena. Kernels in
-`kernels_quant`."""
+dtype; `qlinear` multiplies by one and `qembedding` looks rows of one up, without a float copy of
+it in the arena. Kernels in `kernels_quant`."""
 
 from __future__ import annotations
 
 from .dtypes import FLOATS
-from .opspec import ATTR_TYPES, REQUIRED, OpSpec, _is_int, numel, register
+from .opspec import ATTR_TYPES, REQUIRED, OpSpec, _is_int, no_flops, numel, register
 from .quant import Layout, Quant
 
 ATTR_TYPES[("dequant", "stop")] = (lambda x: x is None or _is_int(x), "null or an integer")
@@ -41,6 +41,18 @@ def _infer_dequant(shapes, dtypes, attrs):
         raise ValueError(f"dequant: attribute dtype must be a floating dtype, got {dtype!r}")
     _packed_operand("dequant", w, dtypes[0], attrs)
     return (stop - start, attrs["cols"]), dtype
+
+
+def _infer_qembedding(shapes, dtypes, attrs):
+    ids, table = shapes
+    if len(ids) < 1 or dtypes[0] not in ("int32", "int64"):
+        raise ValueError(f"qembedding: ids must be integers [t] or [.., t], got {list(ids)} {dtypes[0]}")
+    if not _is_int(attrs["start"]):
+        raise ValueError(f"qembedding: attribute start must be an integer, got {attrs['start']!r}")
+    if attrs["dtype"] not in FLOATS:
+        raise ValueError(f"qembedding: attribute dtype must be a floating dtype, got {attrs['dtype']!r}")
+    _packed_operand("qembedding", table, dtypes[1], attrs)
+    return (*ids, attrs["cols"]), attrs["dtype"]
 
 
 def _infer_qlinear(shapes, dtypes, attrs):
@@ -86,5 +98,24 @@ register(
         doc="x [.., cols] @ w^T for a packed weight w [n, ..] (as `dequant` reads it) -> [.., n] in x's "
         "dtype, with no float copy of w in the arena; layout 'cpu' on a CPU: torch's int4 matmul kernel "
         "with x in bfloat16 (int8: one call per nibble plane), else dequantized in the kernel's workspace",
+    )
+)
+register(
+    OpSpec(
+        "qembedding",
+        2,
+        2,
+        _infer_qembedding,
+        attrs={
+            "bits": REQUIRED,
+            "group": REQUIRED,
+            "cols": REQUIRED,
+            "layout": "rows",
+            "start": 0,
+            "dtype": "float32",
+        },
+        flops=no_flops,
+        doc="the rows ids - start [.., t] of a packed table [rows, ..] (as `dequant` reads it) in `dtype` "
+        "-> [.., t, cols]; an id outside start..start+rows-1: zeros (a vocabulary shard's lookup)",
     )
 )

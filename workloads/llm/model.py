@@ -42,7 +42,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
 from .layer import COL_SPLIT, EXPERT_ROLES, ROW_SPLIT, Attend, Layer, LayerSpec, Split, rope_tables
-from .packed import dequantized, packed_linear
+from .packed import dequantized, fused, packed_linear, qembedding
 
 PROJECTIONS = frozenset(ROW_SPLIT + COL_SPLIT)  # the weights a quantized checkpoint packs
 
@@ -113,7 +113,7 @@ class _Builder:
         # the embedding table and LM head: int8 whatever the layers' bits (their errors go
         # straight into the logits, as llama.cpp keeps its output matrix at more bits)
         q = self.ck.quant
-        self.tables = None if q is None else Quant(8, q.group)
+        self.tables = None if q is None else Quant(8, q.group, q.layout)
 
     def weight(self, id: str, name: str, j: int, rows=None, cols=None, packed: Quant | None = None) -> str:
         """The input of block (rows, cols) of tensor `name` on GPU j; `packed`: read quantized
@@ -156,6 +156,17 @@ class _Builder:
         table, at = self.embed_table(j), self.embed_attrs(j)
         if self.g[table].dtype != "uint8":
             return self.g.kernel("embedding", tok, table, id=id, **at)
+        if fused(self.g, table):  # the rows looked up and dequantized by one vertex
+            x = qembedding(
+                self.g,
+                tok,
+                table,
+                self.cfg.dim,
+                self.dtype,
+                at["start"],
+                id if "scale" not in at else f"{id}.dq",
+            )
+            return x if "scale" not in at else self.g.scale(x, at["scale"], id=id)
         rows = self.g.kernel("embedding", tok, table, id=f"{id}.rows", start=at["start"])
         if "scale" not in at:
             return dequantized(self.g, table, self.cfg.dim, self.dtype, id, rows)

@@ -42,13 +42,24 @@ def qlinear(g: TaskGraph, x: str, w: str, cols: int, id: str) -> str:
     return g.kernel("qlinear", x, w, id=id, bits=q.bits, group=q.group, cols=cols, layout=q.layout.value)
 
 
+def qembedding(g: TaskGraph, ids: str, table: str, cols: int, dtype: str, start: int, id: str) -> str:
+    """The rows `ids` - `start` of a packed table input (`fused`) in `dtype`, by one `qembedding`
+    vertex `id` (zeros for an id outside the table's rows)."""
+    q = g[table].source.quant
+    at = dict(bits=q.bits, group=q.group, cols=cols, layout=q.layout.value, start=start, dtype=dtype)
+    return g.kernel("qembedding", ids, table, id=id, **at)
+
+
 def packed_linear(g: TaskGraph, x: str, w: str, cols: int, id: str) -> str:
-    """x @ w^T for a weight input `w` [n, cols]; a packed one in row blocks, each dequantized just
-    before its linear and the logits joined, so that no float copy of a large matrix (an LM head)
-    needs the arena at once: each block's float bytes about the packed whole's."""
+    """x @ w^T for a weight input `w` [n, cols]; a packed one by `qlinear` where `fused`, else in
+    row blocks, each dequantized just before its linear and the logits joined, so that no float
+    copy of a large matrix (an LM head) needs the arena at once: each block's float bytes about
+    the packed whole's."""
     v = g[w]
     if v.source is None or v.source.quant is None:
         return g.linear(x, w, id=id)
+    if fused(g, w):
+        return qlinear(g, x, w, cols, id)
     n, blocks = v.shape[0], -(-ITEMSIZE[g[x].dtype] * cols // v.shape[1])
     step = -(-n // blocks)
     parts = [
