@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disco_ray.graph.dtypes import ITEMSIZE
-from disco_ray.graph.quant import Layout
+from disco_ray.graph.quant import Layout, Quant
 from disco_ray.graph.taskgraph import TaskGraph
 
 
@@ -23,30 +23,34 @@ def dequantized(
     if src is None or src.quant is None:
         return w
     q = src.quant
-    at = {} if span is None else {"start": span[0], "stop": span[1]}
+    at: dict = {} if span is None else {"start": span[0], "stop": span[1]}
     if q.layout is not Layout.ROWS:
         at["layout"] = q.layout.value
     return g.kernel("dequant", rows or w, id=id, bits=q.bits, group=q.group, cols=cols, dtype=dtype, **at)
 
 
-def fused(g: TaskGraph, w: str) -> bool:
-    """Whether weight input `w` is packed in Layout.CPU, which `qlinear` multiplies by directly."""
+def fused(g: TaskGraph, w: str) -> Quant | None:
+    """The quantization of weight input `w` if it is packed in Layout.CPU, which `qlinear` and
+    `qembedding` read directly; else None."""
     src = g[w].source
-    return src is not None and src.quant is not None and src.quant.layout is Layout.CPU
+    q = None if src is None else src.quant
+    return q if q is not None and q.layout is Layout.CPU else None
 
 
 def qlinear(g: TaskGraph, x: str, w: str, cols: int, id: str) -> str:
     """x @ w^T by one `qlinear` vertex `id`, for a packed weight input `w` [n, cols] (`fused`):
     no float copy of w in the arena."""
-    q = g[w].source.quant
+    q = fused(g, w)
+    assert q is not None, w
     return g.kernel("qlinear", x, w, id=id, bits=q.bits, group=q.group, cols=cols, layout=q.layout.value)
 
 
 def qembedding(g: TaskGraph, ids: str, table: str, cols: int, dtype: str, start: int, id: str) -> str:
     """The rows `ids` - `start` of a packed table input (`fused`) in `dtype`, by one `qembedding`
     vertex `id` (zeros for an id outside the table's rows)."""
-    q = g[table].source.quant
-    at = dict(bits=q.bits, group=q.group, cols=cols, layout=q.layout.value, start=start, dtype=dtype)
+    q = fused(g, table)
+    assert q is not None, table
+    at: dict = dict(bits=q.bits, group=q.group, cols=cols, layout=q.layout.value, start=start, dtype=dtype)
     return g.kernel("qembedding", ids, table, id=id, **at)
 
 
