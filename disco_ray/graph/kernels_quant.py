@@ -1,6 +1,6 @@
 """Group-wise min-max quantization in torch (`quant` says the packed layouts): `quantize` (where a
-worker reads a weight), `dequantize`, the `dequant` op's kernel and the `qlinear` op's (on the
-device that uses the weight).
+worker reads a weight), `dequantize`, and the kernels of the `dequant`, `qlinear` and
+`qembedding` ops (on the device that uses the weight).
 
 `qlinear` on a Layout.CPU weight calls torch's `_weight_int4pack_mm_for_cpu` (int8: twice, once
 per nibble plane) with the activations in bfloat16, the only input dtype for which torch 2.13
@@ -26,6 +26,10 @@ TempBytes = Callable[[torch.Tensor, list[torch.Tensor], Mapping], int]
 def quantize(w: torch.Tensor, q: Quant) -> torch.Tensor:
     """The packed uint8 form [out, width] of weight `w` [out, in] (any float dtype)."""
     rows, cols = w.shape
+    if q.layout is Layout.CPU and not q.fits_cpu((rows, cols)):
+        raise ValueError(
+            f"layout cpu needs rows a multiple of {CPU_ROWS} and whole groups, got {rows} x {cols}"
+        )
     ng, top = q.groups(cols), (1 << q.bits) - 1
     x = w.float()
     if ng * q.group != cols:  # the last group's missing elements repeat its last: min, max unchanged

@@ -152,25 +152,19 @@ class _Builder:
 
     def lookup(self, tok: str, j: int, id: str) -> str:
         """The embedding rows of ids `tok` in GPU j's vocabulary shard (zeros outside it); of a
-        packed table, the packed rows are looked up, then dequantized (`{id}.rows` -> `id`)."""
+        packed table, the packed rows are looked up, then dequantized (`{id}.rows` -> `id`; in
+        Layout.CPU, both by one `qembedding`)."""
         table, at = self.embed_table(j), self.embed_attrs(j)
         if self.g[table].dtype != "uint8":
             return self.g.kernel("embedding", tok, table, id=id, **at)
+        xid = id if "scale" not in at else f"{id}.dq"
         if fused(self.g, table):  # the rows looked up and dequantized by one vertex
-            x = qembedding(
-                self.g,
-                tok,
-                table,
-                self.cfg.dim,
-                self.dtype,
-                at["start"],
-                id if "scale" not in at else f"{id}.dq",
-            )
-            return x if "scale" not in at else self.g.scale(x, at["scale"], id=id)
-        rows = self.g.kernel("embedding", tok, table, id=f"{id}.rows", start=at["start"])
+            x = qembedding(self.g, tok, table, self.cfg.dim, self.dtype, at["start"], xid)
+        else:
+            rows = self.g.kernel("embedding", tok, table, id=f"{id}.rows", start=at["start"])
+            x = dequantized(self.g, table, self.cfg.dim, self.dtype, xid, rows)
         if "scale" not in at:
-            return dequantized(self.g, table, self.cfg.dim, self.dtype, id, rows)
-        x = dequantized(self.g, table, self.cfg.dim, self.dtype, f"{id}.dq", rows)
+            return x
         return self.g.scale(x, at["scale"], id=id)  # the family's embedding scale, on the floats
 
     def head_weight(self, j: int, like: str, id: str) -> str:
