@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disco_ray.graph.errors import FormatError
 from disco_ray.graph.kernels_quant import KERNEL_ROWS, KERNELS, dequantize, quantize
 from disco_ray.graph.quant import Layout, Quant
 from disco_ray.models import LlamaModel
@@ -144,3 +145,17 @@ def test_int4_on_the_fused_path_agrees_with_the_float_model(tiny):
     with LlamaModel(path, capacity=cap, block=oracle.BLOCK, engine="local", quantize="int4") as m:
         logits = m.prefill(oracle.PROMPT)
     assert float((logits.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.8  # test_quantize's INT4_TOP1
+
+
+def test_the_cpu_layout_only_where_it_fits_and_in_json():
+    q = Quant(4, 64, Layout.CPU)
+    assert q.for_weight((128, 256)) is q
+    assert q.for_weight((96, 256)).layout is Layout.ROWS  # rows not a multiple of 64
+    assert q.for_weight((128, 100)).layout is Layout.ROWS  # a short last group
+    assert Quant(4, 16, Layout.CPU).for_weight((128, 256)).layout is Layout.ROWS  # group not 32..256
+    with pytest.raises(ValueError, match="layout cpu needs rows a multiple of 64"):
+        quantize(torch.zeros(96, 256), q)
+    assert Quant.from_dict(q.to_dict(), "x") == q
+    assert "layout" not in Quant(4, 64).to_dict()  # files and graphs of the portable layout as before
+    with pytest.raises(FormatError, match=r"x: \"source.quant.layout\" must be"):
+        Quant.from_dict({"bits": 4, "layout": "cuda"}, "x")
