@@ -165,9 +165,7 @@ def _dequant_into(out: torch.Tensor, packed: torch.Tensor, q: Quant) -> None:
 def _dequant(out, ins, attrs):
     q = Quant(attrs["bits"], attrs["group"], Layout(attrs["layout"]))
     if q.layout is Layout.CPU:
-        _cpu_rows(
-            out, ins[0], q, torch.arange(attrs["start"], attrs["start"] + out.shape[0], device=out.device)
-        )
+        _cpu_rows(out, ins[0], q, attrs["start"])
     else:
         _dequant_into(out, ins[0][attrs["start"] : attrs["start"] + out.shape[0]], q)
 
@@ -210,8 +208,8 @@ def _dequant_temps(out, ins, attrs):
     rows, cols = out.shape
     q = Quant(attrs["bits"], attrs["group"])
     if attrs.get("layout", Layout.ROWS.value) == Layout.CPU.value:
-        # the row indices, codes and nibbles (uint8), float32 codes, scales and zeros
-        return rows * (8 + 8 * cols + 16 * q.groups(cols))
+        # the covering 64-row blocks' codes and nibbles (uint8) and floats, scales and zeros
+        return (rows + 2 * CPU_ROWS) * 8 * cols + rows * 16 * q.groups(cols)
     # the float32 codes (a row rounded up to whole groups), the unpacked nibbles, the scales
     return rows * (4 * q.groups(cols) * q.group + 2 * q.code_bytes(cols) + 16 * q.groups(cols))
 
