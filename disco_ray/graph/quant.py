@@ -14,7 +14,18 @@ with ng = ceil(in / group) groups and cb = 2 * ceil(in * bits / 16) bytes of cod
 byte per element; int4: two per byte, element 2i in the low nibble, 2i+1 in the high one; padded
 to an even count so the float16s that follow are aligned). So a planner that sizes a graph input
 by its shape and dtype moves and keeps the packed bytes: with group 64, 1.06 bytes per weight for
-int8 and 0.56 for int4, against 4 (float32) or 2 (float16).
+int8 and 0.56 for int4, against 4 (float32) or 2 (float16). This is `Layout.ROWS`, the portable
+layout: what files hold and what `dequant` and the embedding lookup read.
+
+`Layout.CPU` is the same bytes rearranged for torch's CPU int4 matmul kernel, which the
+`qlinear` op calls (`kernels_quant.to_cpu`; only where `Quant.fits_cpu`): first the codes as
+`torch.ops.aten._convert_weight_to_int4pack_for_cpu` lays out an [out, in] matrix of 4-bit codes
+(blocks of 64 rows; in each, per input column, 32 bytes: row r's code in the low nibble of byte
+r, row r + 32's in the high one), int8 as two such planes (the codes' high nibbles, then their low
+ones); then bfloat16 [ng, out, 2]: per group and row (scale * 2^(bits-4), zero + 2^(bits-1) *
+scale), since the kernel computes (code - 8) * scale' + zero' per plane. A worker writes it where
+it quantizes a block (its host store, its packed file), so the arena and the planner see the
+same byte count either way.
 
 The worker quantizes when it reads a block of the checkpoint (`sources.Source.quant`); the
 `dequant` op (`ops_quant`, kernel in `kernels_quant`) turns a packed weight back into the
@@ -24,7 +35,8 @@ compute dtype on the device that uses it, just before the `linear` or `matmul` t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
 
 from .errors import FormatError, UsageError
 
@@ -34,6 +46,15 @@ BITS = (8, 4)  # the code widths: int8 and int4
 LAYOUT_VERSION = 1
 NAMES = {"int8": 8, "int4": 4}  # --quantize's values -> bits
 DEFAULT_GROUP = 64  # FlexGen's group size
+CPU_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
+CPU_ROWS = 64  # its row block: Layout.CPU needs a multiple of it
+
+
+class Layout(str, Enum):
+    """How a packed weight's bytes are arranged (the same count either way)."""
+
+    ROWS = "rows"  # row by row: codes, scales, zeros (the portable layout)
+    CPU = "cpu"  # for torch's CPU int4 matmul kernel (`qlinear`), where `Quant.fits_cpu`
 
 
 KV_NAMES = {"int8": 8}  # --kv-cache's packed values -> bits ("float": the compute dtype)
@@ -64,12 +85,15 @@ class Quant:
 
     bits: int
     group: int = DEFAULT_GROUP
+    layout: Layout = Layout.ROWS
 
     def __post_init__(self) -> None:
         if self.bits not in BITS or isinstance(self.bits, bool):
             raise UsageError(f"quantization bits must be 8 or 4, got {self.bits!r}")
         if not isinstance(self.group, int) or isinstance(self.group, bool) or self.group < 1:
             raise UsageError(f"quantization group must be an integer >= 1, got {self.group!r}")
+        if not isinstance(self.layout, Layout):
+            raise UsageError(f"quantization layout must be one of rows, cpu, got {self.layout!r}")
 
     @classmethod
     def named(cls, name: str | None, group: int = DEFAULT_GROUP) -> Quant | None:
@@ -125,15 +149,35 @@ class Quant:
         rows, cols = shape
         return rows, self.code_bytes(cols) + 4 * self.groups(cols)
 
+    def fits_cpu(self, shape: tuple[int, ...]) -> bool:
+        """Whether a weight of `shape` [out, in] can take Layout.CPU (torch's kernel's limits)."""
+        rows, cols = shape
+        return self.group in CPU_GROUPS and rows % CPU_ROWS == 0 and cols % self.group == 0
+
+    def for_weight(self, shape: tuple[int, ...]) -> Quant:
+        """This quantization for a weight of `shape`: Layout.ROWS where Layout.CPU does not fit."""
+        if self.layout is Layout.CPU and not self.fits_cpu(shape):
+            return replace(self, layout=Layout.ROWS)
+        return self
+
     def to_dict(self) -> dict:
-        return {"bits": self.bits, "group": self.group}
+        d: dict = {"bits": self.bits, "group": self.group}
+        if self.layout is not Layout.ROWS:
+            d["layout"] = self.layout.value
+        return d
 
     @classmethod
     def from_dict(cls, doc: object, where: str) -> Quant:
         """Parses a source's "quant" object; FormatError names `where` and the field."""
-        if not isinstance(doc, dict) or set(doc) - {"bits", "group"} or "bits" not in doc:
-            raise FormatError(f'{where}: "source.quant" must be {{"bits": 8 or 4, "group": n}}, got {doc!r}')
+        if not isinstance(doc, dict) or set(doc) - {"bits", "group", "layout"} or "bits" not in doc:
+            raise FormatError(
+                f'{where}: "source.quant" must be {{"bits": 8 or 4, "group": n, "layout": "rows" or "cpu"}}, '
+                f"got {doc!r}"
+            )
+        layout = doc.get("layout", Layout.ROWS.value)
+        if layout not in {m.value for m in Layout}:
+            raise FormatError(f'{where}: "source.quant.layout" must be "rows" or "cpu", got {layout!r}')
         try:
-            return cls(doc["bits"], doc.get("group", DEFAULT_GROUP))
+            return cls(doc["bits"], doc.get("group", DEFAULT_GROUP), Layout(layout))
         except UsageError as e:
             raise FormatError(f'{where}: "source.quant": {e}') from None

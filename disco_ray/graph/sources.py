@@ -266,8 +266,10 @@ def _stored(src: Source, f, shape: tuple[int, ...], dtype: str, what: str):
     t = sl[b.r0 : b.r1]
     if b.block is not None:
         t = packed_columns(t, b.stored, b.cols, b.block)
-    if b.stored != src.quant:  # the same codes, wanted in another byte layout: none to convert to here
-        raise RunError(f"{what}: stored as {b.stored}, read as {src.quant}: no conversion between them")
+    if b.stored != src.quant:  # the same codes in the CPU kernel's layout: rearranged (once per load)
+        from .kernels_quant import to_cpu
+
+        t = to_cpu(t.contiguous(), src.quant, b.block[1] - b.block[0] if b.block else b.cols)
     if dtype != "uint8" or tuple(t.shape) != tuple(shape):
         raise RunError(f"{what}: is {list(t.shape)} uint8 packed, the input {list(shape)} {dtype}")
     return t.contiguous()

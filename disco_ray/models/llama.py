@@ -137,7 +137,7 @@ class LlamaModel(PlannedModel):
         if not isinstance(tile, int) or isinstance(tile, bool) or tile < block or tile % block:
             raise UsageError(f"tile must be a multiple of block {block}, got {tile!r}")
         self.tile = tile
-        self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine, quantize, quant_group)
+        self.ck, self.dtype = open_checkpoint(path, gpus, dtype, engine, quantize, quant_group, backend)
         self.ck = self.ck.with_kv_cache(kv_quant(kv_cache, self.ck.config.head_dim, kv_group))
         self.config = self.ck.config
         self.gpus, self.block = gpus, block

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -16,7 +17,7 @@ from disco_ray.driver.program import ENGINES, Program
 from disco_ray.graph.dtypes import FLOATS
 from disco_ray.graph.errors import UsageError
 from disco_ray.graph.memgraph import MemGraph
-from disco_ray.graph.quant import Quant
+from disco_ray.graph.quant import Layout, Quant
 from disco_ray.graph.sizes import parse_capacity
 from disco_ray.graph.taskgraph import TaskGraph
 from planner.capacity import CapacityBounds, host_capacities
@@ -46,15 +47,21 @@ def open_checkpoint(
     engine: str,
     quantize: str | None = None,
     quant_group: int = 64,
+    fused_on: str | None = None,
 ) -> tuple[Checkpoint, str]:
     """The checkpoint at `path`, its config checked to split over `gpus`, and the compute dtype
     (`dtype`, a name or a torch.dtype, checked; None or "auto": the checkpoint's), to run on
     `engine`: what a model driver runs. `quantize` ("int8", "int4" or None) with `quant_group`:
-    its decoder layers' linear weights are read quantized (docs/QUANTIZATION.md)."""
+    its decoder layers' linear weights are read quantized (docs/QUANTIZATION.md); `fused_on`
+    "cpu": packed in the layout of the `qlinear` op's CPU kernel (inference: it computes in
+    bfloat16), else in the portable one."""
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
     quant = Quant.named(quantize, quant_group)  # bad values refused before the checkpoint is read
     ck = Checkpoint(path)
+    quant = ck.quantized(quant).quant  # a quantized checkpoint's own bits and group, checked
+    if quant is not None and fused_on == "cpu":
+        quant = replace(quant, layout=Layout.CPU)
     ck.config.check_split(gpus)
     if isinstance(dtype, torch.dtype):  # as transformers takes it: torch.float16
         dtype = str(dtype).removeprefix("torch.")

@@ -36,7 +36,7 @@ from .layer_spec import (
     Split,
     rope_tables,
 )
-from .packed import dequantized
+from .packed import dequantized, fused, qlinear
 
 # the layer's description lives in `layer_spec`; these names are read from here by the builders
 __all__ = [
@@ -95,6 +95,9 @@ class Layer:
         w, b = ws[role], ws.get(f"{role}_bias")
         if self.g[w].dtype == "uint8":  # packed (a quantized checkpoint): dequantized just before use
             cols = self.split.block_shape(self.spec, role, j)[1]
+            if self.spec.layout is not Layout.IN_OUT and fused(self.g, w):  # no float copy of w
+                y = qlinear(self.g, x, w, cols, id)
+                return y if b is None else self.g.add(y, b, id=f"{id}.b")
             w = dequantized(self.g, w, cols, self.g[x].dtype, f"{id}.w")
         if self.spec.layout is Layout.IN_OUT:
             y = self.g.matmul(x, w, id=id)

@@ -42,7 +42,7 @@ from disco_ray.graph.taskgraph import TaskGraph
 
 from .checkpoint import Checkpoint, ModelConfig
 from .layer import COL_SPLIT, EXPERT_ROLES, ROW_SPLIT, Attend, Layer, LayerSpec, Split, rope_tables
-from .packed import cache_block, dequantized, kv_attrs, kv_rows, packed_linear
+from .packed import cache_block, dequantized, fused, kv_attrs, kv_rows, packed_linear, qembedding
 
 PROJECTIONS = frozenset(ROW_SPLIT + COL_SPLIT)  # the weights a quantized checkpoint packs
 
@@ -113,7 +113,7 @@ class _Builder:
         # the embedding table and LM head: int8 whatever the layers' bits (their errors go
         # straight into the logits, as llama.cpp keeps its output matrix at more bits)
         q = self.ck.quant
-        self.tables = None if q is None else Quant(8, q.group)
+        self.tables = None if q is None else Quant(8, q.group, q.layout)
 
     def weight(self, id: str, name: str, j: int, rows=None, cols=None, packed: Quant | None = None) -> str:
         """The input of block (rows, cols) of tensor `name` on GPU j; `packed`: read quantized
@@ -127,6 +127,7 @@ class _Builder:
                 shape[1] = cols[1] - cols[0]
             dtype = self.dtype
             if packed is not None:
+                packed = packed.for_weight(tuple(shape))  # Layout.ROWS where the CPU kernel's does not fit
                 shape, dtype = list(packed.packed_shape(tuple(shape))), "uint8"
             src = self.ck.source(name, rows, cols, packed)
             self.g.input(id, tuple(shape), dtype, gpu=j, source=src)
@@ -151,14 +152,19 @@ class _Builder:
 
     def lookup(self, tok: str, j: int, id: str) -> str:
         """The embedding rows of ids `tok` in GPU j's vocabulary shard (zeros outside it); of a
-        packed table, the packed rows are looked up, then dequantized (`{id}.rows` -> `id`)."""
+        packed table, the packed rows are looked up, then dequantized (`{id}.rows` -> `id`; in
+        Layout.CPU, both by one `qembedding`)."""
         table, at = self.embed_table(j), self.embed_attrs(j)
         if self.g[table].dtype != "uint8":
             return self.g.kernel("embedding", tok, table, id=id, **at)
-        rows = self.g.kernel("embedding", tok, table, id=f"{id}.rows", start=at["start"])
+        xid = id if "scale" not in at else f"{id}.dq"
+        if fused(self.g, table):  # the rows looked up and dequantized by one vertex
+            x = qembedding(self.g, tok, table, self.cfg.dim, self.dtype, at["start"], xid)
+        else:
+            rows = self.g.kernel("embedding", tok, table, id=f"{id}.rows", start=at["start"])
+            x = dequantized(self.g, table, self.cfg.dim, self.dtype, xid, rows)
         if "scale" not in at:
-            return dequantized(self.g, table, self.cfg.dim, self.dtype, id, rows)
-        x = dequantized(self.g, table, self.cfg.dim, self.dtype, f"{id}.dq", rows)
+            return x
         return self.g.scale(x, at["scale"], id=id)  # the family's embedding scale, on the floats
 
     def head_weight(self, j: int, like: str, id: str) -> str:
