@@ -261,7 +261,12 @@ def _qembedding_temps(out, ins, attrs):
     return 24 * n + n * (q.packed_shape((1, cols))[1] + 4 * cols) + 4 * n * cols + 16 * n * q.groups(cols)
 
 
-KERNELS: dict[str, Impl] = {"dequant": _dequant, "qlinear": _qlinear, "qembedding": _qembedding, "quant": _quant}
+KERNELS: dict[str, Impl] = {
+    "dequant": _dequant,
+    "qlinear": _qlinear,
+    "qembedding": _qembedding,
+    "quant": _quant,
+}
 TEMPS: dict[str, TempBytes] = {
     "dequant": _dequant_temps,
     "qlinear": _qlinear_temps,
