@@ -7,8 +7,8 @@ Checked: the packing per head (a head of tiny values beside one of large values 
 precision: an off-by-one in the group indexing is caught), the planner's sizes (a cache block is
 (head_dim + 4) / (4 head_dim) of float32's, moved and held so), teacher-forced decode logits
 within `INT8_LOGITS` of transformers', greedy tokens of a ragged batch equal to transformers' at
-a capacity that offloads (1 and 2 GPUs, local engine; the spill file; the ray engine once), with
-int8 and int4 weights too, on the tiny LLaMA and the other families' test checkpoints, and the
+a capacity that offloads (1 and 2 GPUs, local engine; the spill file; the ray engine once), the
+int8 cache read as the float one with int8 and int4 weights, on the tiny LLaMA and the other families' test checkpoints, and the
 command line (`--kv-cache int3`: exit 2, one line).
 """
 
@@ -32,7 +32,6 @@ from tests.ray_fixtures import pool  # noqa: E402, F401  (module fixture for the
 from workloads.llm.batch import BatchLayout, batch_decode_graph, feed_decode, feed_prefill  # noqa: E402
 from workloads.llm.checkpoint import Checkpoint  # noqa: E402
 
-POOL_GPUS = 2  # the most GPUs its Ray test uses: the pool makes no more workers
 BLOCK = oracle.BLOCK
 PROMPTS = [[5, 17, 3], [(7 * i + 3) % 128 for i in range(17)], [(11 * i + 1) % 128 for i in range(29)]]
 MAX_NEW = [6, 9, 7]  # the longest prompt (cache index 32) crosses a block boundary at 36
@@ -185,15 +184,19 @@ def test_a_ragged_batch_at_a_capacity_that_offloads_gives_transformers_greedy_to
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_with_quantized_weights_the_int8_cache_gives_the_float_caches_tokens(ckpt, quantize):
+def test_with_quantized_weights_the_int8_cache_reads_as_the_float_cache(ckpt, free, quantize):
+    # the same packed weights (on the cpu backend: torch's bfloat16 int4 kernel) under both caches,
+    # teacher-forced: greedy tokens could part at a near tie, which int4 weights make likelier
     path, _ = ckpt
-    tokens = {}
+    forced = [f[:6] for f in free]
+    got = {}
     for kv in ("float", "int8"):
         cap = tight(path, 2, kv_cache=kv, quantize=quantize)
         kw = dict(gpus=2, capacity=cap, block=BLOCK, engine="local", quantize=quantize, kv_cache=kv)
         with LlamaModel(path, **kw) as m:
-            tokens[kv] = m.generate(PROMPTS, MAX_NEW, stop_at_eos=False)
-    assert tokens["int8"] == tokens["float"]
+            got[kv] = decode_logits(m, PROMPTS, forced)
+    err = max(oracle.rel_err(i, f) for i, f in zip(got["int8"], got["float"]))
+    assert 0 < err <= INT8_LOGITS, err
 
 
 @pytest.mark.parametrize(
