@@ -20,6 +20,7 @@ prints; nothing here is a test.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -155,6 +156,13 @@ def measure_calls(
             iv = [(a, b) for step in prog.last_steps for recs in step for _, _, a, b in recs]
             busy = union_ns(iv)
             first, last = min(a for a, _ in iv), max(b for _, b in iv)
+            ends = [
+                (min(r[2] for recs in st for r in recs), max(r[3] for recs in st for r in recs))
+                for st in prog.last_steps
+            ]
+            gaps = sum(
+                b[0] - a[1] for a, b in itertools.pairwise(ends)
+            )  # a step's last vertex to the next's first
             rows.append(
                 {
                     "wall_ms": (t1 - t0) / 1e6 / done,
@@ -163,6 +171,7 @@ def measure_calls(
                     "before_first_ms": (first - t0) / 1e6 / done,
                     "after_last_ms": (t1 - last) / 1e6 / done,
                     "between_ms": (last - first - busy) / 1e6 / done,
+                    "between_steps_ms": gaps / 1e6 / done,
                 }
             )
     med = {x: round(statistics.median(r[x] for r in rows), 3) for x in rows[0]}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeAlias, overload
 
@@ -275,6 +275,7 @@ class Program:
         *,
         carry: Mapping[str, str | Sequence[str]],
         halt: str | Sequence[str] = (),
+        on_step: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         **opts,
     ) -> list[dict[str, torch.Tensor]]:
         """Runs the plan up to len(feeds) times in a row, step k on `feeds[k]` and the outputs of
@@ -286,6 +287,8 @@ class Program:
                 carried inputs, and may leave out any input an earlier step or run handed in.
             carry: output -> the input (or inputs) of the next step it becomes (same shape, dtype).
             halt: outputs ending the call after the first step where one holds a nonzero element.
+            on_step: called with (k, step k's outputs) as soon as step k ends, while the later
+                steps run (the ray engine streams each step's outputs back from the worker).
             opts: `check`, `delay`, `seed`, `timeout` (the whole call's), `progress`, as `run`'s.
 
         `last_records`, `last_summary`: the last step's (wall: the call's / steps); `last_steps`:
@@ -298,7 +301,7 @@ class Program:
         eng = self.engine
         t = time.perf_counter()
         try:
-            outs, steps = eng.run_steps(tensors, carried, halts, RunOptions(**opts))
+            outs, steps = eng.run_steps(tensors, carried, halts, RunOptions(**opts), on_step)
         except BaseException:
             if not self._entered:  # else the `with` block's end closes it (after its error is told)
                 self.close()
