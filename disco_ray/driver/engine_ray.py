@@ -202,25 +202,14 @@ class RayEngine:
         opts: RunOptions,
         on_step: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     ) -> tuple[list[dict[str, torch.Tensor]], list[list[list]]]:
-        """Up to len(feeds) runs, each step's carried outputs fed to the next (`actors.steps`):
-        a one-worker plan's steps in one call to it (`GpuWorker.run_steps`, each step's outputs
-        streamed back as it ends), a plan over several workers' as single runs in turn. Returns
-        each step's outputs and records; `on_step(k, outputs)` sees each step's as it ends."""
+        """Up to len(feeds) runs, each step's carried outputs fed to the next (`actors.steps`): a
+        one-worker plan's in one call to it (`GpuWorker.run_steps`), a plan over several workers'
+        as single runs. Returns each step's outputs and records; `on_step` sees each as it ends."""
         try:
             if len(self.workers) > 1:
                 return loop_steps(lambda x: self._run(x, opts), feeds, carry, halt, on_step)
-            return run_steps_alone(
-                self,
-                feeds,
-                carry,
-                halt,
-                opts,
-                shippable,
-                on_step,
-                poll_s=POLL_S,
-                stall_s=opts.stall_timeout,
-                cause=_cause,
-            )
+            watch = (POLL_S, opts.stall_timeout, _cause)
+            return run_steps_alone(self, feeds, carry, halt, opts, shippable, on_step, *watch)
         except BaseException:
             self.broken = True  # actors may hold a half-done run: the pool remakes them
             raise

@@ -278,22 +278,19 @@ class Program:
         on_step: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         **opts,
     ) -> list[dict[str, torch.Tensor]]:
-        """Runs the plan up to len(feeds) times in a row, step k on `feeds[k]` and the outputs of
-        step k-1 that `carry` names; returns each step's outputs (docs/RUNTIME.md, "Several
-        steps per call": a one-worker plan on the ray engine runs them in one call).
+        """Runs the plan up to len(feeds) times, step k on `feeds[k]` and the outputs of step k-1
+        that `carry` names; returns each step's outputs ("Several steps per call", RUNTIME.md).
 
         Args:
             feeds: step k's inputs, as `run` takes them; a step after the first leaves out the
                 carried inputs, and may leave out any input an earlier step or run handed in.
             carry: output -> the input (or inputs) of the next step it becomes (same shape, dtype).
             halt: outputs ending the call after the first step where one holds a nonzero element.
-            on_step: called with (k, step k's outputs) as soon as step k ends, while the later
-                steps run (the ray engine streams each step's outputs back from the worker).
+            on_step: called with (k, step k's outputs) as step k ends, while the later ones run.
             opts: `check`, `delay`, `seed`, `timeout` (the whole call's), `progress`, as `run`'s.
 
         `last_records`, `last_summary`: the last step's (wall: the call's / steps); `last_steps`:
-        every step's records. UsageError: a carry or halt that is no output, a carry of another
-        shape or dtype; else as `run`."""
+        every step's records. UsageError: a carry or halt that is no output, or misshapen."""
         from .steps import check_steps
 
         carried, halts = check_steps(self.tg, feeds, carry, halt, self.held, self._callers)

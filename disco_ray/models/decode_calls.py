@@ -30,7 +30,7 @@ from workloads.llm.decode_sample import feed_decode_steps, feed_sampling, token_
 
 from .sampling import SamplingParams, SequenceSampler
 
-STEPS_PER_CALL = 8  # decode steps per call by default: the runtime's own cost is paid once per call
+STEPS_PER_CALL = 32  # decode steps per call by default: a call's own cost is paid once (tokens still stream)
 MIN_STOPS = 4  # stop ids per row of a decode graph: a request's rounded up to a power of two >= this
 
 
