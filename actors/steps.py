@@ -15,6 +15,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -132,8 +133,8 @@ def in_a_thread(items: Iterator[T]) -> Iterator[T]:
         yield item
 
 
+@dataclass(frozen=True, slots=True)
 class _Raised:
     """An exception of `in_a_thread`'s items, on its way to the caller."""
 
-    def __init__(self, exc: BaseException):
-        self.exc = exc
+    exc: BaseException

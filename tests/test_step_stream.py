@@ -5,7 +5,8 @@ The proof needs no clock: a gate kernel at the head of each step waits until the
 its token through (a file the driver writes when its `on_step` sees the step before). Without
 streaming the driver sees no step before the call ends, the second step's gate is never opened
 and the call fails with the gate's error. A worker killed while it waits there ends the call with
-an error naming it, the steps before it delivered.
+an error naming it, the steps before it delivered. The worker makes its steps in a thread of
+their own (`in_a_thread`): in order, then their error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.steps import in_a_thread
 from disco_ray.driver.api import compile
 from disco_ray.graph import kernels, ops
 from disco_ray.graph.errors import RunError
@@ -112,3 +114,16 @@ def test_a_worker_killed_mid_stream_is_named(pool, gate_op, tmp_path):  # noqa: 
         with pytest.raises(RunError, match=r"gpu:0 worker.* died during the run while holding") as e:
             prog.run_steps(feeds(), carry={"next": "tok"}, on_step=on_step, timeout=120)
         assert e.value.step == 1 and seen == [0], str(e.value)
+
+
+def test_steps_made_in_a_thread_come_in_order_then_their_error():
+    def items():
+        yield 1
+        yield 2
+        raise RunError("gpu:0: the third failed")
+
+    got: list[int] = []
+    with pytest.raises(RunError, match="the third failed"):
+        got.extend(in_a_thread(items()))
+    assert got == [1, 2]
+    assert list(in_a_thread(iter(range(5)))) == [0, 1, 2, 3, 4]
