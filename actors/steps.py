@@ -2,8 +2,9 @@
 plus the values carried from step k-1 (output A of step k-1 becomes input B of step k), and stop
 after the step whose halt output is nonzero, or after K (docs/RUNTIME.md, "Several steps per call").
 
-The loop is the same wherever it runs: inside a worker for a one-worker plan (`run_alone_steps`:
-one Ray call for K steps, the states saved between steps as between calls), or in the driver
+The loop is the same wherever it runs: inside a worker for a one-worker plan (`iter_alone_steps`:
+one Ray call for K steps, each step's outputs streamed back as it ends, the states saved between
+steps as between calls), or in the driver
 around single runs (`loop_steps`: the local engine, a plan over several workers). Outputs travel
 as a worker's raw bytes (numpy uint8) or typed tensors; both are handled here.
 """
@@ -11,7 +12,10 @@ as a worker's raw bytes (numpy uint8) or typed tensors; both are handled here.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -44,10 +48,15 @@ def halted(outs: Mapping[str, Any], halt: Sequence[str]) -> bool:
 
 
 def loop_steps(
-    run: Callable[[dict], tuple[dict, list]], feeds: Sequence[Mapping], carry: Carry, halt: Sequence[str]
+    run: Callable[[dict], tuple[dict, list]],
+    feeds: Sequence[Mapping],
+    carry: Carry,
+    halt: Sequence[str],
+    on_step: Callable[[int, dict], None] | None = None,
 ) -> tuple[list[dict], list[list]]:
     """`run` (one step: inputs -> (outputs, trace records)) up to len(feeds) times: (each step's
-    outputs, each step's records), ending after the first step that halts."""
+    outputs, each step's records), ending after the first step that halts; `on_step(k, outputs)`
+    sees each step's outputs as it ends."""
     outs: list[dict] = []
     records: list[list] = []
     for k, feed in enumerate(feeds):
@@ -58,6 +67,8 @@ def loop_steps(
             raise
         outs.append(got)
         records.append(recs)
+        if on_step is not None:
+            on_step(k, got)
         if halted(got, halt):
             break
     return outs, records
@@ -71,7 +82,7 @@ def records_array(trace: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
     return flat.reshape(-1, 4)
 
 
-def run_alone_steps(
+def iter_alone_steps(
     ex: Executor,
     feeds: Sequence[Mapping[str, Any]],
     wanted: list[tuple[str, int]],
@@ -81,21 +92,49 @@ def run_alone_steps(
     check: bool = False,
     delay: tuple[float, float] | None = None,
     seed: int = 0,
-) -> tuple[str | None, list[dict[str, np.ndarray]], list[np.ndarray]]:
-    """`Executor.run_alone` once per feed in this call (a one-GPU plan): step k's inputs are
-    `feeds[k]` and step k-1's carried outputs (as raw bytes; the other inputs left out are
-    the worker's copies, as between calls); `wanted` must name the carried and halt outputs.
-    Returns (the first error or None, each step's wanted outputs, each step's trace records as
-    `records_array`)."""
-    parts: list[dict[str, np.ndarray]] = []
-    traces: list[np.ndarray] = []
+) -> Iterator[tuple[str | None, dict[str, np.ndarray], np.ndarray, bool]]:
+    """`Executor.run_alone` once per feed (a one-GPU plan), each step's result as soon as it is
+    made: step k's inputs are `feeds[k]` and step k-1's carried outputs (as raw bytes; the other
+    inputs left out are the worker's copies, as between calls); `wanted` must name the carried
+    and halt outputs. Yields per step (its error or None, its wanted outputs, its trace records
+    as `records_array`, whether another step follows): the last one yielded says False."""
+    prev: dict[str, Any] | None = None  # step k-1's outputs (raw bytes)
     for k, feed in enumerate(feeds):
-        inputs = carried(feed, parts[-1] if parts else None, carry)
-        err, part, trace = ex.run_alone(inputs, wanted, check=check, delay=delay, seed=seed + k)
-        traces.append(records_array(trace))
-        if err is not None:
-            return err, parts, traces
-        parts.append(part)
-        if halted(part, halt):
-            break
-    return None, parts, traces
+        err, part, trace = ex.run_alone(
+            carried(feed, prev, carry), wanted, check=check, delay=delay, seed=seed + k
+        )
+        more = err is None and k + 1 < len(feeds) and not halted(part, halt)
+        yield err, part, records_array(trace), more
+        if not more:
+            return
+        prev = part
+
+
+def in_a_thread(items: Iterator[T]) -> Iterator[T]:
+    """`items`, made in a thread of their own: the caller's work on one item (a Ray streaming
+    generator's yield: ~0.6 ms to serialize and report on the 2-core box) overlaps the making of
+    the next instead of delaying it. An exception of `items` is raised here, after the items
+    before it."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    end = object()
+
+    def make() -> None:
+        try:
+            for item in items:
+                q.put(item)
+            q.put(end)
+        except BaseException as e:  # raised in the caller's thread
+            q.put(_Raised(e))
+
+    threading.Thread(target=make, daemon=True, name="steps").start()
+    while (item := q.get()) is not end:
+        if isinstance(item, _Raised):
+            raise item.exc
+        yield item
+
+
+@dataclass(frozen=True, slots=True)
+class _Raised:
+    """An exception of `in_a_thread`'s items, on its way to the caller."""
+
+    exc: BaseException

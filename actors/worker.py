@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -279,14 +279,19 @@ class GpuWorker:
         wanted: list,
         carry: Mapping[str, Sequence[str]],
         halt: Sequence[str],
-    ) -> tuple[str | None, list[dict[str, Any]], list[Any]]:
+    ) -> Iterator[tuple[str | None, dict[str, Any], Any, bool]]:
         """Up to len(feeds) runs of one-GPU graph `key` in this call, each step's carried outputs
-        fed to the next, ending after a step whose halt output is nonzero (`actors.steps`)."""
-        from .steps import run_alone_steps
+        fed to the next, ending after a step whose halt output is nonzero; a streaming generator
+        (`num_returns="streaming"`): each step's result goes to the caller as it ends
+        (`actors.steps.iter_alone_steps`)."""
+        from .steps import in_a_thread, iter_alone_steps
 
         ex, transport = self._graph(key)
         self.ex, self.transport = ex, transport
-        return run_alone_steps(ex, feeds, wanted, carry, halt, check=check, delay=delay, seed=seed)
+        # the steps run in a thread of their own: each yield overlaps the next step
+        yield from in_a_thread(
+            iter_alone_steps(ex, feeds, wanted, carry, halt, check=check, delay=delay, seed=seed)
+        )
 
     def completed_since(self, n: int) -> list[int]:
         return self._ex().completed_since(n)

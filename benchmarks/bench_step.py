@@ -1,7 +1,7 @@
 """The runtime's own cost per decode step: wall time minus the union of its vertices' intervals.
 
     .venv/bin/python benchmarks/bench_step.py [--model tiny|bench] [--engine ray|local]
-        [--gpus 1] [--streams 5] [--steps 40] [--prompt 128] [--steps-per-call K] [--dir /tmp/bench_llama]
+        [--gpus 1] [--streams S] [--steps 40] [--prompt 128] [--steps-per-call K] [--dir /tmp/bench_llama]
         [--json out.json]
 
 One LLaMA checkpoint (`tiny`: 2 layers, hidden 64, made here; `bench`: the 0.49 GB checkpoint
@@ -13,13 +13,16 @@ call, messages, the worker's bookkeeping, waiting). Also where the rest lies: be
 vertex starts, after the last one ends, and between vertices. Median and best (lowest wall) of
 the steps. `--steps-per-call K` (K >= 1) times instead the batch decode step that samples on
 the device (`run_generate_batch`'s), K steps per `Program.run_steps` call (none halts): per step,
-the call's wall time, vertices and own time over its K steps. A benchmark: it measures and
-prints; nothing here is a test.
+the call's wall time, vertices and own time over its K steps (each step's outputs stream back
+as it ends), and of the time between vertices, the gaps between a call's steps. `--streams`:
+the compute streams per worker (default: the model's, 1 on the cpu backend). A benchmark: it
+measures and prints; nothing here is a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -61,7 +64,9 @@ def union_ns(intervals: list[tuple[int, int]]) -> int:
     return busy
 
 
-def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1, streams: int = 5) -> dict:
+def measure(
+    path: Path, engine: str, steps: int, prompt: int, gpus: int = 1, streams: int | None = None
+) -> dict:
     from disco_ray.models import LlamaModel
     from disco_ray.models.graphs import capacity_bounds
 
@@ -70,6 +75,7 @@ def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1, str
     cap = capacity_bounds(str(path), gpus=gpus, prompt=prompt, new_tokens=8).roomy[0]
     with LlamaModel(str(path), gpus=gpus, capacity=cap, engine=engine, streams=streams) as m:
         g = m.run_generate(ids, 4, stop_at_eos=False)  # plans, weights into the arena
+        streams_of = m._prog_kw["streams"]
         key = max(k for k in m._programs if k[0] == "decode")
         mgraph, prog = m._programs[key]
         feed = mgraph.feed(m.config, [g.tokens[-1]], prompt + 2)
@@ -98,6 +104,7 @@ def measure(path: Path, engine: str, steps: int, prompt: int, gpus: int = 1, str
     return {
         "vertices": len(iv),
         "steps": steps,
+        "streams": streams_of,
         "median": med,
         "best": {k: round(v, 3) for k, v in best.items()},
     }
@@ -125,7 +132,7 @@ def step_feeds(m, prog_key: tuple, layout, tok: int, p: int, k: int) -> list[dic
 
 
 def measure_calls(
-    path: Path, engine: str, steps: int, prompt: int, k: int, gpus: int = 1, streams: int = 5
+    path: Path, engine: str, steps: int, prompt: int, k: int, gpus: int = 1, streams: int | None = None
 ) -> dict:
     """As `measure`, for the sampling decode step, `k` steps per call: per step = per call / k."""
     from disco_ray.models import LlamaModel
@@ -155,6 +162,13 @@ def measure_calls(
             iv = [(a, b) for step in prog.last_steps for recs in step for _, _, a, b in recs]
             busy = union_ns(iv)
             first, last = min(a for a, _ in iv), max(b for _, b in iv)
+            ends = [
+                (min(r[2] for recs in st for r in recs), max(r[3] for recs in st for r in recs))
+                for st in prog.last_steps
+            ]
+            gaps = sum(
+                b[0] - a[1] for a, b in itertools.pairwise(ends)
+            )  # a step's last vertex to the next's first
             rows.append(
                 {
                     "wall_ms": (t1 - t0) / 1e6 / done,
@@ -163,6 +177,7 @@ def measure_calls(
                     "before_first_ms": (first - t0) / 1e6 / done,
                     "after_last_ms": (t1 - last) / 1e6 / done,
                     "between_ms": (last - first - busy) / 1e6 / done,
+                    "between_steps_ms": gaps / 1e6 / done,
                 }
             )
     med = {x: round(statistics.median(r[x] for r in rows), 3) for x in rows[0]}
@@ -171,6 +186,7 @@ def measure_calls(
         "vertices": len(iv) // done,
         "steps": len(rows) * done,
         "steps_per_call": k,
+        "streams": m._prog_kw["streams"],
         "median": med,
         "best": {x: round(v, 3) for x, v in best.items()},
     }
@@ -182,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("ray", "local"), default="ray")
     ap.add_argument("--gpus", type=int, default=1, help="workers the model is split over")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--streams", type=int, default=5, help="compute streams per worker")
+    ap.add_argument("--streams", type=int, help="compute streams per worker (default: the model's)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument(
         "--steps-per-call",
@@ -213,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{args.model} {args.engine} {args.gpus} GPU K={args.steps_per_call} {name}: step {x['wall_ms']:.2f} ms = vertices {x['kernels_ms']:.2f} "
             f"+ own {x['own_ms']:.2f} (before the first vertex {x['before_first_ms']:.2f}, after the "
-            f"last {x['after_last_ms']:.2f}, between {x['between_ms']:.2f}); {r['vertices']} vertices"
+            f"last {x['after_last_ms']:.2f}, between {x['between_ms']:.2f}"
+            + (f", of which between steps {x['between_steps_ms']:.2f}" if "between_steps_ms" in x else "")
+            + f"); {r['vertices']} vertices, {r['streams']} streams"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))

@@ -186,9 +186,13 @@ def _add_run_args(p) -> None:
         type=positive_int,
         metavar="K",
         help="sampled or --prompts decoding: up to K decode steps per call to the workers, the tokens "
-        "chosen on the device (default: the library's, 8; 1: a call per step)",
+        "chosen on the device, each step's streamed back as it ends (default: the library's, 32; 1: a call per step)",
     )
     add_model_run_args(p)  # --weights, the engine's and the cluster's options
+    p.set_defaults(streams=None)  # the model's own default (`default_streams`)
+    for action in p._actions:
+        if "--streams" in action.option_strings:
+            action.help = "compute streams per GPU (default: 1 on the cpu backend, 5 on cuda)"
 
 
 def _prompt_ids(args, vocab: int) -> tuple[list[int], Any]:
@@ -205,6 +209,10 @@ def _prompt_ids(args, vocab: int) -> tuple[list[int], Any]:
 
 
 def cmd_generate(args) -> int:
+    from disco_ray.models.train_defaults import default_streams
+
+    if args.streams is None:
+        args.streams = default_streams(args.backend)
     if args.prompts is not None:
         return generate_file(args)
     for flag, value in (

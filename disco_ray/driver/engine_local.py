@@ -190,9 +190,11 @@ class LocalEngine:
         carry: Mapping,
         halt: Sequence[str],
         opts: RunOptions,
+        on_step: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     ) -> tuple[list[dict[str, torch.Tensor]], list[list[list]]]:
-        """Up to len(feeds) runs, each step's carried outputs fed to the next (`actors.steps`)."""
-        return loop_steps(lambda x: self.run(x, opts), feeds, carry, halt)
+        """Up to len(feeds) runs, each step's carried outputs fed to the next (`actors.steps`);
+        `on_step(k, outputs)` sees each step's outputs as it ends."""
+        return loop_steps(lambda x: self.run(x, opts), feeds, carry, halt, on_step)
 
     def statistics(self) -> dict:
         return {

@@ -14,7 +14,7 @@ call, `run_alone`, without the coordinator (docs/RUNTIME.md, "One worker").
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -198,24 +198,16 @@ class RayEngine:
         carry: Mapping,
         halt: Sequence[str],
         opts: RunOptions,
+        on_step: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     ) -> tuple[list[dict[str, torch.Tensor]], list[list[list]]]:
-        """Up to len(feeds) runs, each step's carried outputs fed to the next (`actors.steps`):
-        a one-worker plan's steps in one call to it (`GpuWorker.run_steps`), a plan over
-        several workers' as single runs in turn. Returns each step's outputs and records."""
+        """Up to len(feeds) runs, each step's carried outputs fed to the next (`actors.steps`): a
+        one-worker plan's in one call to it (`GpuWorker.run_steps`), a plan over several workers'
+        as single runs. Returns each step's outputs and records; `on_step` sees each as it ends."""
         try:
             if len(self.workers) > 1:
-                return loop_steps(lambda x: self._run(x, opts), feeds, carry, halt)
-            return run_steps_alone(
-                self,
-                feeds,
-                carry,
-                halt,
-                opts,
-                shippable,
-                poll_s=POLL_S,
-                stall_s=opts.stall_timeout,
-                cause=_cause,
-            )
+                return loop_steps(lambda x: self._run(x, opts), feeds, carry, halt, on_step)
+            watch = (POLL_S, opts.stall_timeout, _cause)
+            return run_steps_alone(self, feeds, carry, halt, opts, shippable, on_step, *watch)
         except BaseException:
             self.broken = True  # actors may hold a half-done run: the pool remakes them
             raise

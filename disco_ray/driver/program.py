@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeAlias, overload
 
@@ -276,22 +276,22 @@ class Program:
         *,
         carry: Mapping[str, str | Sequence[str]],
         halt: str | Sequence[str] = (),
+        on_step: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         **opts,
     ) -> list[dict[str, torch.Tensor]]:
-        """Runs the plan up to len(feeds) times in a row, step k on `feeds[k]` and the outputs of
-        step k-1 that `carry` names; returns each step's outputs (docs/RUNTIME.md, "Several
-        steps per call": a one-worker plan on the ray engine runs them in one call).
+        """Runs the plan up to len(feeds) times, step k on `feeds[k]` and the outputs of step k-1
+        that `carry` names; returns each step's outputs ("Several steps per call", RUNTIME.md).
 
         Args:
             feeds: step k's inputs, as `run` takes them; a step after the first leaves out the
                 carried inputs, and may leave out any input an earlier step or run handed in.
             carry: output -> the input (or inputs) of the next step it becomes (same shape, dtype).
             halt: outputs ending the call after the first step where one holds a nonzero element.
+            on_step: called with (k, step k's outputs) as step k ends, while the later ones run.
             opts: `check`, `delay`, `seed`, `timeout` (the whole call's), `progress`, as `run`'s.
 
         `last_records`, `last_summary`: the last step's (wall: the call's / steps); `last_steps`:
-        every step's records. UsageError: a carry or halt that is no output, a carry of another
-        shape or dtype; else as `run`."""
+        every step's records. UsageError: a carry or halt that is no output, or misshapen."""
         from .steps import check_steps
 
         carried, halts = check_steps(self.tg, feeds, carry, halt, self.held, self._callers)
@@ -299,7 +299,7 @@ class Program:
         eng = self.engine
         t = time.perf_counter()
         try:
-            outs, steps = eng.run_steps(tensors, carried, halts, RunOptions(**opts))
+            outs, steps = eng.run_steps(tensors, carried, halts, RunOptions(**opts), on_step)
         except BaseException:
             if not self._entered:  # else the `with` block's end closes it (after its error is told)
                 self.close()

@@ -336,13 +336,13 @@ def run_batch(
                 timeout,
                 len(gen.decode_s),
                 seeds,
+                lambda t: advance(book, [t.tolist()], on_token, finish, own),  # as the worker makes them
             )
             n = len(toks)
             gen.decode_s += [dt / n] * n  # each step's share of the call
             gen.rows += [R] * n
             gen.micros += [m] * n
             gen.bytes_loaded += moved
-            advance(book, [t.tolist() for t in toks], on_token, finish, own)
             p += n
         ok = True
     finally:  # the batch's KV cache goes, whatever happened

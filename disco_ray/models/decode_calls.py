@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from workloads.llm.decode_sample import feed_decode_steps, feed_sampling, token_
 
 from .sampling import SamplingParams, SequenceSampler
 
-STEPS_PER_CALL = 8  # decode steps per call by default: the runtime's own cost is paid once per call
+STEPS_PER_CALL = 32  # decode steps per call by default: a call's own cost is paid once (tokens still stream)
 MIN_STOPS = 4  # stop ids per row of a decode graph: a request's rounded up to a power of two >= this
 
 
@@ -58,10 +58,12 @@ def decode_call(
     timeout: float | None,
     done: int = 0,
     names: Sequence[int] | None = None,
+    on_step: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[torch.Tensor], float, list[int]]:
     """Up to `k` decode steps of every row of `book` (a `batch.BatchRows`) from cache index p in
     one `run_steps` call of the plan of `key` (rows, cache blocks, micro-batches, stop ids per
-    row): (each step's tokens [rows], the call's seconds, each step's bytes loaded). Non-finite
+    row): (each step's tokens [rows], the call's seconds, each step's bytes loaded). `on_step`
+    gets each step's tokens as soon as that step ends, while the call goes on. Non-finite
     logits end it with a NonFiniteError naming the decode step (`done` before this call) and the
     sequence (`names[s]`: its `indices` entry)."""
     rows, blocks, m, width = key
@@ -84,10 +86,20 @@ def decode_call(
             u[r] = draws[i][j] if sampled else 0.0
             left[r] = book.maxes[s] - len(book.new[s]) - j
         feed |= feed_sampling(mgraph, u, left, knobs if j == 0 else None, stops if j == 0 else None)
+
+    def picked(outs: dict[str, torch.Tensor]) -> torch.Tensor:  # a step's tokens [rows]
+        return torch.cat([outs[x] for _, x in mgraph.tokens])
+
+    streamed = None if on_step is None else lambda _k, o: on_step(picked(o))
     t = time.perf_counter()
     try:
         outs = prog.run_steps(
-            feeds, carry=token_carry(mgraph), halt=mgraph.finished, check=model.check, timeout=timeout
+            feeds,
+            carry=token_carry(mgraph),
+            halt=mgraph.finished,
+            on_step=streamed,
+            check=model.check,
+            timeout=timeout,
         )
     except RunError as e:
         bad = re.search(r"non-finite logits in row (\d+): (.*?) \(", str(e))
@@ -99,8 +111,7 @@ def decode_call(
             f"{names[s] if names is not None else s} hold {bad.group(2)}: no token is sampled from them"
         ) from None
     dt = time.perf_counter() - t
-    tokens = [torch.cat([o[x] for _, x in mgraph.tokens]) for o in outs]
-    return tokens, dt, [loaded(prog.mg, recs) for recs in prog.last_steps]
+    return [picked(o) for o in outs], dt, [loaded(prog.mg, recs) for recs in prog.last_steps]
 
 
 def advance(

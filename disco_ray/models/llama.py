@@ -37,6 +37,7 @@ from .decode_calls import STEPS_PER_CALL
 from .planned import PlannedModel, last_steps
 from .programs import one_request, open_checkpoint
 from .sampling import SamplingParams, check_logits, sample
+from .train_defaults import default_streams
 
 
 @dataclass(slots=True)
@@ -85,7 +86,7 @@ class LlamaModel(PlannedModel):
         block: KV cache block (tokens); prompts are padded to a multiple of it.
         tile: prefill row tile (tokens, a multiple of `block`; default 4 blocks): larger tiles make
             larger matrix products, smaller ones smaller activations.
-        engine, backend, streams, ahead, num_cpus, address, placement: as for `Program`.
+        engine, backend, streams, ahead, num_cpus, address, placement: as `Program`'s (streams None: 1 on cpu).
         weights: "host" (each worker reads its shards once and keeps them in host memory) or
             "disk" (each load reads them from the checkpoint files: host memory holds none).
         check: run the sanitizer in every run (slow; for tests).
@@ -114,7 +115,7 @@ class LlamaModel(PlannedModel):
         engine: str = "ray",
         backend: str = "cpu",
         weights: str = "host",
-        streams: int = 5,
+        streams: int | None = None,
         ahead: int | None = None,
         num_cpus: int | None = None,
         address: str | None = None,
@@ -142,6 +143,7 @@ class LlamaModel(PlannedModel):
         self.config = self.ck.config
         self.gpus, self.block = gpus, block
         cluster = dict(num_cpus=num_cpus, placement=placement, address=address)
+        streams = default_streams(backend) if streams is None else streams  # cpu: one, no hand-overs
         super().__init__(
             engine, pool, cluster, capacity, host_capacity, backend, streams, ahead, weights, disk_dir, check
         )
@@ -329,11 +331,9 @@ class LlamaModel(PlannedModel):
             on_finish: called with each sequence's `SequenceOutput` as it finishes.
             on_token: called with (sequence index, token) for every new token, in order.
             timeout: bounds each run (RunError past it): a call of several steps as a whole.
-            steps_per_call: decode steps per call to the workers (default 8): the tokens are
-                chosen on the device and carried to the next step there; a call ends early
-                after the step where a sequence finishes, or at the end of a cache block. A new
-                capacity (a resize, a budget file) takes effect at the next call; 1: one step
-                per call.
+            steps_per_call: decode steps per call to the workers (default 32), tokens chosen and
+                carried on the device, each reaching `on_token` as its step ends; a call ends after
+                a step where a sequence finishes, or at a cache block's end (1: a call per step).
 
         Raises:
             UsageError: one line naming the bad input (an empty prompt, an id outside the

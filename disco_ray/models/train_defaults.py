@@ -1,5 +1,5 @@
-"""The training step's defaults for speed: the row tile and the compute streams per GPU
-(docs/TRAINING.md, "Speed and memory")."""
+"""The training step's defaults for speed: the row tile and the compute streams per GPU (also
+generation's, `LlamaModel`) (docs/TRAINING.md, "Speed and memory")."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ TRAIN_TILE = 512  # the default tile's most tokens: large matmuls, and a tile's 
 
 
 def default_streams(backend: str) -> int:
-    """Compute streams per GPU for training: one on the cpu backend, where concurrent kernels
-    would share the same cores (each kernel uses them all), TURNIP's five on a GPU."""
+    """Compute streams per GPU for training and generation: one on the cpu backend, where
+    concurrent kernels would share the same cores (each kernel uses them all) and each hand-over
+    between stream threads waits for a core, TURNIP's five on a GPU."""
     return 1 if backend == "cpu" else 5
 
 
