@@ -25,7 +25,6 @@ from disco_ray.graph.kernels_sample import as_bits
 from disco_ray.graph.taskgraph import TaskGraph
 from tests.ray_fixtures import pool  # noqa: F401  (module fixture for the ray tests)
 
-POOL_GPUS = 1
 V, ROWS, STEPS = 8, 2, 4
 GATE_S = 30.0  # how long a gate waits for the driver before it fails the step
 
