@@ -245,3 +245,25 @@ def _post(ops: list[tuple]) -> None:
             items.append(op)
         end = _All(items)
         stream.tail = comm.tail = end
+
+
+def connect_all(eng, infos: list, paths: dict, uid, wait_s: float) -> None:
+    """Connects the transports of local engine `eng`'s workers at once, each in its own thread
+    (a communicator's members block until all have joined, as the driver's connect calls do);
+    the first error closes the engine and is raised."""
+    errors: list = []
+
+    def connect(g):
+        try:
+            eng.execs[g].transport.connect(infos, paths, uid)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=connect, args=(g,), daemon=True) for g in range(len(eng.execs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(wait_s)
+    if errors:
+        eng.close()
+        raise errors[0]

@@ -10,7 +10,6 @@ and benchmarks/gpu_session.sh on a GPU).
 from __future__ import annotations
 
 import gc
-import threading
 
 import pytest
 import torch
@@ -64,22 +63,7 @@ def connected(tg, mg, path: str, pool: LocalPool) -> LocalEngine:
     paths = choose_paths(infos, allow=(path,))
     assert set(paths.values()) == {path}, paths
     uid = fake_nccl.get_unique_id()
-    errors: list = []
-
-    def connect(g):
-        try:
-            eng.execs[g].transport.connect(infos, paths, uid)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=connect, args=(g,), daemon=True) for g in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    if errors:
-        eng.close()
-        raise errors[0]
+    fake_nccl.connect_all(eng, infos, paths, uid, WAIT_S)
     return eng
 
 

@@ -188,20 +188,7 @@ def nccl_engine(monkeypatch, tg, mg, streams=2, ahead=None):
     infos = [{"node": "n0", "uuid": f"GPU-{g}", "ipc": None, "nccl": True, "pid": -1} for g in range(n)]
     paths = choose_paths(infos, allow=("nccl",))
     uid = fake_nccl.get_unique_id()
-    errors: list = []
-
-    def connect(g):
-        try:
-            eng.execs[g].transport.connect(infos, paths, uid)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [_on(connect, g) for g in range(n)]
-    for t in threads:
-        t.join(WAIT_S)
-    if errors:
-        eng.close()
-        raise errors[0]
+    fake_nccl.connect_all(eng, infos, paths, uid, WAIT_S)
     eng.transports = {f"{i}-{j}": p for (i, j), p in paths.items()}
     return eng, fake_nccl.world_of(uid)
 
