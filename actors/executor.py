@@ -18,13 +18,8 @@ the sanitizer runs on a backend that launches asynchronously (its checks run at 
 completion goes to the reporter (`actors.reporter`), which batches completions for the
 coordinator with a bounded lag.
 
-Streams of a worker: 0..S-1 compute; then the lanes: host-to-device (inputs, reloads),
-device-to-host (offloads), one per peer this GPU receives transfers from, one for deferred
-transfers (NCCL: one communicator, its operations in one order, `actors.transports.nccl`), and,
-when the plan spills, two disk lanes (offloads to and reloads from the worker's spill file,
-`actors.tiers.spill.SpillFile`, which writes behind; reloads read ahead,
-`actors.tiers.spill.ReadAhead`): disk I/O waits on the host, so it gets lanes of its own and
-never holds back a host copy; it runs aside (BLOCKING) on cuda.
+Streams of a worker: 0..S-1 compute, then the copy lanes (`actors.lanes`); disk I/O runs aside
+(BLOCKING) on cuda.
 """
 
 from __future__ import annotations
@@ -155,15 +150,7 @@ class Executor(GpuResources):
             self._saves.begin()
             if check:
                 if self._sanitizer is None:
-                    self._sanitizer = Sanitizer(
-                        self.gpu,
-                        self.arena.numel(),
-                        self.host.numel(),
-                        self.granule,
-                        lambda vid: describe(self.mg, vid),
-                        self._acc_alias(),
-                        self.spill.nbytes if self.spill is not None else 0,
-                    )
+                    self._sanitizer = self._new_sanitizer()
                 self._sanitizer.reset()
             self._check = check
             lane_of, self._mode = self._lanes(self.transport)
@@ -208,37 +195,18 @@ class Executor(GpuResources):
             return
         self._after_inline(inline, finished)
 
-    def run_alone(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        wanted: list[tuple[str, int]],
-        *,
-        check: bool = False,
-        delay: tuple[float, float] | None = None,
-        seed: int = 0,
+    def result(
+        self, wanted: list[tuple[str, int]]
     ) -> tuple[str | None, dict[str, np.ndarray], list[tuple[int, int, int, int]]]:
-        """A whole run of a one-GPU plan, with no coordinator: every vertex is dispatched at once
-        (none has a remote predecessor, so the coordinator's `start` would hand over all of them),
-        and the end is this GPU's own. Returns (the error message or None, the raw bytes of each
-        `wanted` (value, vid) output, the trace records): one call per run instead of a begin, a
-        start, reports and an end call (docs/RUNTIME.md, "One worker")."""
-        if self.mg.gpus != 1:
-            raise RunError(f"gpu:{self.gpu}: run_alone needs a one-GPU plan, this one has {self.mg.gpus}")
-        self.begin(inputs, check=check, delay=delay, seed=seed, coordinated=False)
-        self.dispatch(self.core.mine)
+        """Once this GPU's vertices are all done or the run failed: (the error message or None,
+        the raw bytes of each `wanted` (value, vid) output, the trace records)."""
         self.wait()
         if self._error is not None:
             return self._error, {}, self.trace
         try:
-            outs = {value: self.output_bytes(vid) for value, vid in wanted}
+            return None, {value: self.output_bytes(vid) for value, vid in wanted}, self.trace
         except RunError as e:  # the sanitizer, reading an output
             return str(e), {}, self.trace
-        return None, outs, self.trace
-
-    def completed_since(self, n: int) -> list[int]:
-        """The vertices this run completed after its first `n` (the driver of a `run_alone` run
-        keeps count, to name what a dead worker held)."""
-        return [r[0] for r in self.trace[n:]]
 
     def _pump(self) -> list[int]:
         """Launches what is ready (the caller holds the lock). A load skipped because the arena
@@ -284,9 +252,7 @@ class Executor(GpuResources):
         p = self.plans[vid]
         san = self._sanitizer if self._check else None
         if san is not None:
-            for value, loc, src in p.checks:
-                san.check_read(vid, value, loc, src, "before it ran")
-            san.begin_write(p.out_loc, vid)
+            san.before(vid, p.checks, p.out_loc)
         if self._delay is not None:  # inside the write: a writer overlapping it is seen
             time.sleep(self._rng.uniform(*self._delay))
         if vid in self._cond.when and self._cond.skips(vid):
@@ -321,9 +287,7 @@ class Executor(GpuResources):
         if exc is None and self._check and self._sanitizer is not None:
             p = self.plans[vid]
             try:
-                for value, loc, src in p.checks:
-                    self._sanitizer.check_read(vid, value, loc, src, "after it ran")
-                self._sanitizer.end_write(p.out_loc, vid)
+                self._sanitizer.after(vid, p.checks, p.out_loc)
                 if p.kind is PlanKind.TRANSFER and self.transport is not None:
                     assert p.src_loc is not None  # a transfer's plan has one
                     self.transport.after_pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
@@ -405,38 +369,20 @@ class Executor(GpuResources):
         return self._error
 
     def statistics(self) -> dict:
+        """What this GPU holds (`GpuResources.held`) and what its last run did."""
         return {
-            "gpu": self.gpu,
-            "vertices": len(self.plans),
+            **self.held(),
             "done": self.core.done,
             "reports": self.reports,
             "report_interval_ms": round(self._reporter.core.interval * 1e3, 3),
             "report_call_ms": self._reporter.core.call_s * 1e3,  # host time of one report (mean)
-            "streams": self.streams,
-            "lanes": self.slots.total - self.streams,
-            "workspace_bytes": self.workspace,
             "ahead": self.ahead,
             "launched_ahead": self.launched_ahead,
-            "arena_bytes": self.arena.numel(),
-            "host_bytes": self.host.numel(),
-            "granule": self.granule,
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
             "loads_skipped": len(self._skip),
             **({"conditional": self._cond.statistics(self._skip)} if self._cond.when else {}),
             # of those, loads of a state its last run wrote back into the range (actors/carries.py)
             "state_loads_skipped": sum(1 for v in self._skip if self.plans[v].value in self.loads.states),
-            "store": self.store.statistics(),
-            **(
-                {
-                    "disk": {
-                        **self.spill.statistics(),
-                        "read_ahead": self._read_ahead().statistics(),
-                    }
-                }
-                if self.spill is not None
-                else {}
-            ),
-            **({"backend": backend} if (backend := self.backend.statistics()) else {}),
         }
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from .backends.base import Backend, Mode
 from .lanes import Lanes
 from .loads import Loads
 from .options import DEFAULT_WORKER, WorkerConfig
-from .plans import PlanKind, VertexPlan, Views, as_tensor
+from .plans import PlanKind, VertexPlan, Views, as_tensor, describe
 from .sanitizer import Sanitizer, granule_for
 from .tiers.base import ReloadAhead, SpillTier
 from .tiers.spill import ReadAhead, SpillFile
@@ -202,6 +202,38 @@ class GpuResources:
             return []
         kinds = (PlanKind.INPUT, PlanKind.RELOAD_INPUT)
         return [vid for vid, p in self.plans.items() if p.kind in kinds and p.value in streams]
+
+    def held(self) -> dict:
+        """What this GPU holds: its arena, host store, streams, lanes, disk tier and backend."""
+        return {
+            "gpu": self.gpu,
+            "vertices": len(self.plans),
+            "streams": self.streams,
+            "lanes": self.slots.total - self.streams,
+            "workspace_bytes": self.workspace,
+            "arena_bytes": self.arena.numel(),
+            "host_bytes": self.host.numel(),
+            "granule": self.granule,
+            "store": self.store.statistics(),
+            **(
+                {"disk": {**self.spill.statistics(), "read_ahead": self._read_ahead().statistics()}}
+                if self.spill is not None
+                else {}
+            ),
+            **({"backend": backend} if (backend := self.backend.statistics()) else {}),
+        }
+
+    def _new_sanitizer(self) -> Sanitizer:
+        """A checker of this GPU's arena, host store and spill file (`check=True` runs)."""
+        return Sanitizer(
+            self.gpu,
+            self.arena.numel(),
+            self.host.numel(),
+            self.granule,
+            lambda vid: describe(self.mg, vid),
+            self._acc_alias(),
+            self.spill.nbytes if self.spill is not None else 0,
+        )
 
     def _acc_alias(self) -> dict[int, int]:
         """Sum-into member -> its group's last member (the writer its readers name)."""

@@ -79,6 +79,19 @@ class Sanitizer:
     def end_write(self, loc: Loc, vid: int) -> None:
         self._slice(loc)[:] = self.alias.get(vid, vid)
 
+    def before(self, vid: int, checks: Iterable[tuple[str, Loc, int]], out: Loc) -> None:
+        """Vertex `vid` starts: what it reads (`checks`: value, range, writer) still holds it,
+        and its write of `out` begins."""
+        for value, loc, src in checks:
+            self.check_read(vid, value, loc, src, "before it ran")
+        self.begin_write(out, vid)
+
+    def after(self, vid: int, checks: Iterable[tuple[str, Loc, int]], out: Loc) -> None:
+        """Vertex `vid` ended: what it read was not overwritten meanwhile, and its write ends."""
+        for value, loc, src in checks:
+            self.check_read(vid, value, loc, src, "after it ran")
+        self.end_write(out, vid)
+
     def check_read(self, reader: int, value: str, loc: Loc, expect: int, when: str) -> None:
         """Raises RunError unless every granule of `loc` was last written, completely, by `expect`."""
         self.checks += 1

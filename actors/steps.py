@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from disco_ray.graph.errors import RunError
+
 if TYPE_CHECKING:
     from .executor import Executor
 
@@ -82,6 +84,26 @@ def records_array(trace: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
     return flat.reshape(-1, 4)
 
 
+def run_alone(
+    ex: Executor,
+    inputs: Mapping[str, Any],
+    wanted: list[tuple[str, int]],
+    *,
+    check: bool = False,
+    delay: tuple[float, float] | None = None,
+    seed: int = 0,
+) -> tuple[str | None, dict[str, np.ndarray], list[tuple[int, int, int, int]]]:
+    """A whole run of a one-GPU plan on `ex`, with no coordinator: every vertex is dispatched at
+    once (none has a remote predecessor, so the coordinator's `start` would hand over all of
+    them), and the end is this GPU's own. Returns `Executor.result`: one call per run instead of
+    a begin, a start, reports and an end call (docs/RUNTIME.md, "One worker")."""
+    if ex.mg.gpus != 1:
+        raise RunError(f"gpu:{ex.gpu}: run_alone needs a one-GPU plan, this one has {ex.mg.gpus}")
+    ex.begin(inputs, check=check, delay=delay, seed=seed, coordinated=False)
+    ex.dispatch(ex.core.mine)
+    return ex.result(wanted)
+
+
 def iter_alone_steps(
     ex: Executor,
     feeds: Sequence[Mapping[str, Any]],
@@ -93,15 +115,15 @@ def iter_alone_steps(
     delay: tuple[float, float] | None = None,
     seed: int = 0,
 ) -> Iterator[tuple[str | None, dict[str, np.ndarray], np.ndarray, bool]]:
-    """`Executor.run_alone` once per feed (a one-GPU plan), each step's result as soon as it is
+    """`run_alone` once per feed (a one-GPU plan), each step's result as soon as it is
     made: step k's inputs are `feeds[k]` and step k-1's carried outputs (as raw bytes; the other
     inputs left out are the worker's copies, as between calls); `wanted` must name the carried
     and halt outputs. Yields per step (its error or None, its wanted outputs, its trace records
     as `records_array`, whether another step follows): the last one yielded says False."""
     prev: dict[str, Any] | None = None  # step k-1's outputs (raw bytes)
     for k, feed in enumerate(feeds):
-        err, part, trace = ex.run_alone(
-            carried(feed, prev, carry), wanted, check=check, delay=delay, seed=seed + k
+        err, part, trace = run_alone(
+            ex, carried(feed, prev, carry), wanted, check=check, delay=delay, seed=seed + k
         )
         more = err is None and k + 1 < len(feeds) and not halted(part, halt)
         yield err, part, records_array(trace), more

@@ -252,22 +252,17 @@ class GpuWorker:
         """Blocks until this GPU's vertices are all done or the run failed: (the error message or
         None, the raw bytes of each wanted output, the trace records), so the end of a run needs
         no call of its own (`finish`)."""
-        ex = self._ex()
-        ex.wait()
-        if ex.error is not None:
-            return ex.error, {}, ex.trace
-        try:
-            return None, {value: ex.output_bytes(vid) for value, vid in wanted}, ex.trace
-        except RunError as e:  # the sanitizer, reading an output
-            return str(e), {}, ex.trace
+        return self._ex().result(wanted)
 
     def run_alone(
         self, key: str, inputs: Mapping[str, torch.Tensor], check: bool, delay, seed: int, wanted: list
     ) -> tuple[str | None, dict[str, Any], list[tuple[int, int, int, int]]]:
-        """A whole run of one-GPU graph `key` in this call, no coordinator (`Executor.run_alone`)."""
+        """A whole run of one-GPU graph `key` in this call, no coordinator (`actors.steps.run_alone`)."""
+        from .steps import run_alone
+
         ex, transport = self._graph(key)
         self.ex, self.transport = ex, transport
-        return ex.run_alone(inputs, wanted, check=check, delay=delay, seed=seed)
+        return run_alone(ex, inputs, wanted, check=check, delay=delay, seed=seed)
 
     def run_steps(
         self,
@@ -294,7 +289,9 @@ class GpuWorker:
         )
 
     def completed_since(self, n: int) -> list[int]:
-        return self._ex().completed_since(n)
+        """The vertices this run completed after its first `n` (the driver of a `run_alone` run
+        keeps count, to name what a dead worker held)."""
+        return [r[0] for r in self._ex().trace[n:]]
 
     def read_range(self, loc: Loc, reader: int, expect: int):
         return self._ex().read_range(loc, reader, expect)
