@@ -110,13 +110,8 @@ class WorkerCore:
         if not self.ahead:
             return
         self.launched.add(vid)
-        if vid in self.aside:
-            return
-        for w in self.local_succs.get(vid, ()):  # as `_launched`, inline: once per launch
-            k = self.unlaunched[w] - 1
-            self.unlaunched[w] = k
-            if k == 0 and w in self.dispatched and self.left[w] and w in self.kernels:
-                heapq.heappush(self.queued, w)
+        if vid not in self.aside:  # else its successors count it launched once it completes
+            self._launched(vid)
 
     def _launched(self, vid: int) -> None:
         for w in self.local_succs.get(vid, ()):
