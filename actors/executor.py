@@ -109,6 +109,9 @@ class Executor(GpuResources):
         self._finished = threading.Event()
         self._error: str | None = None
         self._coordinated = True  # completions and failures go to the coordinator (not in `run_alone`)
+        self._chained = False  # this run launches chains of kernels as units (`WorkerCore.claim`)
+        self._units: dict[int, tuple[int, ...]] = {}  # a unit's first vertex -> its vertices, in flight
+        self.chained = [0, 0]  # this run's units and the vertices they held
         self.trace: list[tuple[int, int, int, int]] = []
 
     # ---- a run ---------------------------------------------------------------------------------
@@ -167,6 +170,11 @@ class Executor(GpuResources):
             # a random delay (tests) and the sanitizer's checks go into every vertex's work; with
             # launch ahead a kernel may wait on a load launched in the same pass, on its lane
             inline = delay is None and not check and not ahead
+            # chains run as units where one compute stream runs them on its own thread anyway,
+            # with nothing to check or delay between their kernels
+            self._chained = inline and self.streams == 1 and not self.backend.async_launch
+            self._units = {}
+            self.chained = [0, 0]
             self._inline = self._skip - self._watched if inline else frozenset()
             self.slots.start(ahead, lane_of, self._mode)  # nothing ahead behind a non-LAUNCH vertex
             self.trace = []
@@ -230,6 +238,12 @@ class Executor(GpuResources):
                 if key is not None:  # one member at a time (the core's lock): the first writes
                     self._acc_first[vid] = key not in self._acc_started
                     self._acc_started.add(key)
+                elif self._chained and vid in self.core.after:
+                    unit = self.core.claim(vid)
+                    if len(unit) > 1:
+                        self._units[vid] = unit
+                        self.chained[0] += 1
+                        self.chained[1] += len(unit)
                 self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
             took = self.slots.take() if len(inline) > n and self._error is None else []
         return inline
@@ -247,6 +261,19 @@ class Executor(GpuResources):
         return self.slots.launched_ahead
 
     def _work(self, vid: int, s: int) -> None:
+        unit = self._units.get(vid) if self._units else None
+        if unit is None:
+            return self._one(vid, s)
+        clock, trace = time.time_ns, self.trace
+        for m in unit:  # a chain's kernels, back to back on this stream's thread
+            t0 = clock()
+            try:
+                self._one(m, s)
+            except BaseException as e:  # `_done` names the kernel that raised
+                raise _InUnit(m, e) from e
+            trace.append((m, s, t0, clock()))
+
+    def _one(self, vid: int, s: int) -> None:
         if self._error is not None:  # the run failed: what was launched ahead is skipped
             return
         p = self.plans[vid]
@@ -284,6 +311,9 @@ class Executor(GpuResources):
             self.loads.load(p.value, p.out, self.backend.copy)
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
+        unit = self._units.pop(vid, None) if self._units else None
+        if unit is not None:
+            return self._unit_done(vid, unit, s, exc)
         if exc is None and self._check and self._sanitizer is not None:
             p = self.plans[vid]
             try:
@@ -315,6 +345,38 @@ class Executor(GpuResources):
             self._end_run()
         if self._coordinated and self._report is not None:
             self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
+        if inline:
+            self._after_inline(inline, False)
+
+    def _unit_done(self, vid: int, unit: tuple[int, ...], s: int, exc: BaseException | None) -> None:
+        """`_done` of a unit (launched as `vid`): its vertices complete in order; each has its
+        trace record already."""
+        if exc is not None:
+            with self._lock:
+                self.slots.landed(vid, s)
+                if not self.slots.running:
+                    self._landed.notify_all()
+            self._fail(exc.vid, exc.exc) if isinstance(exc, _InUnit) else self._fail(vid, exc)
+            return
+        watched, tr = self._watched, self.transport
+        for m in unit:
+            if m in watched and tr is not None:
+                tr.completed(m)
+        with self._lock:
+            complete = self.core.complete
+            for m in unit:
+                complete(m)
+            self.slots.landed(vid, s)
+            inline = self._pump()
+            finished = self.core.finished
+            if not self.slots.running:
+                self._landed.notify_all()
+        if finished:
+            self._end_run()
+        if self._coordinated and self._report is not None:
+            awaited = self.core.awaited
+            for m in unit:
+                self._reporter.completed(m, m in awaited)
         if inline:
             self._after_inline(inline, False)
 
@@ -378,6 +440,7 @@ class Executor(GpuResources):
             "report_call_ms": self._reporter.core.call_s * 1e3,  # host time of one report (mean)
             "ahead": self.ahead,
             "launched_ahead": self.launched_ahead,
+            "chained": {"units": self.chained[0], "vertices": self.chained[1]},
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
             "loads_skipped": len(self._skip),
             **({"conditional": self._cond.statistics(self._skip)} if self._cond.when else {}),
@@ -398,3 +461,11 @@ class Executor(GpuResources):
         self.views = self.arena = self.arena_slot = None  # type: ignore[assignment]
         self.plans = {}
         self.store.release_arena(self.mg.capacity[self.gpu])
+
+
+class _InUnit(Exception):
+    """Vertex `vid` of a unit (a chain run as one launch) raised `exc`."""
+
+    def __init__(self, vid: int, exc: BaseException):
+        super().__init__(vid, exc)
+        self.vid, self.exc = vid, exc

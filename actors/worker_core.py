@@ -63,6 +63,17 @@ class WorkerCore:
                 awaited.add(u)
         self.awaited = frozenset(awaited)
         self._preds0 = preds
+        remote = {w for u, w, *_ in mg.edges if gpu_of[w] == gpu and gpu_of[u] != gpu}
+        all_kernels = {v.id for v in mg.vertices if v.gpu == gpu and v.kind is MKind.KERNEL}
+        self.after, self._unit_preds, self._pos = chains(
+            sorted(all_kernels),
+            self.kernels,
+            all_kernels,
+            self.local_succs,
+            self.local_preds,
+            remote,
+            awaited,
+        )
         self.start()
 
     def start(self, ahead: bool = True, aside: Container[int] = frozenset()) -> None:
@@ -138,6 +149,33 @@ class WorkerCore:
         if self.ahead and vid in self.aside:  # its successors may now go behind their other predecessors
             self._launched(vid)
 
+    def claim(self, vid: int) -> tuple[int, ...]:
+        """`vid`, ready, and the members of its chain (`chains`) after it that may run right behind
+        it on its stream, as one unit: each dispatched, its local predecessors done but those in
+        the unit (at least one). They count as launched: their completion readies nothing twice.
+        A member that waits on anything else ends the unit; it runs when ready, as any vertex."""
+        after = self.after.get(vid)
+        if after is None:
+            return (vid,)
+        out = [vid]
+        start, left, dispatched, launched, preds = (
+            self._pos[vid],
+            self.left,
+            self.dispatched,
+            self.launched,
+            self._unit_preds,
+        )
+        for w in after:
+            need = 0
+            for i in preds[w]:
+                if i >= start:
+                    need += 1
+            if not need or left[w] != need or w not in dispatched or w in launched:
+                break
+            out.append(w)
+            launched.add(w)
+        return tuple(out)
+
     def pop(self) -> int | None:
         """The ready vertex with the lowest id (the planner's order), or None."""
         return heapq.heappop(self.ready) if self.ready else None
@@ -155,6 +193,55 @@ class WorkerCore:
     @property
     def finished(self) -> bool:
         return self.done == len(self.mine)
+
+
+def chains(
+    kernels: Sequence[int],
+    plain: Container[int],
+    kernel_set: Container[int],
+    succs: Mapping[int, list[int]],
+    preds: Mapping[int, list[int]],
+    remote: Container[int],
+    awaited: Container[int],
+) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]], dict[int, int]]:
+    """Chains of one GPU's kernels that one compute stream may run back to back, as one unit,
+    with no bookkeeping between them (docs/RUNTIME.md, "Chains"): runs of consecutive kernel ids
+    (`kernels`, sorted; the planner's serial order, so lowest-id-first runs them in this order on
+    one stream anyway), linked v -> w when both are plain kernels (`plain`: not sum-into
+    members), v has no successor but kernels (a copy that waits on v, such as the next weight's
+    load into a range v reads, must not wait for the whole unit) and none on another GPU, and w
+    has no predecessor on another GPU. Returns (each member -> the members after it, each member
+    -> the positions of its predecessors in its chain, each member -> its position)."""
+    after: dict[int, tuple[int, ...]] = {}
+    unit_preds: dict[int, tuple[int, ...]] = {}
+    pos: dict[int, int] = {}
+    run: list[int] = []
+
+    def close() -> None:
+        if len(run) > 1:
+            here = {v: i for i, v in enumerate(run)}
+            pos.update(here)
+            for i, v in enumerate(run):
+                after[v] = tuple(run[i + 1 :])
+                unit_preds[v] = tuple(here[u] for u in preds.get(v, ()) if here.get(u, i) < i)
+        run.clear()
+
+    for w in kernels:
+        v = run[-1] if run else None
+        linked = (
+            v is not None
+            and w in plain
+            and w not in remote
+            and v not in awaited
+            and all(u in kernel_set for u in succs.get(v, ()))
+        )
+        if not linked:
+            close()
+            if w not in plain:
+                continue
+        run.append(w)
+    close()
+    return after, unit_preds, pos
 
 
 class StreamSlots:

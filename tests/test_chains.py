@@ -1,0 +1,133 @@
+"""Chains of kernels run as one unit on one compute stream (`actors.worker_core.chains`,
+`WorkerCore.claim`, the executor's units): which kernels link, that a unit never holds a kernel
+whose other predecessors are not done, and runs with units equal the reference."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+
+import pytest
+
+from actors.worker_core import WorkerCore
+from disco_ray.driver.program import Program
+from disco_ray.graph.errors import RunError
+from disco_ray.graph.memgraph import MKind
+from disco_ray.graph.reference import evaluate, random_inputs
+from tests.runtime_helpers import MODES, noop_op, plan, random_taskgraph  # noqa: F401
+from tests.test_runtime_local import assert_same, noop_graph
+
+
+def _kinds(mg, gpu):
+    return {v.id: v.kind for v in mg.vertices if v.gpu == gpu}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chains_link_only_what_one_stream_may_run_back_to_back(seed):
+    tg = random_taskgraph(40 + seed, n=40, gpus=2)
+    mg = plan(tg, MODES[seed % 2])
+    gpu_of = {v.id: v.gpu for v in mg.vertices}
+    ends = 0
+    for gpu in range(2):
+        core = WorkerCore(mg, gpu)
+        kinds = _kinds(mg, gpu)
+        kernels = sorted(v for v, k in kinds.items() if k is MKind.KERNEL)
+        remote_preds = {w for u, w, *_ in mg.edges if gpu_of[w] == gpu and gpu_of[u] != gpu}
+        heads = [v for v in core.after if core._pos[v] == 0]
+        assert heads or not core.after
+        for h in heads:
+            chain = (h, *core.after[h])
+            assert len(chain) > 1
+            i = kernels.index(h)
+            assert list(chain) == kernels[i : i + len(chain)]  # consecutive kernel ids
+            for v, w in itertools.pairwise(chain):
+                assert v in core.kernels and w in core.kernels  # no sum-into member
+                assert v not in core.awaited  # its completion goes to another GPU at once
+                assert all(kinds[u] is MKind.KERNEL for u in core.local_succs.get(v, ()))
+                assert w not in remote_preds
+                assert core.after[v] == chain[chain.index(v) + 1 :]
+        ends += len(heads)
+    assert ends > 2  # transfers, and in a tight plan offloads, end chains
+
+
+def _run_with_units(mg, rng) -> int:
+    """The core driven as the executor drives it on one compute stream (copies complete in a
+    random order meanwhile); checks each unit when claimed; returns the kernels run in units."""
+    core = WorkerCore(mg, 0)
+    core.start(ahead=False)
+    core.dispatch(core.mine)
+    kinds = _kinds(mg, 0)
+    done: set[int] = set()
+    copies: list[int] = []
+    kernels: list[int] = []
+    stream: tuple[int, ...] | None = None
+    in_units = 0
+    while not core.finished:
+        while (v := core.pop()) is not None:
+            if kinds[v] is MKind.KERNEL:
+                heapq.heappush(kernels, v)
+            else:
+                copies.append(v)
+        if stream is None and kernels:
+            head = heapq.heappop(kernels)
+            stream = core.claim(head) if head in core.after and head not in core.groups else (head,)
+            for i, m in enumerate(stream):
+                for u in core.local_preds.get(m, ()):
+                    assert u in done or u in stream[:i], f"unit {stream}: {m} runs before its predecessor {u}"
+            in_units += len(stream) if len(stream) > 1 else 0
+        pick = rng.randrange(len(copies) + (stream is not None))
+        if pick == len(copies):
+            for m in stream:
+                assert m not in done
+                core.complete(m)
+                done.add(m)
+            stream = None
+        else:
+            v = copies.pop(pick)
+            core.complete(v)
+            done.add(v)
+    assert done == set(core.mine)
+    return in_units
+
+
+def test_a_unit_holds_no_kernel_whose_other_predecessors_are_not_done():
+    """Tight plans: loads and reloads feed kernels in the middle of chains, and complete in
+    random orders; a unit stops before a kernel that waits on one (planted: without the check of
+    `left` in `claim`, a kernel runs before its load)."""
+    rng = random.Random(0)
+    total = 0
+    for seed in range(12):
+        tg = random_taskgraph(500 + seed, n=40, gpus=1)
+        for mode in MODES:
+            mg = plan(tg, mode)
+            for _ in range(4):
+                total += _run_with_units(mg, rng)
+    assert total > 100  # units did run
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_runs_with_units_equal_the_reference(mode):
+    for seed in range(3):
+        tg = random_taskgraph(700 + seed, n=40, gpus=2)
+        inputs = random_inputs(tg, seed)
+        with Program(tg, plan(tg, mode), engine="local", streams=1) as prog:
+            for _ in range(2):
+                assert_same(prog.run(inputs, timeout=60), evaluate(tg, inputs), seed)
+                stats = prog.statistics()["engine"]["workers"]
+                assert sum(w["chained"]["vertices"] for w in stats) > 0
+            recs = [r for recs in prog.last_records for r in recs]
+            assert sorted(r[0] for r in recs) == sorted(v.id for v in prog.mg.vertices)  # each once
+            for gpu_recs in prog.last_records:  # one stream's records never overlap
+                on0 = sorted((a, b) for _, s, a, b in gpu_recs if s == 0)
+                assert all(b0 <= a1 for (_, b0), (a1, _) in itertools.pairwise(on0))
+
+
+def test_a_kernel_that_raises_inside_a_unit_is_named(noop_op):  # noqa: F811
+    tg = noop_graph(fail_at="n5", gpus=1, n=8)
+    mg = plan(tg)
+    vid = next(v.id for v in mg.vertices if v.value == "n5")
+    with Program(tg, mg, engine="local", streams=1) as prog:
+        with pytest.raises(RunError, match=rf"gpu:0 vertex {vid} \(kernel 'n5'\) raised RuntimeError"):
+            prog.run({}, timeout=60)
+        assert prog.statistics()["engine"]["workers"][0]["chained"]["units"] == 1
