@@ -351,11 +351,17 @@ class Executor(GpuResources):
     def _unit_done(self, vid: int, unit: tuple[int, ...], s: int, exc: BaseException | None) -> None:
         """`_done` of a unit (launched as `vid`): its vertices complete in order; each has its
         trace record already."""
-        if exc is not None:
+        if exc is not None:  # the vertices before the one that raised ran: they complete first
+            ran = unit[: unit.index(exc.vid)] if isinstance(exc, _InUnit) else ()
             with self._lock:
+                for m in ran:
+                    self.core.complete(m)
                 self.slots.landed(vid, s)
                 if not self.slots.running:
                     self._landed.notify_all()
+            if self._coordinated and self._report is not None:
+                for m in ran:
+                    self._reporter.completed(m, m in self.core.awaited)
             self._fail(exc.vid, exc.exc) if isinstance(exc, _InUnit) else self._fail(vid, exc)
             return
         watched, tr = self._watched, self.transport
