@@ -107,6 +107,8 @@ class Executor(GpuResources):
         self._cond = Conditions(self.mg, self.gpu, self.plans)  # vertices a run skips unless flagged
         self._rng = random.Random(0)
         self._finished = threading.Event()
+        self._on_end: Callable[[], None] | None = None  # called once when this run ends (`begin`)
+        self._end_lock = threading.Lock()
         self._error: str | None = None
         self._coordinated = True  # completions and failures go to the coordinator (not in `run_alone`)
         self._chained = False  # this run launches chains of kernels as units (`WorkerCore.claim`)
@@ -123,8 +125,12 @@ class Executor(GpuResources):
         delay: tuple[float, float] | None = None,
         seed: int = 0,
         coordinated: bool = True,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
         """Resets the counters for a new run on `inputs` (the caller's tensors this GPU reads).
+
+        `on_end`: called once when the run ends, done or failed, by the thread that ends it (a
+        stream's, after the last vertex): `actors.steps` begins the next step there.
 
         `coordinated=False`: a run of a one-GPU plan driven by `run_alone`, which no coordinator
         follows, so completions and failures are not sent to one (`report` and `fail` unused).
@@ -186,8 +192,10 @@ class Executor(GpuResources):
             self._coordinated = coordinated
             self._error = None
             self._finished.clear()
-            if self.core.finished:
-                self._end_run()
+            self._on_end = on_end
+            empty = self.core.finished
+        if empty:  # outside the lock: `on_end` may begin the next run
+            self._end_run()
 
     def dispatch(self, vids: list[int]) -> None:
         """The coordinator hands over vertices whose remote predecessors are done."""
@@ -399,7 +407,15 @@ class Executor(GpuResources):
                 self.loads.end(self.arena_slot)
         except BaseException as e:
             self._fail(None, RunError(f"gpu:{self.gpu}: saving the carried states failed: {e}"))
+        self._ended()
+
+    def _ended(self) -> None:
+        """The run ended (done or failed): `wait` returns, and the run's `on_end` is called once."""
         self._finished.set()
+        with self._end_lock:
+            cb, self._on_end = self._on_end, None
+        if cb is not None:
+            cb()
 
     def _fail(self, vid: int | None, exc: BaseException) -> None:
         if isinstance(exc, RunError):
@@ -419,6 +435,7 @@ class Executor(GpuResources):
         self._finished.set()
         if self._fail_cb is not None and self._coordinated:
             self._fail_cb(self.gpu, vid, msg)
+        self._ended()
 
     def fail(self, message: str) -> None:
         """Ends the run with `message` (a transport's channel that found its peer lost)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import queue
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -119,44 +118,43 @@ def iter_alone_steps(
     made: step k's inputs are `feeds[k]` and step k-1's carried outputs (as raw bytes; the other
     inputs left out are the worker's copies, as between calls); `wanted` must name the carried
     and halt outputs. Yields per step (its error or None, its wanted outputs, its trace records
-    as `records_array`, whether another step follows): the last one yielded says False."""
-    prev: dict[str, Any] | None = None  # step k-1's outputs (raw bytes)
-    for k, feed in enumerate(feeds):
-        err, part, trace = run_alone(
-            ex, carried(feed, prev, carry), wanted, check=check, delay=delay, seed=seed + k
-        )
-        more = err is None and k + 1 < len(feeds) and not halted(part, halt)
-        yield err, part, records_array(trace), more
-        if not more:
-            return
-        prev = part
+    as `records_array`, whether another step follows): the last one yielded says False.
 
+    The thread that ends step k (the stream's that ran its last vertex) takes its outputs and
+    begins step k+1 itself (`Executor.begin(on_end=...)`), so no hand-over between threads
+    separates two steps; the caller's thread only takes each step's result from a queue (a Ray
+    streaming generator's yield, ~0.6 ms to serialize and report, overlaps the next step)."""
+    if ex.mg.gpus != 1:
+        raise RunError(f"gpu:{ex.gpu}: run_alone needs a one-GPU plan, this one has {ex.mg.gpus}")
+    out: queue.SimpleQueue = queue.SimpleQueue()
 
-def in_a_thread(items: Iterator[T]) -> Iterator[T]:
-    """`items`, made in a thread of their own: the caller's work on one item (a Ray streaming
-    generator's yield: ~0.6 ms to serialize and report on the 2-core box) overlaps the making of
-    the next instead of delaying it. An exception of `items` is raised here, after the items
-    before it."""
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    end = object()
+    def start(k: int, prev: dict[str, Any] | None) -> None:
+        def ended() -> None:
+            try:
+                err, part, trace = ex.result(wanted)  # the run has ended: no wait
+                more = err is None and k + 1 < len(feeds) and not halted(part, halt)
+                out.put((err, part, records_array(trace), more))
+                if more:
+                    start(k + 1, part)
+            except BaseException as e:  # raised in the caller's thread
+                out.put(_Raised(e))
 
-    def make() -> None:
-        try:
-            for item in items:
-                q.put(item)
-            q.put(end)
-        except BaseException as e:  # raised in the caller's thread
-            q.put(_Raised(e))
+        inputs = carried(feeds[k], prev, carry)
+        ex.begin(inputs, check=check, delay=delay, seed=seed + k, coordinated=False, on_end=ended)
+        ex.dispatch(ex.core.mine)
 
-    threading.Thread(target=make, daemon=True, name="steps").start()
-    while (item := q.get()) is not end:
+    start(0, None)
+    while True:
+        item = out.get()
         if isinstance(item, _Raised):
             raise item.exc
         yield item
+        if not item[3]:
+            return
 
 
 @dataclass(frozen=True, slots=True)
 class _Raised:
-    """An exception of `in_a_thread`'s items, on its way to the caller."""
+    """An exception of a step begun on a stream's thread, on its way to the caller."""
 
     exc: BaseException

@@ -279,14 +279,12 @@ class GpuWorker:
         fed to the next, ending after a step whose halt output is nonzero; a streaming generator
         (`num_returns="streaming"`): each step's result goes to the caller as it ends
         (`actors.steps.iter_alone_steps`)."""
-        from .steps import in_a_thread, iter_alone_steps
+        from .steps import iter_alone_steps
 
         ex, transport = self._graph(key)
         self.ex, self.transport = ex, transport
-        # the steps run in a thread of their own: each yield overlaps the next step
-        yield from in_a_thread(
-            iter_alone_steps(ex, feeds, wanted, carry, halt, check=check, delay=delay, seed=seed)
-        )
+        # the steps run on the worker's stream threads: each yield overlaps the next step
+        yield from iter_alone_steps(ex, feeds, wanted, carry, halt, check=check, delay=delay, seed=seed)
 
     def completed_since(self, n: int) -> list[int]:
         """The vertices this run completed after its first `n` (the driver of a `run_alone` run

@@ -5,19 +5,19 @@ The proof needs no clock: a gate kernel at the head of each step waits until the
 its token through (a file the driver writes when its `on_step` sees the step before). Without
 streaming the driver sees no step before the call ends, the second step's gate is never opened
 and the call fails with the gate's error. A worker killed while it waits there ends the call with
-an error naming it, the steps before it delivered. The worker makes its steps in a thread of
-their own (`in_a_thread`): in order, then their error.
+an error naming it, the steps before it delivered. The thread that ends a step begins the
+next (`actors.steps.iter_alone_steps`): in order, then their error.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from actors.steps import in_a_thread
 from disco_ray.driver.api import compile
 from disco_ray.graph import kernels, ops
 from disco_ray.graph.errors import RunError
@@ -115,14 +115,35 @@ def test_a_worker_killed_mid_stream_is_named(pool, gate_op, tmp_path):  # noqa: 
         assert e.value.step == 1 and seen == [0], str(e.value)
 
 
-def test_steps_made_in_a_thread_come_in_order_then_their_error():
-    def items():
-        yield 1
-        yield 2
-        raise RunError("gpu:0: the third failed")
+def test_each_step_is_begun_by_the_thread_that_ended_the_one_before(monkeypatch):
+    """`iter_alone_steps` on a local executor: step 0 is begun by the caller, every later step by
+    the stream thread that ran the last vertex of the step before (no hand-over between them);
+    the steps come in order, and a step that cannot begin (a bad input at step 2) ends the
+    iteration after the steps before it, with its error."""
+    from actors.executor import Executor
+    from actors.steps import iter_alone_steps
+    from tests.test_run_steps import counter
+    from tests.test_run_steps import feeds as counter_feeds
 
-    got: list[int] = []
-    with pytest.raises(RunError, match="the third failed"):
-        got.extend(in_a_thread(items()))
-    assert got == [1, 2]
-    assert list(in_a_thread(iter(range(5)))) == [0, 1, 2, 3, 4]
+    prog = compile(counter(1), capacity="1MiB", engine="local")
+    with prog:
+        prog.run(counter_feeds([0, 0, 0], stop_at=-1, k=1)[0])  # the worker's copies of the inputs
+        ex = prog._engine.execs[0]
+        begun: list[str] = []
+        begin = Executor.begin
+
+        def spy(self, inputs, **kw):
+            begun.append(threading.current_thread().name)
+            return begin(self, inputs, **kw)
+
+        monkeypatch.setattr(Executor, "begin", spy)
+        wanted = [(v, prog.mg.outputs[v]) for v in prog.tg.outputs]
+        steps = [{"left": torch.tensor([9, 9, 9])}] * 4
+        got = [part for _, part, _, _ in iter_alone_steps(ex, steps, wanted, {"next": ["tok"]}, ["done"])]
+        assert len(got) == 4 and begun[0] == threading.current_thread().name
+        assert all(name.startswith("stream-") for name in begun[1:]), begun
+        bad = [*steps[:2], {"left": torch.tensor([9, 9])}, steps[3]]  # 2 rows where 3 are planned
+        seen = []
+        with pytest.raises(RunError, match=r"input 'left' has 16 bytes, not 24"):
+            seen.extend(iter_alone_steps(ex, bad, wanted, {"next": ["tok"]}, ["done"]))
+        assert [more for *_, more in seen] == [True, True]
