@@ -122,8 +122,9 @@ def iter_alone_steps(
 
     The thread that ends step k (the stream's that ran its last vertex) takes its outputs and
     begins step k+1 itself (`Executor.begin(on_end=...)`), so no hand-over between threads
-    separates two steps; the caller's thread only takes each step's result from a queue (a Ray
-    streaming generator's yield, ~0.6 ms to serialize and report, overlaps the next step)."""
+    separates two steps; then it queues step k's result for the caller's thread, whose work on
+    it (a Ray streaming generator's yield, ~0.6 ms to serialize and report) overlaps step k+1's
+    kernels instead of contending for the GIL with the work between the steps."""
     if ex.mg.gpus != 1:
         raise RunError(f"gpu:{ex.gpu}: run_alone needs a one-GPU plan, this one has {ex.mg.gpus}")
     out: queue.SimpleQueue = queue.SimpleQueue()
@@ -133,9 +134,11 @@ def iter_alone_steps(
             try:
                 err, part, trace = ex.result(wanted)  # the run has ended: no wait
                 more = err is None and k + 1 < len(feeds) and not halted(part, halt)
-                out.put((err, part, records_array(trace), more))
-                if more:
-                    start(k + 1, part)
+                try:
+                    if more:
+                        start(k + 1, part)
+                finally:  # once the next step runs: Ray's thread serializes it meanwhile
+                    out.put((err, part, trace, more))
             except BaseException as e:  # raised in the caller's thread
                 out.put(_Raised(e))
 
@@ -148,8 +151,9 @@ def iter_alone_steps(
         item = out.get()
         if isinstance(item, _Raised):
             raise item.exc
-        yield item
-        if not item[3]:
+        err, part, trace, more = item
+        yield err, part, records_array(trace), more
+        if not more:
             return
 
 
