@@ -332,65 +332,46 @@ class Executor(GpuResources):
             except RunError as e:
                 exc = e
         if exc is not None:
-            with self._lock:
-                self.slots.landed(vid, s)
-                if not self.slots.running:
-                    self._landed.notify_all()
+            self._completed((), vid, s, pump=False)
             self._fail(vid, exc)
             return
         # a load skipped because the arena still holds the input moved nothing: a record of no length
         self.trace.append((vid, s, t0, t0 if vid in self._skip else t1))
-        if vid in self._watched and self.transport is not None:  # e.g. an NCCL send's source
-            self.transport.completed(vid)
-        with self._lock:
-            self.core.complete(vid)
-            self.slots.landed(vid, s)
-            inline = self._pump()
-            finished = self.core.finished
-            if not self.slots.running:
-                self._landed.notify_all()
-        if finished:
-            self._end_run()
-        if self._coordinated and self._report is not None:
-            self._reporter.completed(vid, vid in self.core.awaited)  # awaited: reported within flush_s
-        if inline:
-            self._after_inline(inline, False)
+        self._completed((vid,), vid, s)
 
     def _unit_done(self, vid: int, unit: tuple[int, ...], s: int, exc: BaseException | None) -> None:
         """`_done` of a unit (launched as `vid`): its vertices complete in order; each has its
-        trace record already."""
-        if exc is not None:  # the vertices before the one that raised ran: they complete first
-            ran = unit[: unit.index(exc.vid)] if isinstance(exc, _InUnit) else ()
-            with self._lock:
-                for m in ran:
-                    self.core.complete(m)
-                self.slots.landed(vid, s)
-                if not self.slots.running:
-                    self._landed.notify_all()
-            if self._coordinated and self._report is not None:
-                for m in ran:
-                    self._reporter.completed(m, m in self.core.awaited)
-            self._fail(exc.vid, exc.exc) if isinstance(exc, _InUnit) else self._fail(vid, exc)
+        trace record already. When one raised, those before it ran: they complete first."""
+        if exc is None:
+            self._completed(unit, vid, s)
             return
-        watched, tr = self._watched, self.transport
-        for m in unit:
-            if m in watched and tr is not None:
-                tr.completed(m)
+        ran = unit[: unit.index(exc.vid)] if isinstance(exc, _InUnit) else ()
+        self._completed(ran, vid, s, pump=False)
+        self._fail(exc.vid, exc.exc) if isinstance(exc, _InUnit) else self._fail(vid, exc)
+
+    def _completed(self, vids: tuple[int, ...], vid: int, s: int, pump: bool = True) -> None:
+        """`vids` are done and `vid` (the first of them, or a unit's whose later vertices failed)
+        left stream `s`: the counters, the next launches (unless `pump` is False: a failure
+        follows), the end of the run, the reports."""
+        tr = self.transport
+        if tr is not None:
+            for m in vids:
+                if m in self._watched:  # e.g. an NCCL send's source
+                    tr.completed(m)
         with self._lock:
-            complete = self.core.complete
-            for m in unit:
-                complete(m)
+            for m in vids:
+                self.core.complete(m)
             self.slots.landed(vid, s)
-            inline = self._pump()
-            finished = self.core.finished
+            inline = self._pump() if pump else []
+            finished = pump and self.core.finished
             if not self.slots.running:
                 self._landed.notify_all()
         if finished:
             self._end_run()
         if self._coordinated and self._report is not None:
             awaited = self.core.awaited
-            for m in unit:
-                self._reporter.completed(m, m in awaited)
+            for m in vids:
+                self._reporter.completed(m, m in awaited)  # awaited: reported within flush_s
         if inline:
             self._after_inline(inline, False)
 
