@@ -42,17 +42,17 @@ from .conditions import Conditions
 from .options import DEFAULT_WORKER, WorkerConfig
 from .plans import PlanKind, describe
 from .reporter import ReportThread
-from .resources import GpuResources
 from .sanitizer import Sanitizer
 from .tiers.store import WorkerStore
 from .transports.base import Transport
+from .work import InUnit, VertexWork
 
 DRAIN_S = 10.0  # how long a run waits for the vertices a failed run had launched to land
 Report = Callable[[int, list[int]], None]  # (gpu, completed vids)
 Fail = Callable[[int, int | None, str], None]  # (gpu, vid, message)
 
 
-class Executor(GpuResources):
+class Executor(VertexWork):
     """The vertices of GPU `gpu` of `mg`; `begin` starts a run, `dispatch` feeds it, `wait` ends it."""
 
     def __init__(
@@ -268,56 +268,6 @@ class Executor(GpuResources):
     def launched_ahead(self) -> int:
         return self.slots.launched_ahead
 
-    def _work(self, vid: int, s: int) -> None:
-        unit = self._units.get(vid) if self._units else None
-        if unit is None:
-            return self._one(vid, s)
-        clock, trace = time.time_ns, self.trace
-        for m in unit:  # a chain's kernels, back to back on this stream's thread
-            t0 = clock()
-            try:
-                self._one(m, s)
-            except BaseException as e:  # `_done` names the kernel that raised
-                raise _InUnit(m, e) from e
-            trace.append((m, s, t0, clock()))
-
-    def _one(self, vid: int, s: int) -> None:
-        if self._error is not None:  # the run failed: what was launched ahead is skipped
-            return
-        p = self.plans[vid]
-        san = self._sanitizer if self._check else None
-        if san is not None:
-            san.before(vid, p.checks, p.out_loc)
-        if self._delay is not None:  # inside the write: a writer overlapping it is seen
-            time.sleep(self._rng.uniform(*self._delay))
-        if vid in self._cond.when and self._cond.skips(vid):
-            return  # not flagged: no bytes moved, no kernel run; the sanitizer saw its write
-        k = p.kind
-        if k is PlanKind.KERNEL and vid in self.core.groups and not self._acc_first[vid]:
-            self.backend.kernel("add", p.out, [p.out, p.ins[0]], p.attrs)  # sum-into: add the operand
-        elif k is PlanKind.KERNEL:
-            self.backend.kernel(p.op, p.out, p.ins, p.attrs)
-            if vid in self._cond.writers:  # a flag: which of its columns some row chose
-                self._cond.flagged(vid, p.out)
-            if vid in self._saves.deltas:  # a carried value's last writer: the bytes it changed
-                self._saves.wrote(vid, p)
-        elif k is PlanKind.COPY:
-            self.backend.copy(p.out, p.ins[0])
-        elif k is PlanKind.SPILL:
-            self._spill().write(p.out_loc.offset, p.ins[0])
-            self._read_ahead().written(vid)
-        elif k is PlanKind.UNSPILL:
-            assert p.src_loc is not None  # a reload from disk's plan has one
-            if not self._read_ahead().take(vid, p.out, self.backend.copy):
-                self._spill().read(p.src_loc.offset, p.out, self.backend.copy)
-        elif k is PlanKind.TRANSFER:
-            if self.transport is None:
-                raise RunError(f"gpu:{self.gpu}: no transport for {describe(self.mg, vid)}")
-            assert p.src_loc is not None  # a transfer's plan has one
-            self.transport.pull(p.src_gpu, p.src_loc, p.out, vid, p.src_vid)
-        elif vid not in self._skip:
-            self.loads.load(p.value, p.out, self.backend.copy)
-
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
         unit = self._units.pop(vid, None) if self._units else None
         if unit is not None:
@@ -345,9 +295,9 @@ class Executor(GpuResources):
         if exc is None:
             self._completed(unit, vid, s)
             return
-        ran = unit[: unit.index(exc.vid)] if isinstance(exc, _InUnit) else ()
+        ran = unit[: unit.index(exc.vid)] if isinstance(exc, InUnit) else ()
         self._completed(ran, vid, s, pump=False)
-        self._fail(exc.vid, exc.exc) if isinstance(exc, _InUnit) else self._fail(vid, exc)
+        self._fail(exc.vid, exc.exc) if isinstance(exc, InUnit) else self._fail(vid, exc)
 
     def _completed(self, vids: tuple[int, ...], vid: int, s: int, pump: bool = True) -> None:
         """`vids` are done and `vid` (the first of them, or a unit's whose later vertices failed)
@@ -465,11 +415,3 @@ class Executor(GpuResources):
         self.views = self.arena = self.arena_slot = None  # type: ignore[assignment]
         self.plans = {}
         self.store.release_arena(self.mg.capacity[self.gpu])
-
-
-class _InUnit(Exception):
-    """Vertex `vid` of a unit (a chain run as one launch) raised `exc`."""
-
-    def __init__(self, vid: int, exc: BaseException):
-        super().__init__(vid, exc)
-        self.vid, self.exc = vid, exc
