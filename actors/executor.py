@@ -111,9 +111,6 @@ class Executor(VertexWork):
         self._end_lock = threading.Lock()
         self._error: str | None = None
         self._coordinated = True  # completions and failures go to the coordinator (not in `run_alone`)
-        self._chained = False  # this run launches chains of kernels as units (`WorkerCore.claim`)
-        self._units: dict[int, tuple[int, ...]] = {}  # a unit's first vertex -> its vertices, in flight
-        self.chained = [0, 0]  # this run's units and the vertices they held
         self.trace: list[tuple[int, int, int, int]] = []
 
     # ---- a run ---------------------------------------------------------------------------------
@@ -176,13 +173,11 @@ class Executor(VertexWork):
             # a random delay (tests) and the sanitizer's checks go into every vertex's work; with
             # launch ahead a kernel may wait on a load launched in the same pass, on its lane
             inline = delay is None and not check and not ahead
-            # chains run as units where one compute stream runs them on its own thread anyway,
-            # with nothing to check or delay between their kernels
-            self._chained = inline and self.streams == 1 and not self.backend.async_launch
-            self._units = {}
-            self.chained = [0, 0]
             self._inline = self._skip - self._watched if inline else frozenset()
-            self.slots.start(ahead, lane_of, self._mode)  # nothing ahead behind a non-LAUNCH vertex
+            # nothing ahead behind a non-LAUNCH vertex; chains run as units on one compute stream
+            # (its kernels run one after another anyway) with nothing to check or delay between them
+            chained = delay is None and not check and self.streams == 1
+            self.slots.start(ahead, lane_of, self._mode, chained)
             self.trace = []
             if self.spill is not None:
                 self.spill.flush()  # the last run's writes behind are in (RunError if one failed)
@@ -246,12 +241,6 @@ class Executor(VertexWork):
                 if key is not None:  # one member at a time (the core's lock): the first writes
                     self._acc_first[vid] = key not in self._acc_started
                     self._acc_started.add(key)
-                elif self._chained and vid in self.core.after:
-                    unit = self.core.claim(vid)
-                    if len(unit) > 1:
-                        self._units[vid] = unit
-                        self.chained[0] += 1
-                        self.chained[1] += len(unit)
                 self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
             took = self.slots.take() if len(inline) > n and self._error is None else []
         return inline
@@ -269,8 +258,12 @@ class Executor(VertexWork):
         return self.slots.launched_ahead
 
     def _done(self, vid: int, s: int, t0: int, t1: int, exc: BaseException | None) -> None:
-        unit = self._units.pop(vid, None) if self._units else None
+        units = self.slots.units
+        unit = units.pop(vid, None) if units else None
         if unit is not None:
+            if exc is None and self.backend.async_launch:  # the device timed the unit as a whole
+                self.trace.append((vid, s, t0, t1))
+                self.trace.extend((m, s, t1, t1) for m in unit[1:])
             return self._unit_done(vid, unit, s, exc)
         if exc is None and self._check and self._sanitizer is not None:
             p = self.plans[vid]
@@ -291,11 +284,12 @@ class Executor(VertexWork):
 
     def _unit_done(self, vid: int, unit: tuple[int, ...], s: int, exc: BaseException | None) -> None:
         """`_done` of a unit (launched as `vid`): its vertices complete in order; each has its
-        trace record already. When one raised, those before it ran: they complete first."""
+        trace record already. When one raised, those before it ran: they complete first (on a
+        backend that launches asynchronously they were only enqueued: none counts as done)."""
         if exc is None:
             self._completed(unit, vid, s)
             return
-        ran = unit[: unit.index(exc.vid)] if isinstance(exc, InUnit) else ()
+        ran = unit[: unit.index(exc.vid)] if isinstance(exc, InUnit) and not self.backend.async_launch else ()
         self._completed(ran, vid, s, pump=False)
         self._fail(exc.vid, exc.exc) if isinstance(exc, InUnit) else self._fail(vid, exc)
 
@@ -394,7 +388,7 @@ class Executor(VertexWork):
             "report_call_ms": self._reporter.core.call_s * 1e3,  # host time of one report (mean)
             "ahead": self.ahead,
             "launched_ahead": self.launched_ahead,
-            "chained": {"units": self.chained[0], "vertices": self.chained[1]},
+            "chained": {"units": self.slots.chained[0], "vertices": self.slots.chained[1]},
             "sanitizer_checks": self._sanitizer.checks if self._sanitizer else 0,
             "loads_skipped": len(self._skip),
             **({"conditional": self._cond.statistics(self._skip)} if self._cond.when else {}),

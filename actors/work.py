@@ -17,6 +17,7 @@ from .plans import PlanKind, describe
 from .resources import GpuResources
 from .sanitizer import Sanitizer
 from .transports.base import Transport
+from .worker_core import StreamSlots
 
 
 class VertexWork(GpuResources):
@@ -31,14 +32,22 @@ class VertexWork(GpuResources):
     _acc_first: dict[int, bool]
     _saves: CarrySaves
     _skip: frozenset[int]
-    _units: dict[int, tuple[int, ...]]
+    slots: StreamSlots
     transport: Transport | None
     trace: list[tuple[int, int, int, int]]
 
     def _work(self, vid: int, s: int) -> None:
-        unit = self._units.get(vid) if self._units else None
+        units = self.slots.units
+        unit = units.get(vid) if units else None
         if unit is None:
             return self._one(vid, s)
+        if self.backend.async_launch:  # enqueued back to back; the device times the unit (`_done`)
+            for m in unit:
+                try:
+                    self._one(m, s)
+                except BaseException as e:
+                    raise InUnit(m, e) from e
+            return
         clock, trace = time.time_ns, self.trace
         for m in unit:  # a chain's kernels, back to back on this stream's thread
             t0 = clock()

@@ -273,11 +273,20 @@ class StreamSlots:
         self.start(0)
 
     def start(
-        self, ahead: int, lane_of: Mapping[int, int] | None = None, aside: Container[int] = frozenset()
+        self,
+        ahead: int,
+        lane_of: Mapping[int, int] | None = None,
+        aside: Container[int] = frozenset(),
+        chained: bool = False,
     ) -> None:
         """A new run; `lane_of`: vertex -> the lane (a stream index >= S) it runs on; `aside`:
-        vertices whose work another thread enqueues (`WorkerCore.start`)."""
+        vertices whose work another thread enqueues (`WorkerCore.start`); `chained`: a kernel
+        launched takes the members of its chain that may follow it as one unit
+        (`WorkerCore.claim`; `units`)."""
         self.ahead = ahead
+        self.chained_units = chained
+        self.units: dict[int, tuple[int, ...]] = {}  # a unit's first vertex -> its vertices, in flight
+        self.chained = [0, 0]  # this run's units and the vertices they held
         if lane_of is None or lane_of is not self._lanes_given:
             # checked once per table (the executor keeps one per plan), not at every run
             self.lane_of = dict(lane_of or {})
@@ -389,10 +398,23 @@ class StreamSlots:
     def _launch(self, vid: int, s: int, waits: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
         self.running += 1
         self.depth[s] += 1
+        core = self.core
+        unit = None
+        if self.chained_units and vid in core.after:  # before its successors queue behind it alone
+            unit = core.claim(vid)
+            if len(unit) > 1:
+                self.units[vid] = unit
+                self.chained[0] += 1
+                self.chained[1] += len(unit)
+            else:
+                unit = None
         if self.ahead:
             self.launches += 1
-            self.inflight[vid] = (self.launches, s)
-            self.core.launch(vid)
+            self.inflight[vid] = (self.launches, s)  # a unit's later vertices: on the same stream
+            core.launch(vid)
+            if unit is not None:  # what follows the unit may queue behind it
+                for m in unit[1:]:
+                    core.launch(m)
         return vid, s, waits
 
     def landed(self, vid: int, s: int) -> None:

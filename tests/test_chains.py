@@ -131,3 +131,38 @@ def test_a_kernel_that_raises_inside_a_unit_is_named(noop_op):  # noqa: F811
         with pytest.raises(RunError, match=rf"gpu:0 vertex {vid} \(kernel 'n5'\) raised RuntimeError"):
             prog.run({}, timeout=60)
         assert prog.statistics()["engine"]["workers"][0]["chained"]["units"] == 1
+
+
+@pytest.mark.parametrize("ahead", [0, 4])
+def test_units_on_the_cuda_stand_in_equal_the_reference(monkeypatch, ahead):
+    """The cuda backend on the strict stand-in (work runs later on its stream's thread, a range
+    being written holds poison until then): a unit's kernels are enqueued back to back in one
+    launch, with or without launch ahead, and the outputs equal the reference; the device times
+    a unit as a whole (its first vertex's record; the others end where it ends)."""
+    from actors.backends.cuda import CudaBackend
+    from actors.executor import Executor
+    from actors.options import WorkerConfig
+    from tests.fake_cuda import install
+    from tests.test_cuda_backend import _run, _same
+
+    install(monkeypatch.setattr)
+    for seed in range(2):
+        tg = random_taskgraph(900 + seed, n=50, gpus=1, size=16)
+        mg = plan(tg, MODES[seed])
+        ex = Executor(0, mg, tg, WorkerConfig(streams=1, ahead=ahead), backend=CudaBackend())
+        try:
+            before = 0
+            for run in range(2):
+                inputs = random_inputs(tg, run)
+                assert _run(ex, inputs, coordinated=False) is None, ex.error
+                out = {k: ex.output(k, mg.outputs[k]) for k in tg.outputs}
+                _same(out, evaluate(tg, inputs), f"seed {seed} run {run} ahead {ahead}")
+                units, held = ex.slots.chained
+                assert units > 0 and held > units
+                assert sorted(r[0] for r in ex.trace) == sorted(ex.core.mine)
+                launches = ex.statistics()["backend"]["host"]["launches"]  # since the first run
+                skipped = len(ex._inline)  # loads the arena held: completed at launch, not launched
+                assert launches - before == len(ex.core.mine) - held + units - skipped  # one per unit
+                before = launches
+        finally:
+            ex.close()
