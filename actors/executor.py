@@ -174,10 +174,9 @@ class Executor(VertexWork):
             # launch ahead a kernel may wait on a load launched in the same pass, on its lane
             inline = delay is None and not check and not ahead
             self._inline = self._skip - self._watched if inline else frozenset()
-            # nothing ahead behind a non-LAUNCH vertex; chains run as units on one compute stream
-            # (its kernels run one after another anyway) with nothing to check or delay between them
-            chained = delay is None and not check and self.streams == 1
-            self.slots.start(ahead, lane_of, self._mode, chained)
+            # nothing ahead behind a non-LAUNCH vertex; chains run as units when nothing is
+            # checked or delayed between two vertices
+            self.slots.start(ahead, lane_of, self._mode, delay is None and not check)
             self.trace = []
             if self.spill is not None:
                 self.spill.flush()  # the last run's writes behind are in (RunError if one failed)

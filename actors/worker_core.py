@@ -65,7 +65,7 @@ class WorkerCore:
         self._preds0 = preds
         remote = {w for u, w, *_ in mg.edges if gpu_of[w] == gpu and gpu_of[u] != gpu}
         all_kernels = {v.id for v in mg.vertices if v.gpu == gpu and v.kind is MKind.KERNEL}
-        self.after, self._unit_preds, self._pos = chains(
+        self._chain_args = (
             sorted(all_kernels),
             self.kernels,
             all_kernels,
@@ -74,6 +74,7 @@ class WorkerCore:
             remote,
             awaited,
         )
+        self.use_chains(linear=False)
         self.start()
 
     def start(self, ahead: bool = True, aside: Container[int] = frozenset()) -> None:
@@ -149,6 +150,10 @@ class WorkerCore:
         if self.ahead and vid in self.aside:  # its successors may now go behind their other predecessors
             self._launched(vid)
 
+    def use_chains(self, linear: bool) -> None:
+        """The chains `claim` takes from (`chains`): for one compute stream, or (`linear`) several."""
+        self.after, self._unit_preds, self._pos = chains(*self._chain_args, linear=linear)
+
     def claim(self, vid: int) -> tuple[int, ...]:
         """`vid`, ready, and the members of its chain (`chains`) after it that may run right behind
         it on its stream, as one unit: each dispatched, its local predecessors done but those in
@@ -203,44 +208,67 @@ def chains(
     preds: Mapping[int, list[int]],
     remote: Container[int],
     awaited: Container[int],
+    linear: bool = False,
 ) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]], dict[int, int]]:
-    """Chains of one GPU's kernels that one compute stream may run back to back, as one unit,
-    with no bookkeeping between them (docs/RUNTIME.md, "Chains"): runs of consecutive kernel ids
-    (`kernels`, sorted; the planner's serial order, so lowest-id-first runs them in this order on
-    one stream anyway), linked v -> w when both are plain kernels (`plain`: not sum-into
-    members), v has no successor but kernels (a copy that waits on v, such as the next weight's
-    load into a range v reads, must not wait for the whole unit) and none on another GPU, and w
-    has no predecessor on another GPU. Returns (each member -> the members after it, each member
-    -> the positions of its predecessors in its chain, each member -> its position)."""
+    """Chains of one GPU's kernels that a compute stream may run back to back, as one unit, with
+    no bookkeeping between them (docs/RUNTIME.md, "Chains"). Always: v -> w only when both are
+    plain kernels (`plain`: not sum-into members), v has no successor on another GPU and w no
+    predecessor there.
+    - One compute stream (`linear` False): runs of consecutive kernel ids (`kernels`, sorted: the
+      planner's serial order, so lowest-id-first runs them in this order on one stream anyway),
+      linked when v has no successor but kernels (a copy that waits on v, such as the next
+      weight's load into a range v reads, must not wait for the whole unit).
+    - Several (`linear`): v -> w when w is v's only successor, and v the last by id of w's
+      predecessors so linked: a unit holds back nothing that another stream could run.
+    Returns (each member -> the members after it, each member -> the positions of its
+    predecessors in its chain, each member -> its position)."""
+    runs: list[list[int]] = []
+    if linear:
+        nxt: dict[int, int] = {}
+        into: set[int] = set()
+        for v in kernels:
+            out = succs.get(v, ())
+            if len(out) == 1 and v in plain and v not in awaited:
+                w = out[0]
+                if w in plain and w not in remote:
+                    nxt[v] = w
+        for v, w in sorted(nxt.items(), reverse=True):  # the last by id of w's predecessors
+            if w in into:
+                del nxt[v]
+            into.add(w)
+        for v in kernels:
+            if v in nxt and v not in into:  # a chain's head
+                run = [v]
+                while run[-1] in nxt:
+                    run.append(nxt[run[-1]])
+                runs.append(run)
+    else:
+        run = []
+        for w in kernels:
+            v = run[-1] if run else None
+            if not (
+                v is not None
+                and w in plain
+                and w not in remote
+                and v not in awaited
+                and all(u in kernel_set for u in succs.get(v, ()))
+            ):
+                runs.append(run)
+                run = []
+                if w not in plain:
+                    continue
+            run.append(w)
+        runs.append(run)
     after: dict[int, tuple[int, ...]] = {}
     unit_preds: dict[int, tuple[int, ...]] = {}
     pos: dict[int, int] = {}
-    run: list[int] = []
-
-    def close() -> None:
+    for run in runs:
         if len(run) > 1:
             here = {v: i for i, v in enumerate(run)}
             pos.update(here)
             for i, v in enumerate(run):
                 after[v] = tuple(run[i + 1 :])
                 unit_preds[v] = tuple(here[u] for u in preds.get(v, ()) if here.get(u, i) < i)
-        run.clear()
-
-    for w in kernels:
-        v = run[-1] if run else None
-        linked = (
-            v is not None
-            and w in plain
-            and w not in remote
-            and v not in awaited
-            and all(u in kernel_set for u in succs.get(v, ()))
-        )
-        if not linked:
-            close()
-            if w not in plain:
-                continue
-        run.append(w)
-    close()
     return after, unit_preds, pos
 
 
@@ -267,6 +295,7 @@ class StreamSlots:
 
     def __init__(self, core: WorkerCore, streams: int, lane_limits: Sequence[int | None] = ()):
         self.core, self.streams = core, streams
+        core.use_chains(linear=streams > 1)
         self.lane_limits = tuple(lane_limits)
         self.total = streams + len(self.lane_limits)
         self._lanes_given: Mapping[int, int] | None = None  # the lane table `start` last checked
@@ -286,6 +315,8 @@ class StreamSlots:
         self.ahead = ahead
         self.chained_units = chained
         self.units: dict[int, tuple[int, ...]] = {}  # a unit's first vertex -> its vertices, in flight
+        self.held: dict[int, tuple[int, ...]] = {}  # the same, with launch ahead, until it lands
+        self.head_of: dict[int, int] = {}  # with launch ahead: a unit's later vertex -> its first
         self.chained = [0, 0]  # this run's units and the vertices they held
         if lane_of is None or lane_of is not self._lanes_given:
             # checked once per table (the executor keeps one per plan), not at every run
@@ -339,6 +370,7 @@ class StreamSlots:
         core, limit, depth, inflight = self.core, self.ahead + 1, self.depth, self.inflight
         left, launched, preds, ready = core.left, core.launched, core.local_preds, self.ready_kernels
         behind, anywhere, streams = self.behind, self.anywhere, range(self.streams)
+        head_of = self.head_of
         while True:
             if core.queued:
                 self._sort_queued()
@@ -367,7 +399,9 @@ class StreamSlots:
             waits: tuple[int, ...] = ()
             for u in preds[vid]:  # a loop, not a generator: no call per kernel
                 if u in inflight and inflight[u][1] != s:
-                    waits += (u,)
+                    u = head_of.get(u, u)  # a unit's vertex ends with the unit: its first's event
+                    if u not in waits:
+                        waits += (u,)
             out.append(self._launch(vid, s, waits))
 
     def _free_stream(self) -> int:
@@ -412,8 +446,12 @@ class StreamSlots:
             self.launches += 1
             self.inflight[vid] = (self.launches, s)  # a unit's later vertices: on the same stream
             core.launch(vid)
-            if unit is not None:  # what follows the unit may queue behind it
+            if unit is not None:  # what follows the unit may queue behind it, waiting on the unit
+                self.held[vid] = unit
+                at = self.inflight[vid]
                 for m in unit[1:]:
+                    self.inflight[m] = at
+                    self.head_of[m] = vid
                     core.launch(m)
         return vid, s, waits
 
@@ -421,6 +459,11 @@ class StreamSlots:
         """`vid` left stream `s` (done or failed)."""
         if self.ahead:
             del self.inflight[vid]
+            unit = self.held.pop(vid, None) if self.held else None
+            if unit is not None:
+                for m in unit[1:]:
+                    del self.inflight[m]
+                    del self.head_of[m]
         d = self.depth[s] - 1
         self.depth[s] = d
         if d == 0 and s < self.streams:

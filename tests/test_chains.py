@@ -48,6 +48,11 @@ def test_chains_link_only_what_one_stream_may_run_back_to_back(seed):
                 assert w not in remote_preds
                 assert core.after[v] == chain[chain.index(v) + 1 :]
         ends += len(heads)
+        core.use_chains(linear=True)  # several compute streams: w is v's only successor
+        for v, rest in core.after.items():
+            if rest:
+                assert core.local_succs[v] == [rest[0]] and v not in core.awaited
+                assert rest[0] in core.kernels and rest[0] not in remote_preds
     assert ends > 2  # transfers, and in a tight plan offloads, end chains
 
 
@@ -106,12 +111,12 @@ def test_a_unit_holds_no_kernel_whose_other_predecessors_are_not_done():
     assert total > 100  # units did run
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_runs_with_units_equal_the_reference(mode):
+@pytest.mark.parametrize("mode,streams", [("roomy", 1), ("tight", 1), ("tight", 3)])
+def test_runs_with_units_equal_the_reference(mode, streams):
     for seed in range(3):
         tg = random_taskgraph(700 + seed, n=40, gpus=2)
         inputs = random_inputs(tg, seed)
-        with Program(tg, plan(tg, mode), engine="local", streams=1) as prog:
+        with Program(tg, plan(tg, mode), engine="local", streams=streams) as prog:
             for _ in range(2):
                 assert_same(prog.run(inputs, timeout=60), evaluate(tg, inputs), seed)
                 stats = prog.statistics()["engine"]["workers"]
@@ -133,23 +138,28 @@ def test_a_kernel_that_raises_inside_a_unit_is_named(noop_op):  # noqa: F811
         assert prog.statistics()["engine"]["workers"][0]["chained"]["units"] == 1
 
 
-@pytest.mark.parametrize("ahead", [0, 4])
-def test_units_on_the_cuda_stand_in_equal_the_reference(monkeypatch, ahead):
+@pytest.mark.parametrize("streams,ahead", [(1, 0), (1, 4), (3, 0), (3, 4)])
+def test_units_on_the_cuda_stand_in_equal_the_reference(monkeypatch, streams, ahead):
     """The cuda backend on the strict stand-in (work runs later on its stream's thread, a range
-    being written holds poison until then): a unit's kernels are enqueued back to back in one
-    launch, with or without launch ahead, and the outputs equal the reference; the device times
-    a unit as a whole (its first vertex's record; the others end where it ends)."""
+    being written holds poison until then, each event takes device time): a unit's kernels are
+    enqueued back to back in one launch, with or without launch ahead, on one stream (runs of
+    consecutive ids) or several (linear chains; a kernel launched ahead behind a unit's vertex
+    on another stream waits on the unit: planted without, the poison reaches the outputs), and
+    the outputs equal the reference; the device times a unit as a whole (its first vertex's
+    record; the others end where it ends)."""
     from actors.backends.cuda import CudaBackend
     from actors.executor import Executor
     from actors.options import WorkerConfig
-    from tests.fake_cuda import install
+    from tests.fake_cuda import FakeStream, install
     from tests.test_cuda_backend import _run, _same
 
     install(monkeypatch.setattr)
+    monkeypatch.setattr(FakeStream, "device_s", 2e-4)
     for seed in range(2):
         tg = random_taskgraph(900 + seed, n=50, gpus=1, size=16)
         mg = plan(tg, MODES[seed])
-        ex = Executor(0, mg, tg, WorkerConfig(streams=1, ahead=ahead), backend=CudaBackend())
+        config = WorkerConfig(streams=streams, ahead=ahead)
+        ex = Executor(0, mg, tg, config, backend=CudaBackend())
         try:
             before = 0
             for run in range(2):
