@@ -245,13 +245,13 @@ def chains(
     else:
         run = []
         for w in kernels:
-            v = run[-1] if run else None
+            last = run[-1] if run else None
             if not (
-                v is not None
+                last is not None
                 and w in plain
                 and w not in remote
-                and v not in awaited
-                and all(u in kernel_set for u in succs.get(v, ()))
+                and last not in awaited
+                and all(u in kernel_set for u in succs.get(last, ()))
             ):
                 runs.append(run)
                 run = []

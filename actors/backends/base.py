@@ -30,7 +30,7 @@ import torch
 
 from disco_ray.graph.errors import RunError
 
-Work = Callable[[int, int], None]  # (vid, stream): issues the vertex's copies or kernel
+Work = Callable[[int, int], None]  # (vid, stream): issues the vertex's copies or kernel, or a unit's kernels
 Done = Callable[[int, int, int, int, "BaseException | None"], None]  # (vid, stream, t0_ns, t1_ns, exc)
 
 
