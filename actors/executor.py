@@ -8,7 +8,7 @@ calls on its backend, transport and spill tier is their contract (`actors.backen
 `actors.transports.base`, `actors.tiers.base`).
 
 Launch path (hot): a completion, in the thread that found it, updates the local counters
-(`actors.worker_core.WorkerCore`) under one lock, and `StreamSlots` picks what to start on which
+(`actors.worker_core.WorkerCore`) under one lock, and `StreamSlots` (`actors.slots`) picks what to start on which
 stream: a ready kernel on a free compute stream, a ready copy on its lane (loads, offloads, the
 transfers from each peer: a copy never waits for a compute stream), or with launch ahead
 (`ahead` > 0) a kernel behind its running predecessors, which the backend starts once they are

@@ -1,6 +1,6 @@
 """A worker's streams and which one each vertex runs on: the lane rule (pure, no torch).
 
-Streams 0..S-1 run kernels (`actors.worker_core.StreamSlots` picks one per kernel). The streams
+Streams 0..S-1 run kernels (`actors.slots.StreamSlots` picks one per kernel). The streams
 after them are lanes, each for one kind of copy, in this order:
 
 - host-to-device (`h2d`): inputs, reloads from the host store or the caller's copy;

@@ -22,11 +22,12 @@ from .loads import Loads
 from .options import DEFAULT_WORKER, WorkerConfig
 from .plans import PlanKind, VertexPlan, Views, as_tensor, describe
 from .sanitizer import Sanitizer, granule_for
+from .slots import StreamSlots
 from .tiers.base import ReloadAhead, SpillTier
 from .tiers.spill import ReadAhead, SpillFile
 from .tiers.store import WorkerStore
 from .transports.base import Transport
-from .worker_core import StreamSlots, WorkerCore
+from .worker_core import WorkerCore
 
 
 class GpuResources:

@@ -16,8 +16,8 @@ from .conditions import Conditions
 from .plans import PlanKind, describe
 from .resources import GpuResources
 from .sanitizer import Sanitizer
+from .slots import StreamSlots
 from .transports.base import Transport
-from .worker_core import StreamSlots
 
 
 class VertexWork(GpuResources):

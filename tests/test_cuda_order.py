@@ -21,8 +21,9 @@ from actors.backends.base import Mode
 from actors.backends.cuda import CudaBackend
 from actors.executor import Executor
 from actors.options import RunOptions, WorkerConfig
+from actors.slots import StreamSlots
 from actors.transports.local import LocalTransport
-from actors.worker_core import StreamSlots, WorkerCore
+from actors.worker_core import WorkerCore
 from disco_ray.driver.engine_local import LocalEngine
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MKind

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.scheduler import Abort, Completed, Dispatch, Finished, Scheduler, WorkerFailed
-from actors.worker_core import StreamSlots, WorkerCore
+from actors.slots import StreamSlots
+from actors.worker_core import WorkerCore
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import HOST, Loc, MemGraph, MemVertex, MKind, Read
 

@@ -78,7 +78,7 @@ class Backend(Protocol):
 
         Args:
             streams: the executor's compute streams, then its copy lanes
-                (`actors.worker_core.StreamSlots`).
+                (`actors.slots.StreamSlots`).
             work: what a stream runs for a vertex (`submit`).
             done: what the backend calls when a vertex's work has finished (`submit`).
             workspace: bytes of kernel temporaries to keep ready on each kernel stream.

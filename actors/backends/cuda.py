@@ -5,7 +5,7 @@ threads of `actors.backends.cuda_loop`: one loop launches every stream's vertice
 completions, wakers wake it when it sleeps, helpers run work that blocks the host, and a channel
 (`actors.transports.nccl`) enqueues deferred NCCL receives through `external_begin/end`.
 
-Copies run on the lanes the executor submits them to (`actors.worker_core.StreamSlots`): one
+Copies run on the lanes the executor submits them to (`actors.slots.StreamSlots`): one
 lane per direction between host and device, one per peer sending to this GPU. A lane is FIFO and
 the loop launches in submission order (the executor submits lowest id first, i.e. the planner's
 order), so loads enter the H2D lane in that order. Measured on the H100 (bench_gpu_chain):

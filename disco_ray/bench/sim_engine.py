@@ -2,7 +2,7 @@
 
 Like the `local` engine (`disco_ray.driver.engine_local`) it drives the coordinator's core
 (`actors.scheduler.Scheduler`) and, per GPU, the worker's core and stream slots
-(`actors.worker_core.WorkerCore`, `StreamSlots`), its lanes (`actors.lanes`) and its reporter's
+(`actors.worker_core.WorkerCore`, `actors.slots.StreamSlots`), its lanes (`actors.lanes`) and its reporter's
 decision (`actors.reporter.Reporter`); where that engine has threads, a backend and wall-clock
 time, this one has an event heap and a device model:
 
@@ -36,7 +36,8 @@ from actors.backends.base import Mode
 from actors.lanes import Lanes, Route
 from actors.reporter import Reporter
 from actors.scheduler import Abort, Completed, Dispatch, Instruction, Scheduler
-from actors.worker_core import StreamSlots, WorkerCore
+from actors.slots import StreamSlots
+from actors.worker_core import WorkerCore
 from disco_ray.graph.errors import GraphError
 from disco_ray.graph.memgraph import MemGraph
 
