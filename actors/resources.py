@@ -53,7 +53,7 @@ class GpuResources:
         self.streams = config.streams
         # None: the backend's default (cuda 4; cpu 0, where a stream thread runs its work itself)
         self.ahead = self.backend.default_ahead if config.ahead is None else config.ahead
-        self.core = WorkerCore(mg, gpu)
+        self.core = WorkerCore(mg, gpu, self.streams)
         mine = [mg.vertex(v) for v in self.core.mine]
         self._make_views(mine)
         self._make_loads(config)

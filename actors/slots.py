@@ -35,7 +35,6 @@ class StreamSlots:
 
     def __init__(self, core: WorkerCore, streams: int, lane_limits: Sequence[int | None] = ()):
         self.core, self.streams = core, streams
-        core.use_chains(linear=streams > 1)
         self.lane_limits = tuple(lane_limits)
         self.total = streams + len(self.lane_limits)
         self._lanes_given: Mapping[int, int] | None = None  # the lane table `start` last checked

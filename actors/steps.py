@@ -96,11 +96,17 @@ def run_alone(
     once (none has a remote predecessor, so the coordinator's `start` would hand over all of
     them), and the end is this GPU's own. Returns `Executor.result`: one call per run instead of
     a begin, a start, reports and an end call (docs/RUNTIME.md, "One worker")."""
+    _start_alone(ex, inputs, check=check, delay=delay, seed=seed)
+    return ex.result(wanted)
+
+
+def _start_alone(ex: Executor, inputs: Mapping[str, Any], **kw: Any) -> None:
+    """Begins a run of a one-GPU plan on `ex` with every vertex dispatched (`Executor.begin`'s
+    keywords), no coordinator following it."""
     if ex.mg.gpus != 1:
         raise RunError(f"gpu:{ex.gpu}: run_alone needs a one-GPU plan, this one has {ex.mg.gpus}")
-    ex.begin(inputs, check=check, delay=delay, seed=seed, coordinated=False)
+    ex.begin(inputs, coordinated=False, **kw)
     ex.dispatch(ex.core.mine)
-    return ex.result(wanted)
 
 
 def iter_alone_steps(
@@ -125,8 +131,6 @@ def iter_alone_steps(
     separates two steps; then it queues step k's result for the caller's thread, whose work on
     it (a Ray streaming generator's yield, ~0.6 ms to serialize and report) overlaps step k+1's
     kernels instead of contending for the GIL with the work between the steps."""
-    if ex.mg.gpus != 1:
-        raise RunError(f"gpu:{ex.gpu}: run_alone needs a one-GPU plan, this one has {ex.mg.gpus}")
     out: queue.SimpleQueue = queue.SimpleQueue()
 
     def start(k: int, prev: dict[str, Any] | None) -> None:
@@ -143,8 +147,7 @@ def iter_alone_steps(
                 out.put(_Raised(e))
 
         inputs = carried(feeds[k], prev, carry)
-        ex.begin(inputs, check=check, delay=delay, seed=seed + k, coordinated=False, on_end=ended)
-        ex.dispatch(ex.core.mine)
+        _start_alone(ex, inputs, check=check, delay=delay, seed=seed + k, on_end=ended)
 
     start(0, None)
     while True:

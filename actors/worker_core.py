@@ -41,9 +41,10 @@ from disco_ray.graph.memgraph import MemGraph, MKind
 
 
 class WorkerCore:
-    """Local counters of the vertices of `gpu`; `start` resets them for a new run."""
+    """Local counters of the vertices of `gpu`; `start` resets them for a new run; `streams`: the
+    compute streams its chains are for (`chains`)."""
 
-    def __init__(self, mg: MemGraph, gpu: int):
+    def __init__(self, mg: MemGraph, gpu: int, streams: int = 1):
         self.gpu = gpu
         gpu_of = {v.id: v.gpu for v in mg.vertices}
         self.mine = [v.id for v in mg.vertices if v.gpu == gpu]
@@ -55,6 +56,7 @@ class WorkerCore:
         self.local_succs: dict[int, list[int]] = {}
         self.local_preds: dict[int, list[int]] = {}
         awaited = set()  # this GPU's vertices with a successor on another GPU
+        remote = set()  # and those with a predecessor there
         for u, w in dict.fromkeys((e[0], e[1]) for e in mg.edges):
             if gpu_of[w] == gpu and gpu_of[u] == gpu:
                 preds[w] += 1
@@ -62,11 +64,12 @@ class WorkerCore:
                 self.local_preds.setdefault(w, []).append(u)
             elif gpu_of[u] == gpu:
                 awaited.add(u)
+            elif gpu_of[w] == gpu:
+                remote.add(w)
         self.awaited = frozenset(awaited)
         self._preds0 = preds
-        remote = {w for u, w, *_ in mg.edges if gpu_of[w] == gpu and gpu_of[u] != gpu}
         all_kernels = {v.id for v in mg.vertices if v.gpu == gpu and v.kind is MKind.KERNEL}
-        self._chain_args = (
+        self.after, self._unit_preds, self._pos = chains(
             sorted(all_kernels),
             self.kernels,
             all_kernels,
@@ -74,8 +77,8 @@ class WorkerCore:
             self.local_preds,
             remote,
             awaited,
+            linear=streams > 1,
         )
-        self.use_chains(linear=False)
         self.start()
 
     def start(self, ahead: bool = True, aside: Container[int] = frozenset()) -> None:
@@ -150,10 +153,6 @@ class WorkerCore:
                 self._ready(w)
         if self.ahead and vid in self.aside:  # its successors may now go behind their other predecessors
             self._launched(vid)
-
-    def use_chains(self, linear: bool) -> None:
-        """The chains `claim` takes from (`chains`): for one compute stream, or (`linear`) several."""
-        self.after, self._unit_preds, self._pos = chains(*self._chain_args, linear=linear)
 
     def claim(self, vid: int) -> tuple[int, ...]:
         """`vid`, ready, and the members of its chain (`chains`) after it that may run right behind

@@ -48,7 +48,7 @@ def test_chains_link_only_what_one_stream_may_run_back_to_back(seed):
                 assert w not in remote_preds
                 assert core.after[v] == chain[chain.index(v) + 1 :]
         ends += len(heads)
-        core.use_chains(linear=True)  # several compute streams: w is v's only successor
+        core = WorkerCore(mg, gpu, streams=3)  # several compute streams: w is v's only successor
         for v, rest in core.after.items():
             if rest:
                 assert core.local_succs[v] == [rest[0]] and v not in core.awaited

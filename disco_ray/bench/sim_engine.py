@@ -68,7 +68,7 @@ class _Worker:
     def __init__(self, mg: MemGraph, gpu: int, streams: int, ahead: int, host: Host, mode_of):
         self.gpu = gpu
         self.lanes = lanes = Lanes.of(mg, gpu, streams)
-        self.core = WorkerCore(mg, gpu)
+        self.core = WorkerCore(mg, gpu, streams)
         self.slots = StreamSlots(self.core, streams, lanes.limits)
         lane_of, modes = lanes.assign((v for v in mg.vertices if v.gpu == gpu), mode_of)
         self.slots.start(ahead, lane_of, modes)  # as the executor: nothing ahead behind a non-LAUNCH vertex
