@@ -3,7 +3,8 @@ host statistics, and the device memory torch reserved against the arena's capaci
 
     python3 benchmarks/bench_gpu_decode.py [--dir /tmp/bench_llama] [--batches 1,16] [--ahead 0,4]
         [--prompt 128] [--new 32] [--capacity 4GiB] [--dtype float16] [--weights host|disk]
-        [--engine local] [--repeat 2] [--json out.json] [--checkpoint-only]
+        [--engine local] [--repeat 2] [--json out.json] [--checkpoint-only] [--peer]
+        [--profile FILE]
 
 The checkpoint is benchmarks/bench_llama_cpu.py's (made once with transformers: 8 layers, hidden
 1024, 0.49 GB in float32). For each --ahead depth a `LlamaModel` on one GPU (cuda backend, the
@@ -18,14 +19,24 @@ warm-up call (plans, weight reads) then --repeat timed calls. Printed per (ahead
 - max_memory_reserved: the most torch's allocator held on the device in this process, against
   the capacity (the arena) and the rest (kernel temporaries kept per stream, cuBLAS).
 
+With --peer, the same prompts through transformers' `generate` on the same GPU, everything in
+memory (the in-memory peer: what a model that fits costs without disco-ray). With --profile, the
+model's life (plans, warm-up and timed calls) is sampled in every thread: the functions most
+often on top of each thread's stack are printed and written to FILE.ahead<A> (where the host's
+time per vertex goes).
+
 A benchmark: it measures and prints; nothing here is a test. Needs a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
+import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +64,97 @@ def host_totals(model) -> dict:
         "idle_s": round(idle_s, 4),
         "blocking": blocking,
     }
+
+
+@contextlib.contextmanager
+def profiled(path: str | None, every_s: float = 5e-4):
+    """A sampling profile of the block: every `every_s` the stacks of all threads (the launch loop,
+    its wakers and helpers) are read (`sys._current_frames`) and counted per thread name and
+    function, own (the top frame) and inclusive; the top functions are printed and written to
+    `path`. Samples slow Python little (one reader thread), where cProfile would hook every call
+    (and from Python 3.12 on, one profiler per interpreter)."""
+    if not path:
+        yield
+        return
+    own: collections.Counter = collections.Counter()
+    incl: collections.Counter = collections.Counter()
+    samples: collections.Counter = collections.Counter()
+    stop = threading.Event()
+
+    def sample() -> None:
+        me = threading.get_ident()
+        while not stop.wait(every_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = re.sub(r"-\d+$", "", names.get(ident, "?")) if ident != main else "main"
+                samples[name] += 1
+                seen = set()
+                f, top = frame, True
+                while f is not None:
+                    key = (name, f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}")
+                    if top:
+                        own[key] += 1
+                        top = False
+                    if key not in seen:
+                        incl[key] += 1
+                        seen.add(key)
+                    f = f.f_back
+
+    main = threading.get_ident()
+    reader = threading.Thread(target=sample, daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reader.join()
+        lines = [f"samples per thread: {dict(samples)}"]
+        for title, counts in (("own", own), ("inclusive", incl)):
+            lines.append(f"-- top functions by {title} samples (share of the thread's samples)")
+            for (name, fn), c in counts.most_common(40):
+                lines.append(f"{name:>10}  {c / samples[name]:6.1%}  {fn}")
+        Path(path).write_text("\n".join(lines) + "\n")
+        print(f"-- profile {path}", flush=True)
+        print("\n".join(lines[:60]), flush=True)
+
+
+def peer(args, batches: list[int]) -> list[dict]:
+    """transformers' greedy `generate` on the GPU, the model in memory, the same prompts."""
+    import torch
+    import transformers
+
+    dtype = getattr(torch, args.dtype)
+    model = transformers.LlamaForCausalLM.from_pretrained(args.dir, dtype=dtype).cuda().eval()
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for batch in batches:
+        x = torch.randint(3, 32000, (batch, args.prompt), generator=gen).cuda()
+
+        def call(model=model, x=x):
+            with torch.no_grad():
+                model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=args.new,
+                    min_new_tokens=args.new,
+                    do_sample=False,
+                )
+            torch.cuda.synchronize()
+
+        call()  # warm-up
+        best = float("inf")
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - t)
+        row = {"peer": "transformers", "batch": batch, "new_tokens_per_s": round(batch * args.new / best, 2)}
+        out.append(row)
+        print(f"transformers  batch {batch:3d}  {row['new_tokens_per_s']:10.1f} new tokens/s", flush=True)
+    model.cpu()
+    torch.cuda.empty_cache()
+    return out
 
 
 def run(args, ahead: int, batches: list[int]) -> list[dict]:
@@ -124,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", default="local", choices=["local", "ray"])
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--peer", action="store_true", help="also time transformers' generate (in memory)")
+    ap.add_argument(
+        "--profile", help="sample all threads' stacks over each model's life; counts to FILE.ahead<A>"
+    )
     ap.add_argument("--checkpoint-only", action="store_true", help="make the checkpoint in --dir and exit")
     args = ap.parse_args(argv)
     from benchmarks.bench_llama_cpu import checkpoint
@@ -141,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {torch.cuda.get_device_name()}  checkpoint {args.dir}  dtype {args.dtype}  weights {args.weights}"
     )
     batches = [int(b) for b in args.batches.split(",")]
-    rows = [r for a in args.ahead.split(",") for r in run(args, int(a), batches)]
+    rows = peer(args, batches) if args.peer else []
+    for a in args.ahead.split(","):
+        with profiled(args.profile and f"{args.profile}.ahead{a}"):  # the model's life: plans included
+            rows += run(args, int(a), batches)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -331,6 +331,7 @@ def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: 
 
     set_attr(cuda_memory, "reserve", lambda stream, device, nbytes: reserved.append((stream, nbytes)))
     set_attr(cuda_backend, "CudaLoop", fake_launch.deferring_loop(cuda_loop.CudaLoop))
+    set_attr(cuda_backend, "_FREE_STREAMS", {})  # streams of this device, not an earlier test's
     FakeEvent.spins = 0
     FakeEvent.made = []
     # a device of its own: an earlier test's stuck streams and their poisons are left alone

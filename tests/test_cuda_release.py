@@ -73,8 +73,13 @@ def test_device_memory_comes_back_after_close_and_resize(monkeypatch, path, gpus
     left; load again at another capacity on the same workers (a resize), run, close: none left
     either. Every export was released exactly once (fake_ipc records a second release).
     (Planted: exports never released leave allocations; one export shared by two ipc peers is
-    released twice.)"""
-    install(monkeypatch.setattr, gpus=gpus)
+    released twice.) The second load takes the streams the first made: torch keeps a cuBLAS
+    workspace per stream until the process ends, so new streams per load held 64 MiB per worker
+    after every unload on the H100 (planted: streams made per `open`)."""
+    fake = install(monkeypatch.setattr, gpus=gpus)
+    made: list = []
+    stream = fake.torch.cuda.Stream
+    monkeypatch.setattr(fake.torch.cuda, "Stream", lambda *a, **k: made.append(stream(*a, **k)) or made[-1])
     fake_ipc.install(monkeypatch.setattr)
     monkeypatch.setattr(resources, "make_backend", lambda name, device=None: CudaBackend(device))
     monkeypatch.setattr(transport_cuda, "nccl_module", lambda: fake_nccl)
@@ -101,5 +106,10 @@ def test_device_memory_comes_back_after_close_and_resize(monkeypatch, path, gpus
             eng.close()
         del eng
         assert _live() == before, f"{mode}: {_live() - before} device allocations left after close"
+        if mode == "roomy":
+            streams = len(made)
+            assert streams >= 2, "each device's streams are made at the first load"
+        else:
+            assert len(made) == streams, f"the second load made {len(made) - streams} new streams"
         assert fake_ipc.live_exports() == exports, "an export still holds an arena"
         assert not fake_ipc.ERRORS, fake_ipc.ERRORS

@@ -258,8 +258,8 @@ def test_device_memory_comes_back_after_close_and_resize(gpu_pool, monkeypatch, 
         _same(prog.run(inputs, timeout=180), evaluate(tg, inputs), f"{path} 512 MiB")
         assert base - torch.cuda.mem_get_info()[0] >= 3 * (512 << 20), "the arenas are not on the GPU"
         prog.resize(64 << 20)
-        held = base - torch.cuda.mem_get_info()[0]
-        assert held < 64 << 20, f"{held} bytes still held after the resize"
+        held = base - torch.cuda.mem_get_info()[0]  # the three new arenas of 64 MiB, not the old
+        assert held < 4 * (64 << 20), f"{held} bytes held after the resize to 3 x 64 MiB"
         _same(prog.run(inputs, timeout=180), evaluate(tg, inputs), f"{path} 64 MiB")
     held = base - torch.cuda.mem_get_info()[0]
     assert held < 64 << 20, f"{held} bytes still held after close"

@@ -26,12 +26,16 @@ Memory (`actors.backends.cuda_memory`): nothing is allocated while a graph runs.
 every host buffer come once from `alloc` (host buffers pinned at their exact size with
 cudaHostRegister, not through torch's power-of-two caching host allocator); `open` reserves, on
 each compute stream, the kernel temporaries the executor says its kernels need (at least
-DISCO_CUDA_WORKSPACE bytes, default 16 MiB) and cuBLAS's workspace.
+DISCO_CUDA_WORKSPACE bytes, default 16 MiB) and cuBLAS's workspace. The streams come from
+the process's free streams (`take_streams`) and go back at `close`: torch keeps a cuBLAS
+workspace per stream until the process ends, so streams made per graph would keep memory that
+no unload gives back.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +49,29 @@ from .base import BackendBase, Done, Mode, Work
 from .cuda_loop import CudaLoop
 
 SLACK = 2 << 20  # torch's allocator rounds and splits blocks: a little over the sum of the temporaries
+
+_FREE_STREAMS: dict[torch.device, list] = {}  # per device, the process's streams no backend holds
+_STREAMS_LOCK = threading.Lock()
+
+
+def take_streams(device: torch.device, n: int) -> list:
+    """`n` CUDA streams of `device` for one backend, from those an earlier backend of this process
+    gave back (`give_streams`), made only when none is free. torch keeps a cuBLAS workspace for
+    each stream a matmul ran on (32 MiB on an H100) until the process ends, and no unload can free
+    it: with new streams per graph, each load left 64 MiB per worker on the device after its
+    unload (tests/test_gpu.py, on an H100). No two open backends hold the same stream."""
+    with _STREAMS_LOCK:
+        free = _FREE_STREAMS.setdefault(device, [])
+        got = [free.pop() for _ in range(min(n, len(free)))]
+    with torch.cuda.device(device):
+        got += [torch.cuda.Stream(device) for _ in range(n - len(got))]
+    return got
+
+
+def give_streams(device: torch.device, streams: list) -> None:
+    """Streams a closed backend no longer uses (all their work done), for the next `take_streams`."""
+    with _STREAMS_LOCK:
+        _FREE_STREAMS.setdefault(device, []).extend(reversed(streams))
 
 
 class CudaBackend(BackendBase):
@@ -82,8 +109,7 @@ class CudaBackend(BackendBase):
         run kernels: each keeps `workspace` bytes (the largest temporaries of one kernel, at least
         the floor) and cuBLAS's workspace ready; the others are copy lanes."""
         self.close()
-        with torch.cuda.device(self.device):
-            self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)]
+        self.streams = take_streams(self.device, streams)
         self.reserved = max(self.floor, workspace + SLACK if workspace else 0)
         compute = self.streams[: streams if kernel_streams is None else kernel_streams]
 
@@ -130,6 +156,7 @@ class CudaBackend(BackendBase):
             self.loop = None
         if self.streams:
             torch.cuda.synchronize(self.device)
+            give_streams(self.device, self.streams)
         self.streams = []
 
     @property
