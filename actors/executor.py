@@ -170,9 +170,8 @@ class Executor(VertexWork):
             # launch ahead is off while the sanitizer runs on a backend that launches
             # asynchronously: its checks run at launch
             ahead = 0 if check and self.backend.async_launch else self.ahead
-            # a random delay (tests) and the sanitizer's checks go into every vertex's work; with
-            # launch ahead a kernel may wait on a load launched in the same pass, on its lane
-            inline = delay is None and not check and not ahead
+            # a random delay (tests) and the sanitizer's checks go into every vertex's work
+            inline = delay is None and not check
             self._inline = self._skip - self._watched if inline else frozenset()
             # nothing ahead behind a non-LAUNCH vertex; chains run as units when nothing is
             # checked or delayed between two vertices
@@ -240,6 +239,8 @@ class Executor(VertexWork):
                 if key is not None:  # one member at a time (the core's lock): the first writes
                     self._acc_first[vid] = key not in self._acc_started
                     self._acc_started.add(key)
+                if waits and skip:  # launched ahead behind a skipped load: done, and no event
+                    waits = tuple(w for w in waits if w not in skip)
                 self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
             took = self.slots.take() if len(inline) > n and self._error is None else []
         return inline

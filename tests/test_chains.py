@@ -176,3 +176,37 @@ def test_units_on_the_cuda_stand_in_equal_the_reference(monkeypatch, streams, ah
                 before = launches
         finally:
             ex.close()
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_loads_the_arena_holds_are_not_launched_ahead(monkeypatch, streams):
+    """With launch ahead on the strict stand-in, a run whose inputs the arena still holds (none
+    passed again) completes those loads where they are taken, not on their lane: no launch, no
+    event, and the kernels launched ahead behind them in the same pass wait on nothing of theirs
+    (the stand-in refuses a wait on an event never recorded). Measured on the stand-in's decode
+    step (1 stream): 182 launches per step before, 84 after. Planted: loads launched as before
+    (the count is off), waits kept (the stand-in's assertion fails the run)."""
+    from actors.backends.cuda import CudaBackend
+    from actors.executor import Executor
+    from actors.options import WorkerConfig
+    from tests.fake_cuda import FakeStream, install
+    from tests.test_cuda_backend import _run, _same
+
+    install(monkeypatch.setattr)
+    monkeypatch.setattr(FakeStream, "device_s", 2e-4)
+    tg = random_taskgraph(911, n=50, gpus=1, size=16)
+    mg = plan(tg, "roomy")
+    ex = Executor(0, mg, tg, WorkerConfig(streams=streams, ahead=4), backend=CudaBackend())
+    try:
+        inputs = random_inputs(tg, 0)
+        want = evaluate(tg, inputs)
+        assert _run(ex, inputs, coordinated=False) is None, ex.error
+        before = ex.statistics()["backend"]["host"]["launches"]
+        assert _run(ex, {}, coordinated=False) is None, ex.error  # the arena holds every input
+        assert ex._skip and ex._inline == ex._skip
+        _same({k: ex.output(k, mg.outputs[k]) for k in tg.outputs}, want, f"streams {streams}")
+        units, held = ex.slots.chained
+        launches = ex.statistics()["backend"]["host"]["launches"] - before
+        assert launches == len(ex.core.mine) - held + units - len(ex._skip)
+    finally:
+        ex.close()
