@@ -3,7 +3,7 @@ host statistics, and the device memory torch reserved against the arena's capaci
 
     python3 benchmarks/bench_gpu_decode.py [--dir /tmp/bench_llama] [--batches 1,16] [--ahead 0,4]
         [--prompt 128] [--new 32] [--capacity 4GiB] [--dtype float16] [--weights host|disk]
-        [--engine local] [--repeat 2] [--json out.json] [--checkpoint-only] [--peer]
+        [--engine local] [--streams 5] [--repeat 2] [--json out.json] [--checkpoint-only] [--peer]
         [--profile FILE]
 
 The checkpoint is benchmarks/bench_llama_cpu.py's (made once with transformers: 8 layers, hidden
@@ -173,6 +173,7 @@ def run(args, ahead: int, batches: list[int]) -> list[dict]:
         backend="cuda",
         weights=args.weights,
         ahead=ahead,
+        streams=args.streams,
     )
     out = []
     try:
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--weights", default="host", choices=["host", "disk"])
     ap.add_argument("--engine", default="local", choices=["local", "ray"])
+    ap.add_argument("--streams", type=int, help="compute streams (default: the model's, 5 on cuda)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--peer", action="store_true", help="also time transformers' generate (in memory)")

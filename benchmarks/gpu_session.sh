@@ -12,7 +12,9 @@
 #   standin    the stand-in device and NCCL tests, on the real torch (no GPU used)
 #   racecheck  compute-sanitizer --tool racecheck over the local-engine GPU tests
 #   decode     new tokens/s, launch ahead 0 and 4, batch 1 and 16 (benchmarks/bench_gpu_decode.py),
-#              with the loop's host statistics and max_memory_reserved against the capacity
+#              with the loop's host statistics and max_memory_reserved against the capacity, and
+#              transformers' generate on the same prompts, in memory (the peer)
+#   decode1    the same on one compute stream (units of a whole decode step: fewer launches)
 #   host       the host statistics (launch_us_mean, idle) of a long batch-1 decode, ahead 0 and 4
 #   disk       decode with weights="disk" (each load reads the checkpoint) at a small arena
 #   lora       one LoRA fine-tuning step, seconds per step (disco-ray finetune --backend cuda)
@@ -24,7 +26,7 @@
 #   figures    the figures of the parts already run in OUT
 # DRY=1 prints the commands a part would run instead of running them (tests/test_gpu_session.py).
 set -euo pipefail
-PARTS="tests standin racecheck decode host disk lora chain llama torch streams1 p2p"
+PARTS="tests standin racecheck decode decode1 host disk lora chain llama torch streams1 p2p"
 PART_S=${PART_S:-470} # < 8 min: the part, Ray's install and the figures fit one 10-minute call
 part=${1:?usage: gpu_session.sh PART OUT [TILE]  (PART: $PARTS, figures)}
 out=${2:-gpu_out}
@@ -62,10 +64,10 @@ figures() { # what each part printed that matters, from its logs in $out
     for f in "$out"/{tests,standin,racecheck}.log; do
         [[ -f $f ]] && echo "-- $(basename "$f" .log): $(tail -n 1 "$f")"
     done
-    for f in "$out"/{decode,host,disk}.log; do
+    for f in "$out"/{decode,decode1,host,disk}.log; do
         [[ -f $f ]] || continue
         echo "-- $(basename "$f" .log)"
-        grep -E "^(device|ahead) " "$f" || true
+        grep -E "^(device|ahead|transformers) " "$f" || true
     done
     [[ -f $out/lora.log ]] && { echo "-- lora"; grep -E "step|s/step|seconds" "$out/lora.log" | tail -n 6 || true; }
     for f in "$out"/chain_ahead*.log; do
@@ -96,7 +98,11 @@ run_part() { # the body of one part (under its timeout)
         ;;
     decode)
         py "$here/bench_gpu_decode.py" --dir "$ckpt" --batches 1,16 --ahead 0,4 --new 32 --capacity 4GiB \
-            --json "$out/decode.json" 2>&1 | tee "$out/decode.log"
+            --peer --json "$out/decode.json" 2>&1 | tee "$out/decode.log"
+        ;;
+    decode1)
+        py "$here/bench_gpu_decode.py" --dir "$ckpt" --batches 1,16 --ahead 0,4 --new 32 --capacity 4GiB \
+            --streams 1 --json "$out/decode1.json" 2>&1 | tee "$out/decode1.log"
         ;;
     host)
         py "$here/bench_gpu_decode.py" --dir "$ckpt" --batches 1 --ahead 0,4 --new 128 --repeat 1 \

@@ -92,7 +92,10 @@ def test_every_measured_table_says_its_date_machine_command_and_commit():
         for what, pattern in (
             ("date", r"Date \d{4}-\d{2}-\d{2}"),
             ("machine", r"CPU, 2-core box|16-core GPU host|H100"),
-            ("command", r"`(?:[A-Z_]+=\S+ )*(?:PYTHONPATH=\. )?(?:\.venv/bin/)?(?:python|disco-ray) [^`]+`"),
+            (
+                "command",
+                r"`(?:[A-Z_]+=\S+ )*(?:PYTHONPATH=\. )?(?:\.venv/bin/)?(?:python3?|disco-ray) [^`]+`",
+            ),
             ("commit", r"commit\s+(?:before\s+)?[0-9a-f]{7}"),
         ):
             if not re.search(pattern, head):
