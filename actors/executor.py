@@ -357,10 +357,9 @@ class Executor(VertexWork):
         if self.read_ahead is not None:  # its staging buffers go back
             self.read_ahead.end()
         self._reporter.flush()  # what completed before the failure reaches the coordinator first
-        self._finished.set()
+        self._ended()  # `on_end` is given only to runs no coordinator follows (no `_fail_cb` then)
         if self._fail_cb is not None and self._coordinated:
             self._fail_cb(self.gpu, vid, msg)
-        self._ended()
 
     def fail(self, message: str) -> None:
         """Ends the run with `message` (a transport's channel that found its peer lost)."""

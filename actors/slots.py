@@ -173,7 +173,7 @@ class StreamSlots:
         self.depth[s] += 1
         core = self.core
         unit = None
-        if self.chained_units and vid in core.after:  # before its successors queue behind it alone
+        if self.chained_units and vid in core.chain_of:  # before its successors queue behind it alone
             unit = core.claim(vid)
             if len(unit) > 1:
                 self.units[vid] = unit

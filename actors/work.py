@@ -41,21 +41,17 @@ class VertexWork(GpuResources):
         unit = units.get(vid) if units else None
         if unit is None:
             return self._one(vid, s)
-        if self.backend.async_launch:  # enqueued back to back; the device times the unit (`_done`)
-            for m in unit:
-                try:
-                    self._one(m, s)
-                except BaseException as e:
-                    raise InUnit(m, e) from e
-            return
-        clock, trace = time.time_ns, self.trace
-        for m in unit:  # a chain's kernels, back to back on this stream's thread
-            t0 = clock()
+        # a chain's kernels back to back on this stream; each timed here unless enqueued only
+        # (async launch: the device times the unit as a whole, `_done`)
+        clock, trace, timed = time.time_ns, self.trace, not self.backend.async_launch
+        for m in unit:
+            t0 = clock() if timed else 0
             try:
                 self._one(m, s)
             except BaseException as e:  # `_done` names the kernel that raised
                 raise InUnit(m, e) from e
-            trace.append((m, s, t0, clock()))
+            if timed:
+                trace.append((m, s, t0, clock()))
 
     def _one(self, vid: int, s: int) -> None:
         if self._error is not None:  # the run failed: what was launched ahead is skipped

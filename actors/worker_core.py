@@ -34,7 +34,7 @@ planned next vertex is not ready yet (work conservation, TURNIP section 5).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Set
 
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph, MKind
@@ -69,16 +69,12 @@ class WorkerCore:
         self.awaited = frozenset(awaited)
         self._preds0 = preds
         all_kernels = {v.id for v in mg.vertices if v.gpu == gpu and v.kind is MKind.KERNEL}
-        self.after, self._unit_preds, self._pos = chains(
-            sorted(all_kernels),
-            self.kernels,
-            all_kernels,
-            self.local_succs,
-            self.local_preds,
-            remote,
-            awaited,
-            linear=streams > 1,
+        # each chain member -> its chain (one tuple shared by its members), its predecessors'
+        # positions in it, its own position
+        self.chain_of, self._unit_preds, self._pos = chains(
+            all_kernels, self.kernels, self.local_succs, self.local_preds, remote, awaited, linear=streams > 1
         )
+        self.after = Tails(self.chain_of, self._pos)  # each member -> the members after it
         self.start()
 
     def start(self, ahead: bool = True, aside: Container[int] = frozenset()) -> None:
@@ -159,8 +155,8 @@ class WorkerCore:
         it on its stream, as one unit: each dispatched, its local predecessors done but those in
         the unit (at least one). They count as launched: their completion readies nothing twice.
         A member that waits on anything else ends the unit; it runs when ready, as any vertex."""
-        after = self.after.get(vid)
-        if after is None:
+        chain = self.chain_of.get(vid)
+        if chain is None:
             return (vid,)
         out = [vid]
         start, left, dispatched, launched, preds = (
@@ -170,7 +166,8 @@ class WorkerCore:
             self.launched,
             self._unit_preds,
         )
-        for w in after:
+        for j in range(start + 1, len(chain)):
+            w = chain[j]
             need = 0
             for i in preds[w]:
                 if i >= start:
@@ -200,28 +197,45 @@ class WorkerCore:
         return self.done == len(self.mine)
 
 
+class Tails(Mapping[int, tuple[int, ...]]):
+    """Each chain member -> the members after it in its chain, made when asked (each chain is
+    kept once, not once per member: a chain of n kernels would hold n*n/2 entries)."""
+
+    def __init__(self, chain_of: Mapping[int, tuple[int, ...]], pos: Mapping[int, int]):
+        self._chain_of, self._pos = chain_of, pos
+
+    def __getitem__(self, v: int) -> tuple[int, ...]:
+        return self._chain_of[v][self._pos[v] + 1 :]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._chain_of)
+
+    def __len__(self) -> int:
+        return len(self._chain_of)
+
+
 def chains(
-    kernels: Sequence[int],
+    kernel_set: Set[int],
     plain: Container[int],
-    kernel_set: Container[int],
     succs: Mapping[int, list[int]],
     preds: Mapping[int, list[int]],
     remote: Container[int],
     awaited: Container[int],
     linear: bool = False,
 ) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]], dict[int, int]]:
-    """Chains of one GPU's kernels that a compute stream may run back to back, as one unit, with
-    no bookkeeping between them (docs/RUNTIME.md, "Chains"). Always: v -> w only when both are
-    plain kernels (`plain`: not sum-into members), v has no successor on another GPU and w no
-    predecessor there.
-    - One compute stream (`linear` False): runs of consecutive kernel ids (`kernels`, sorted: the
-      planner's serial order, so lowest-id-first runs them in this order on one stream anyway),
-      linked when v has no successor but kernels (a copy that waits on v, such as the next
+    """Chains of one GPU's kernels (`kernel_set`) that a compute stream may run back to back, as
+    one unit, with no bookkeeping between them (docs/RUNTIME.md, "Chains"). Always: v -> w only
+    when both are plain kernels (`plain`: not sum-into members), v has no successor on another
+    GPU and w no predecessor there.
+    - One compute stream (`linear` False): runs of consecutive kernel ids (the planner's serial
+      order, so lowest-id-first runs them in this order on one stream anyway), linked when v
+      has no successor but kernels (a copy that waits on v, such as the next
       weight's load into a range v reads, must not wait for the whole unit).
     - Several (`linear`): v -> w when w is v's only successor, and v the last by id of w's
       predecessors so linked: a unit holds back nothing that another stream could run.
-    Returns (each member -> the members after it, each member -> the positions of its
-    predecessors in its chain, each member -> its position)."""
+    Returns (each member -> its chain, each member -> the positions of its predecessors in its
+    chain, each member -> its position)."""
+    kernels = sorted(kernel_set)
     runs: list[list[int]] = []
     if linear:
         nxt: dict[int, int] = {}
@@ -259,14 +273,15 @@ def chains(
                     continue
             run.append(w)
         runs.append(run)
-    after: dict[int, tuple[int, ...]] = {}
+    chain_of: dict[int, tuple[int, ...]] = {}
     unit_preds: dict[int, tuple[int, ...]] = {}
     pos: dict[int, int] = {}
     for run in runs:
         if len(run) > 1:
+            chain = tuple(run)
             here = {v: i for i, v in enumerate(run)}
             pos.update(here)
             for i, v in enumerate(run):
-                after[v] = tuple(run[i + 1 :])
+                chain_of[v] = chain
                 unit_preds[v] = tuple(here[u] for u in preds.get(v, ()) if here.get(u, i) < i)
-    return after, unit_preds, pos
+    return chain_of, unit_preds, pos
