@@ -1,11 +1,17 @@
 """Host cost per vertex of the cuda backend's threads, measured without a GPU.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_host.py [--repeat 5] [--streams 1,5]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_host.py [--repeat 5] [--streams 1,5] [--device null]
 
-Runs one worker's Executor with the cuda backend on the stand-in device of tests/fake_cuda.py:
-torch.cuda replaced by host objects, every kernel run by the same torch code on tiny CPU tensors
-at launch, so the device is never the bottleneck and the wall time is what the host spends:
-the kernels' own host time plus the runtime's (loop, wakers, counters, events). The graph is
+Runs one worker's Executor with the cuda backend on a stand-in device, every kernel run by the
+same torch code on tiny CPU tensors, so the device is never the bottleneck and the time is what
+the host spends: the kernels' own host time plus the runtime's (loop, wakers, counters, events).
+`--device strict` (the default): the stand-in of tests/fake_cuda.py, whose work runs later on
+each stream's thread and whose events, waits and locks are Python objects: it adds a hand-over
+to a stream thread per launch and its own bookkeeping, which on a GPU are the driver's C calls.
+`--device null` (benchmarks/null_cuda.py): a device infinitely faster than the host, every
+CUDA call one Python call that does nothing and work run at launch: the host-bound regime of a
+decode step on a GPU, where what is measured is the runtime's own cost. It also runs an older
+checkout's runtime: `PYTHONPATH=OLD python benchmarks/bench_host.py --device null`. The graph is
 llama_prefill with the 7B run's vertex structure (4 layers, 8 sequence tiles: 512 kernels, as
 `--capacity 2GiB` at seq 4096 tile 512 on the H100) and tiny tensors (dim 64, 4 heads).
 `serial` is the same kernels run one after another in one thread (disco_ray.graph.reference.evaluate):
@@ -21,6 +27,8 @@ not depend on the load of the machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import pathlib
 import sys
 import threading
 import time
@@ -30,7 +38,6 @@ from actors.options import WorkerConfig
 from disco_ray.bench.report import check_outputs
 from disco_ray.graph.reference import evaluate
 from planner import build_memgraph
-from tests import fake_cuda
 from workloads.llama import llama_prefill
 
 
@@ -45,8 +52,20 @@ def main(argv: list[str] | None = None) -> int:
         help="kernels and copies as no-ops: the host cost of the runtime and the stand-in alone "
         "(outputs not checked)",
     )
+    ap.add_argument(
+        "--device",
+        choices=("strict", "null"),
+        default="strict",
+        help="strict: tests/fake_cuda.py (work later, on stream threads); null: benchmarks/null_cuda.py "
+        "(a device infinitely faster than the host)",
+    )
     args = ap.parse_args(argv)
-    fake_cuda.install()
+    if args.device == "null":
+        _null_cuda().install()
+    else:
+        from tests import fake_cuda
+
+        fake_cuda.install()
     from actors.backends.cuda import CudaBackend
 
     w = llama_prefill(
@@ -126,6 +145,16 @@ def _calls(make, inputs) -> int:
         return count[0]
     finally:
         ex.close()
+
+
+def _null_cuda():
+    """benchmarks/null_cuda.py, beside this file whatever checkout PYTHONPATH names first."""
+    path = pathlib.Path(__file__).with_name("null_cuda.py")
+    spec = importlib.util.spec_from_file_location("null_cuda", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _timed(fn, *args) -> float:

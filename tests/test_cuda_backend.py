@@ -366,10 +366,13 @@ def test_kernel_temporaries_are_reserved_on_the_compute_streams(monkeypatch):
         ex.close()
 
 
-def test_bench_host_runs_the_llama_structure_on_the_stand_in_device(monkeypatch, capsys):
-    """benchmarks/bench_host.py: llama_prefill's 7B vertex structure on the loop, outputs checked."""
+@pytest.mark.parametrize("device", ["strict", "null"])
+def test_bench_host_runs_the_llama_structure_on_the_stand_in_device(monkeypatch, capsys, device):
+    """benchmarks/bench_host.py: llama_prefill's 7B vertex structure on the loop, outputs checked,
+    on the strict stand-in and on the null device (benchmarks/null_cuda.py)."""
     import importlib.util
     import pathlib
+    from types import SimpleNamespace
 
     monkeypatch.setattr(fake_cuda, "install", lambda: install(monkeypatch.setattr))  # undone after
 
@@ -378,7 +381,11 @@ def test_bench_host_runs_the_llama_structure_on_the_stand_in_device(monkeypatch,
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--repeat", "1", "--streams", "2", "--ahead", "4"]) == 0
+    null = mod._null_cuda()
+    monkeypatch.setattr(
+        mod, "_null_cuda", lambda: SimpleNamespace(install=lambda: null.install(monkeypatch.setattr))
+    )
+    assert mod.main(["--repeat", "1", "--streams", "2", "--ahead", "4", "--device", device]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("llama_prefill structure: 572 vertices")
     assert lines[-1].split()[:2] == ["2", "4"]
