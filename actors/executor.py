@@ -262,8 +262,10 @@ class Executor(VertexWork):
         unit = units.pop(vid, None) if units else None
         if unit is not None:
             if exc is None and self.backend.async_launch:  # the device timed the unit as a whole
-                self.trace.append((vid, s, t0, t1))
-                self.trace.extend((m, s, t1, t1) for m in unit[1:])
+                trace = self.trace
+                trace.append((vid, s, t0, t1))
+                for m in unit[1:]:
+                    trace.append((m, s, t1, t1))
             return self._unit_done(vid, unit, s, exc)
         if exc is None and self._check and self._sanitizer is not None:
             p = self.plans[vid]
@@ -302,12 +304,13 @@ class Executor(VertexWork):
             for m in vids:
                 if m in self._watched:  # e.g. an NCCL send's source
                     tr.completed(m)
+        core = self.core
         with self._lock:
             for m in vids:
-                self.core.complete(m)
+                core.complete(m)
             self.slots.landed(vid, s)
             inline = self._pump() if pump else []
-            finished = pump and self.core.finished
+            finished = pump and core.done == core.total  # `core.finished`, inline
             if not self.slots.running:
                 self._landed.notify_all()
         if finished:

@@ -174,7 +174,7 @@ class StreamSlots:
         core = self.core
         unit = None
         if self.chained_units and vid in core.chain_of:  # before its successors queue behind it alone
-            unit = core.claim(vid)
+            unit = core.claim(vid, self.inflight if self.ahead else None, s)
             if len(unit) > 1:
                 self.units[vid] = unit
                 self.chained[0] += 1

@@ -48,6 +48,7 @@ class WorkerCore:
         self.gpu = gpu
         gpu_of = {v.id: v.gpu for v in mg.vertices}
         self.mine = [v.id for v in mg.vertices if v.gpu == gpu]
+        self.total = len(self.mine)
         self.groups = {v.id: v.value for v in mg.vertices if v.gpu == gpu and v.acc is not None}
         self.kernels = frozenset(
             v.id for v in mg.vertices if v.gpu == gpu and v.kind is MKind.KERNEL and v.id not in self.groups
@@ -122,8 +123,14 @@ class WorkerCore:
         if not self.ahead:
             return
         self.launched.add(vid)
-        if vid not in self.aside:  # else its successors count it launched once it completes
-            self._launched(vid)
+        if vid in self.aside:  # its successors count it launched once it completes
+            return
+        unlaunched, left, dispatched, kernels = self.unlaunched, self.left, self.dispatched, self.kernels
+        for w in self.local_succs.get(vid, ()):  # `_launched`, inline (hot: once per vertex)
+            k = unlaunched[w] - 1
+            unlaunched[w] = k
+            if k == 0 and w in dispatched and left[w] and w in kernels:
+                heapq.heappush(self.queued, w)
 
     def _launched(self, vid: int) -> None:
         for w in self.local_succs.get(vid, ()):
@@ -150,21 +157,26 @@ class WorkerCore:
         if self.ahead and vid in self.aside:  # its successors may now go behind their other predecessors
             self._launched(vid)
 
-    def claim(self, vid: int) -> tuple[int, ...]:
-        """`vid`, ready, and the members of its chain (`chains`) after it that may run right behind
-        it on its stream, as one unit: each dispatched, its local predecessors done but those in
-        the unit (at least one). They count as launched: their completion readies nothing twice.
-        A member that waits on anything else ends the unit; it runs when ready, as any vertex."""
+    def claim(
+        self, vid: int, running: Mapping[int, tuple[int, int]] | None = None, s: int = -1
+    ) -> tuple[int, ...]:
+        """`vid`, ready or launched ahead, and the members of its chain (`chains`) after it that
+        may run right behind it on its stream `s`, as one unit: each dispatched, with at least one
+        local predecessor in the unit, and every other one done or, with launch ahead (`running`:
+        vertex -> (launch number, stream) of those in flight), in flight on `s` itself, which
+        runs it first. They count as launched: their completion readies nothing twice. A member
+        that waits on anything else ends the unit; it runs when ready, as any vertex."""
         chain = self.chain_of.get(vid)
         if chain is None:
             return (vid,)
         out = [vid]
-        start, left, dispatched, launched, preds = (
+        start, left, dispatched, launched, preds, local = (
             self._pos[vid],
             self.left,
             self.dispatched,
             self.launched,
             self._unit_preds,
+            self.local_preds,
         )
         for j in range(start + 1, len(chain)):
             w = chain[j]
@@ -172,8 +184,17 @@ class WorkerCore:
             for i in preds[w]:
                 if i >= start:
                     need += 1
-            if not need or left[w] != need or w not in dispatched or w in launched:
+            if not need or w not in dispatched or w in launched:
                 break
+            if left[w] != need:  # others not done: on this stream ahead of the unit, or it ends
+                if running is None:
+                    break
+                for u in local[w]:
+                    at = running.get(u)
+                    if at is not None and at[1] == s:
+                        need += 1
+                if left[w] != need:
+                    break
             out.append(w)
             launched.add(w)
         return tuple(out)
@@ -194,7 +215,44 @@ class WorkerCore:
 
     @property
     def finished(self) -> bool:
-        return self.done == len(self.mine)
+        return self.done == self.total
+
+
+LOOK = 32  # how far a region grows past its last valid end before it gives up
+
+
+def _region(
+    h: int,
+    plain: Container[int],
+    succs: Mapping[int, list[int]],
+    preds: Mapping[int, list[int]],
+    remote: Container[int],
+    awaited: Container[int],
+    taken: Container[int],
+) -> list[int]:
+    """The longest run of kernels from `h`, grown by the lowest-id successor of its members, in
+    which every member but the last has all its successors later in the run: nothing outside it
+    waits on an inner member (a fan-out inside, such as a norm feeding two projections, runs its
+    branches one after the other on the unit's stream)."""
+    run, members = [h], {h}
+    best, ext = 1, len(succs.get(h, ()))  # edges from members to vertices outside the run
+    frontier = list(succs.get(h, ()))
+    heapq.heapify(frontier)
+    while frontier and len(run) - best < LOOK and run[-1] not in awaited:
+        x = heapq.heappop(frontier)
+        if x in members:
+            continue
+        if x not in plain or x in remote or x in taken:
+            break
+        run.append(x)
+        members.add(x)
+        out = succs.get(x, ())
+        ext += len(out) - sum(1 for u in preds.get(x, ()) if u in members)
+        for y in out:
+            heapq.heappush(frontier, y)
+        if ext == len(out):  # every edge leaving the run leaves from its last member
+            best = len(run)
+    return run[:best]
 
 
 class Tails(Mapping[int, tuple[int, ...]]):
@@ -238,23 +296,11 @@ def chains(
     kernels = sorted(kernel_set)
     runs: list[list[int]] = []
     if linear:
-        nxt: dict[int, int] = {}
-        into: set[int] = set()
-        for v in kernels:
-            out = succs.get(v, ())
-            if len(out) == 1 and v in plain and v not in awaited:
-                w = out[0]
-                if w in plain and w not in remote:
-                    nxt[v] = w
-        for v, w in sorted(nxt.items(), reverse=True):  # the last by id of w's predecessors
-            if w in into:
-                del nxt[v]
-            into.add(w)
-        for v in kernels:
-            if v in nxt and v not in into:  # a chain's head
-                run = [v]
-                while run[-1] in nxt:
-                    run.append(nxt[run[-1]])
+        taken: set[int] = set()
+        for h in kernels:
+            if h not in taken and h in plain:
+                run = _region(h, plain, succs, preds, remote, awaited, taken)
+                taken.update(run)
                 runs.append(run)
     else:
         run = []

@@ -19,8 +19,8 @@ the floor. The outputs are checked against the workload's torch reference. Figur
 keeps torch's CPU thread pool out of it (on a GPU, kernels do not use it).
 `cpu us/vertex` is the process's CPU time (all its threads) per vertex, kernels included: on a
 loaded machine it moves less than the wall time. `py calls` is the runtime's Python function calls per vertex, on every thread, in one more run
-under a profiler: those of actors/, disco_ray/ (not the kernels), threading, contextlib and
-queue; not the stand-in's own (on a GPU those are torch's C++ calls). Unlike the times, it does
+under a profiler: those of actors/, disco_ray/ (not the kernels) and of threading, contextlib and
+queue when the runtime calls them; not the stand-in's own (on a GPU those are torch's C++ calls). Unlike the times, it does
 not depend on the load of the machine.
 """
 
@@ -116,7 +116,8 @@ def _run(ex: Executor, inputs) -> None:
         raise SystemExit(f"bench_host: run failed: {ex.error or 'timed out'}")
 
 
-RUNTIME = ("/actors/", "/disco_ray/", "/threading.py", "/contextlib.py", "/queue.py")
+RUNTIME = ("/actors/", "/disco_ray/")
+STDLIB = ("/threading.py", "/contextlib.py", "/queue.py")  # counted when the runtime calls them
 
 
 def _calls(make, inputs) -> int:
@@ -126,7 +127,9 @@ def _calls(make, inputs) -> int:
     def prof(frame, event, arg):
         if event == "call":
             f = frame.f_code.co_filename
-            if any(d in f for d in RUNTIME) and "/kernels" not in f:
+            if any(d in f for d in STDLIB):  # a lock's or a queue's, when the runtime called it
+                count[0] += _by_runtime(frame.f_back)
+            elif any(d in f for d in RUNTIME) and "/kernels" not in f:
                 count[0] += 1
 
     threading.setprofile(prof)  # the executor's threads start with it
@@ -155,6 +158,13 @@ def _null_cuda():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _by_runtime(frame) -> bool:
+    """Whether the first caller of `frame` outside the standard library is the runtime's code."""
+    while frame is not None and any(d in frame.f_code.co_filename for d in STDLIB):
+        frame = frame.f_back
+    return frame is not None and any(d in frame.f_code.co_filename for d in RUNTIME)
 
 
 def _timed(fn, *args) -> float:
