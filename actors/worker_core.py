@@ -73,7 +73,7 @@ class WorkerCore:
         # each chain member -> its chain (one tuple shared by its members), its predecessors'
         # positions in it, its own position
         self.chain_of, self._unit_preds, self._pos = chains(
-            all_kernels, self.kernels, self.local_succs, self.local_preds, remote, awaited, linear=streams > 1
+            all_kernels, self.kernels, self.local_succs, self.local_preds, remote, awaited, several=streams > 1
         )
         self.after = Tails(self.chain_of, self._pos)  # each member -> the members after it
         self.start()
@@ -279,23 +279,24 @@ def chains(
     preds: Mapping[int, list[int]],
     remote: Container[int],
     awaited: Container[int],
-    linear: bool = False,
+    several: bool = False,
 ) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]], dict[int, int]]:
     """Chains of one GPU's kernels (`kernel_set`) that a compute stream may run back to back, as
     one unit, with no bookkeeping between them (docs/RUNTIME.md, "Chains"). Always: v -> w only
     when both are plain kernels (`plain`: not sum-into members), v has no successor on another
     GPU and w no predecessor there.
-    - One compute stream (`linear` False): runs of consecutive kernel ids (the planner's serial
+    - One compute stream (`several` False): runs of consecutive kernel ids (the planner's serial
       order, so lowest-id-first runs them in this order on one stream anyway), linked when v
       has no successor but kernels (a copy that waits on v, such as the next
       weight's load into a range v reads, must not wait for the whole unit).
-    - Several (`linear`): v -> w when w is v's only successor, and v the last by id of w's
-      predecessors so linked: a unit holds back nothing that another stream could run.
+    - Several (`several`): regions (`_region`): from each kernel not in a chain yet, the longest
+      run grown by the lowest-id successor of its members in which every member but the last
+      has all its successors later in the run: nothing outside a unit waits on an inner member.
     Returns (each member -> its chain, each member -> the positions of its predecessors in its
     chain, each member -> its position)."""
     kernels = sorted(kernel_set)
     runs: list[list[int]] = []
-    if linear:
+    if several:
         taken: set[int] = set()
         for h in kernels:
             if h not in taken and h in plain:

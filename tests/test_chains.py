@@ -162,7 +162,7 @@ def test_units_on_the_cuda_stand_in_equal_the_reference(monkeypatch, streams, ah
     """The cuda backend on the strict stand-in (work runs later on its stream's thread, a range
     being written holds poison until then, each event takes device time): a unit's kernels are
     enqueued back to back in one launch, with or without launch ahead, on one stream (runs of
-    consecutive ids) or several (linear chains; a kernel launched ahead behind a unit's vertex
+    consecutive ids) or several (regions; a kernel launched ahead behind a unit's vertex
     on another stream waits on the unit: planted without, the poison reaches the outputs), and
     the outputs equal the reference; the device times a unit as a whole (its first vertex's
     record; the others end where it ends)."""
