@@ -73,7 +73,13 @@ class WorkerCore:
         # each chain member -> its chain (one tuple shared by its members), its predecessors'
         # positions in it, its own position
         self.chain_of, self._unit_preds, self._pos = chains(
-            all_kernels, self.kernels, self.local_succs, self.local_preds, remote, awaited, several=streams > 1
+            all_kernels,
+            self.kernels,
+            self.local_succs,
+            self.local_preds,
+            remote,
+            awaited,
+            several=streams > 1,
         )
         self.after = Tails(self.chain_of, self._pos)  # each member -> the members after it
         self.start()
