@@ -13,22 +13,17 @@ sets the pace, and what is measured is the runtime's own cost per vertex (loop, 
 chains, launch ahead) plus one Python call per CUDA call.
 
 `install()` puts it under the actors modules that use torch.cuda, as tests/fake_cuda.py does,
-but keeps the backend's own launch loop (work runs at launch). It only needs the names the
-cuda backend has used since its first version, so it also runs an older checkout's runtime
-(before/after comparisons: put that checkout first on PYTHONPATH and this file's folder after).
+but keeps the backend's own launch loop (work runs at launch); the rest of the namespace
+(allocations, host registration) is the stand-in's, from the checkout PYTHONPATH names, so it
+also runs an older checkout's runtime (before/after comparisons, back to commit f7cc751).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
 from collections.abc import Callable
 from types import SimpleNamespace
-
-import torch
-
-_local = threading.local()
 
 
 class NullEvent:
@@ -71,84 +66,23 @@ class NullStream:
         return True
 
 
-_DEFAULT = NullStream()
-
-
-def _set_stream(s) -> None:
-    _local.stream = s
-
-
-@contextlib.contextmanager
-def _stream(s):
-    old = getattr(_local, "stream", None)
-    _local.stream = s
-    try:
-        yield
-    finally:
-        _local.stream = old
-
-
-def _empty(*size, dtype=None, device=None, pin_memory=False, **kw):
-    return torch.zeros(*size, dtype=dtype)
-
-
-class _Cudart:
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
-        return 0
-
-    def cudaHostUnregister(self, ptr: int) -> int:
-        return 0
-
-
 def null_torch(gpus: int = 1) -> SimpleNamespace:
-    cudart = _Cudart()
-    cuda = SimpleNamespace(
-        is_available=lambda: True,
-        is_initialized=lambda: True,
-        current_device=lambda: 0,
-        device_count=lambda: gpus,
-        set_device=lambda d: None,
-        set_stream=_set_stream,
-        synchronize=lambda device=None: None,
-        device=lambda d: contextlib.nullcontext(),
-        stream=_stream,
-        current_stream=lambda device=None: getattr(_local, "stream", None) or _DEFAULT,
-        Stream=NullStream,
-        Event=NullEvent,
-        cudart=lambda: cudart,
-        can_device_access_peer=lambda a, b: True,
-        get_device_properties=lambda d: SimpleNamespace(uuid=f"NULL-GPU-{getattr(d, 'index', d)}"),
-    )
-    return SimpleNamespace(
-        cuda=cuda,
-        device=lambda *a: torch.device("cpu"),
-        empty=_empty,
-        zeros=torch.zeros,
-        ones=torch.ones,
-        matmul=torch.matmul,
-        uint8=torch.uint8,
-        float16=torch.float16,
-        bfloat16=torch.bfloat16,
-        float32=torch.float32,
-        Tensor=torch.Tensor,
-        equal=torch.equal,
-    )
+    """The stand-in's torch namespace (tests/fake_cuda.py `fake_torch`: allocations, host
+    registration, devices, the current stream) with streams and events that do nothing."""
+    from tests.fake_cuda import MODULES, fake_torch
 
-
-MODULES = (
-    "backends.cuda",
-    "backends.cuda_loop",
-    "backends.cuda_memory",
-    "transports.nccl",
-    "transports.cuda",
-)
+    fake = fake_torch(gpus=gpus)
+    fake.cuda.Stream, fake.cuda.Event = NullStream, NullEvent
+    fake.cuda.synchronize = lambda device=None: None
+    fake.modules = MODULES
+    return fake
 
 
 def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: int = 1) -> SimpleNamespace:
     """Replaces torch in the actors modules that use CUDA by the null device (`set_attr`: pytest's
     `monkeypatch.setattr` in a test, undone after it)."""
     fake = null_torch(gpus)
-    for name in MODULES:
+    for name in fake.modules:
         with contextlib.suppress(ImportError):
             set_attr(importlib.import_module(f"actors.{name}"), "torch", fake)
     from actors.backends import cuda as cuda_backend
