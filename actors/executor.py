@@ -310,7 +310,7 @@ class Executor(VertexWork):
                 core.complete(m)
             self.slots.landed(vid, s)
             inline = self._pump() if pump else []
-            finished = pump and core.done == core.total  # `core.finished`, inline
+            finished = pump and core.done == core.total  # `core.finished` without a call (hot)
             if not self.slots.running:
                 self._landed.notify_all()
         if finished:

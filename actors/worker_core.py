@@ -123,26 +123,21 @@ class WorkerCore:
             elif self.ahead and self.unlaunched[v] == 0 and v in self.kernels:
                 heapq.heappush(self.queued, v)
 
-    def launch(self, vid: int) -> None:
-        """`vid` was handed to a stream; its kernel successors whose every local predecessor is now
-        launched become queued (only while tracking launches: `start(ahead=True)`)."""
+    def launch(self, vid: int, completed: bool = False) -> None:
+        """`vid` was handed to a stream (or, `completed`, an `aside` vertex finished: only now do
+        its successors count it launched); its kernel successors whose every local predecessor is
+        now launched become queued (only while tracking launches: `start(ahead=True)`)."""
         if not self.ahead:
             return
-        self.launched.add(vid)
-        if vid in self.aside:  # its successors count it launched once it completes
-            return
+        if not completed:
+            self.launched.add(vid)
+            if vid in self.aside:  # its successors count it launched once it completes
+                return
         unlaunched, left, dispatched, kernels = self.unlaunched, self.left, self.dispatched, self.kernels
-        for w in self.local_succs.get(vid, ()):  # `_launched`, inline (hot: once per vertex)
+        for w in self.local_succs.get(vid, ()):
             k = unlaunched[w] - 1
             unlaunched[w] = k
             if k == 0 and w in dispatched and left[w] and w in kernels:
-                heapq.heappush(self.queued, w)
-
-    def _launched(self, vid: int) -> None:
-        for w in self.local_succs.get(vid, ()):
-            k = self.unlaunched[w] - 1
-            self.unlaunched[w] = k
-            if k == 0 and w in self.dispatched and self.left[w] and w in self.kernels:
                 heapq.heappush(self.queued, w)
 
     def complete(self, vid: int) -> None:
@@ -161,7 +156,7 @@ class WorkerCore:
             if k == 0 and w in self.dispatched and w not in self.launched:
                 self._ready(w)
         if self.ahead and vid in self.aside:  # its successors may now go behind their other predecessors
-            self._launched(vid)
+            self.launch(vid, completed=True)
 
     def claim(
         self, vid: int, running: Mapping[int, tuple[int, int]] | None = None, s: int = -1

@@ -12,18 +12,17 @@ call each. That is the regime of a decode step on a GPU, whose kernels take 10-5
 sets the pace, and what is measured is the runtime's own cost per vertex (loop, counters,
 chains, launch ahead) plus one Python call per CUDA call.
 
-`install()` puts it under the actors modules that use torch.cuda, as tests/fake_cuda.py does,
-but keeps the backend's own launch loop (work runs at launch); the rest of the namespace
-(allocations, host registration) is the stand-in's, from the checkout PYTHONPATH names, so it
-also runs an older checkout's runtime (before/after comparisons, back to commit f7cc751).
+`install()` is the stand-in's own `install` with those parts replaced, from the checkout
+PYTHONPATH names, so it also runs an older checkout's runtime (before/after comparisons, back to
+commit f7cc751).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 from collections.abc import Callable
 from types import SimpleNamespace
+
+from tests.fake_cuda import install as stand_in
 
 
 class NullEvent:
@@ -66,29 +65,18 @@ class NullStream:
         return True
 
 
-def null_torch(gpus: int = 1) -> SimpleNamespace:
-    """The stand-in's torch namespace (tests/fake_cuda.py `fake_torch`: allocations, host
-    registration, devices, the current stream) with streams and events that do nothing."""
-    from tests.fake_cuda import MODULES, fake_torch
-
-    fake = fake_torch(gpus=gpus)
-    fake.cuda.Stream, fake.cuda.Event = NullStream, NullEvent
-    fake.cuda.synchronize = lambda device=None: None
-    fake.modules = MODULES
-    return fake
-
-
 def install(set_attr: Callable[[object, str, object], None] = setattr, *, gpus: int = 1) -> SimpleNamespace:
-    """Replaces torch in the actors modules that use CUDA by the null device (`set_attr`: pytest's
-    `monkeypatch.setattr` in a test, undone after it)."""
-    fake = null_torch(gpus)
-    for name in fake.modules:
-        with contextlib.suppress(ImportError):
-            set_attr(importlib.import_module(f"actors.{name}"), "torch", fake)
+    """The stand-in of tests/fake_cuda.py (`install`: torch replaced in the actors modules that use
+    CUDA, allocations, host registration, the current stream), with streams and events that do
+    nothing and the backend's own launch loop, which runs work at launch (`set_attr`: pytest's
+    `monkeypatch.setattr` in a test, undone after it). Returns what that `install` returns."""
     from actors.backends import cuda as cuda_backend
-    from actors.backends import cuda_memory
+    from actors.backends import cuda_loop
 
-    set_attr(cuda_memory, "reserve", lambda stream, device, nbytes: None)
-    if hasattr(cuda_backend, "_FREE_STREAMS"):
-        set_attr(cuda_backend, "_FREE_STREAMS", {})
-    return fake
+    got = stand_in(set_attr, gpus=gpus)
+    cuda = got.torch.cuda
+    set_attr(cuda, "Stream", NullStream)
+    set_attr(cuda, "Event", NullEvent)
+    set_attr(cuda, "synchronize", lambda device=None: None)
+    set_attr(cuda_backend, "CudaLoop", cuda_loop.CudaLoop)
+    return got

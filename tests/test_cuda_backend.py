@@ -374,14 +374,13 @@ def test_bench_host_runs_the_llama_structure_on_the_stand_in_device(monkeypatch,
     import pathlib
     from types import SimpleNamespace
 
-    monkeypatch.setattr(fake_cuda, "install", lambda: install(monkeypatch.setattr))  # undone after
-
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_host.py"
     spec = importlib.util.spec_from_file_location("bench_host", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    null = mod._null_cuda()
+    null = mod._null_cuda()  # takes the stand-in's own `install`, before it is wrapped below
+    monkeypatch.setattr(fake_cuda, "install", lambda: install(monkeypatch.setattr))  # undone after
     monkeypatch.setattr(
         mod, "_null_cuda", lambda: SimpleNamespace(install=lambda: null.install(monkeypatch.setattr))
     )
