@@ -1,6 +1,6 @@
-"""Host cost per vertex of the cuda backend's threads, measured without a GPU.
+"""Host cost per vertex of the cuda backend's threads, on a stand-in device or on the GPU.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_host.py [--repeat 5] [--streams 1,5] [--device null]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_host.py [--repeat 5] [--streams 1,5] [--device null|cuda]
 
 Runs one worker's Executor with the cuda backend on a stand-in device, every kernel run by the
 same torch code on tiny CPU tensors, so the device is never the bottleneck and the time is what
@@ -11,11 +11,15 @@ to a stream thread per launch and its own bookkeeping, which on a GPU are the dr
 `--device null` (benchmarks/null_cuda.py): a device infinitely faster than the host, every
 CUDA call one Python call that does nothing and work run at launch: the host-bound regime of a
 decode step on a GPU, where what is measured is the runtime's own cost. It also runs an older
-checkout's runtime: `PYTHONPATH=OLD python benchmarks/bench_host.py --device null`. The graph is
+checkout's runtime: `PYTHONPATH=OLD python benchmarks/bench_host.py --device null`. `--device
+cuda`: the real GPU (an older checkout's runtime too), tiny kernels of a few microseconds each, so
+the host still sets the pace but every CUDA call (events, waits, launches through torch) is the
+driver's; `serial` is then the same kernels run one after another on the GPU. The graph is
 llama_prefill with the 7B run's vertex structure (4 layers, 8 sequence tiles: 512 kernels, as
 `--capacity 2GiB` at seq 4096 tile 512 on the H100) and tiny tensors (dim 64, 4 heads).
 `serial` is the same kernels run one after another in one thread (disco_ray.graph.reference.evaluate):
-the floor. The outputs are checked against the workload's torch reference. Figures are host-CPU figures of this machine; no GPU is involved. OMP_NUM_THREADS=1
+the floor. The outputs are checked against the workload's torch reference. With strict and null,
+the figures are host-CPU figures of this machine; no GPU is involved. OMP_NUM_THREADS=1
 keeps torch's CPU thread pool out of it (on a GPU, kernels do not use it).
 `cpu us/vertex` is the process's CPU time (all its threads) per vertex, kernels included: on a
 loaded machine it moves less than the wall time. `py calls` is the runtime's Python function calls per vertex, on every thread, in one more run
@@ -54,14 +58,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--device",
-        choices=("strict", "null"),
+        choices=("strict", "null", "cuda"),
         default="strict",
         help="strict: tests/fake_cuda.py (work later, on stream threads); null: benchmarks/null_cuda.py "
-        "(a device infinitely faster than the host)",
+        "(a device infinitely faster than the host); cuda: the GPU",
+    )
+    ap.add_argument(
+        "--held",
+        action="store_true",
+        help="after the first run, hand in only the activations: the weights and rotary tables "
+        "stay in the arena and their loads are skipped, as in a decode step",
     )
     args = ap.parse_args(argv)
     if args.device == "null":
         _null_cuda().install()
+    elif args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench_host.py: --device cuda needs a GPU (torch sees no CUDA device)", file=sys.stderr)
+            return 2
     else:
         from tests import fake_cuda
 
@@ -73,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     tg = w.taskgraph
     mg = build_memgraph(tg, 1 << 30)
+    again = {k: v for k, v in w.inputs.items() if k.startswith("h0_")} if args.held else w.inputs
     n = len(mg.vertices)
-    evaluate(tg, w.inputs)
-    serial = min(_timed(evaluate, tg, w.inputs) for _ in range(args.repeat))
+    on = "cuda" if args.device == "cuda" else "cpu"
+    evaluate(tg, w.inputs, on)
+    serial = min(_timed(_serial, tg, w.inputs, on) for _ in range(args.repeat))
     if args.no_kernels:
         serial = 0.0
         CudaBackend.kernel = CudaBackend.copy = lambda self, *a: None  # type: ignore[method-assign]
@@ -89,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             ex = Executor(0, mg, tg, WorkerConfig(streams=streams, ahead=ahead), backend=be)
             try:
                 best = cpu = float("inf")
-                for _ in range(args.repeat + 1):  # the first run makes the events
+                for i in range(args.repeat + 1):  # the first run makes the events
                     c = time.process_time()
-                    best = min(best, _timed(_run, ex, w.inputs))
+                    best = min(best, _timed(_run, ex, again if i else w.inputs))
                     cpu = min(cpu, time.process_time() - c)
                 host = be.statistics()["host"]
                 outs = {k: ex.output(k, mg.outputs[k]) for k in tg.outputs}
@@ -101,12 +119,21 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 ex.close()
             config = WorkerConfig(streams=streams, ahead=ahead)
-            calls = _calls(lambda c=config: Executor(0, mg, tg, c, backend=CudaBackend()), w.inputs)
+            calls = _calls(lambda c=config: Executor(0, mg, tg, c, backend=CudaBackend()), w.inputs, again)
             print(
                 f"{streams:7d}  {ahead:5d}  {best * 1e3:7.1f}  {best / n * 1e6:9.1f}  "
                 f"{(best - serial) / n * 1e6:21.1f}  {host['launch_us_mean']:16.1f}  {cpu / n * 1e6:13.1f}  {calls / n:8.1f}"
             )
     return 0
+
+
+def _serial(tg, inputs, device: str) -> None:
+    """The kernels one after another in one thread, on `device` (all of them done on return)."""
+    evaluate(tg, inputs, device)
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _run(ex: Executor, inputs) -> None:
@@ -120,8 +147,9 @@ RUNTIME = ("/actors/", "/disco_ray/")
 STDLIB = ("/threading.py", "/contextlib.py", "/queue.py")  # counted when the runtime calls them
 
 
-def _calls(make, inputs) -> int:
-    """The runtime's Python calls in one run (the second) of a new executor, every thread."""
+def _calls(make, inputs, again) -> int:
+    """The runtime's Python calls in one run (the second, on `again`) of a new executor, every
+    thread."""
     count = [0]
 
     def prof(frame, event, arg):
@@ -142,7 +170,7 @@ def _calls(make, inputs) -> int:
         count[0] = 0
         sys.setprofile(prof)
         try:
-            _run(ex, inputs)
+            _run(ex, again)
         finally:
             sys.setprofile(None)
         return count[0]

@@ -16,6 +16,9 @@
 #              transformers' generate on the same prompts, in memory (the peer)
 #   decode1    the same on one compute stream (units of a whole decode step: fewer launches)
 #   host       the host statistics (launch_us_mean, idle) of a long batch-1 decode, ahead 0 and 4
+#   hostbench  the runtime's host cost per vertex on the GPU (benchmarks/bench_host.py --device cuda):
+#              weights held (as in decode) with and without kernels, then every input each run; this
+#              checkout and each older one named in OLD (before/after)
 #   disk       decode with weights="disk" (each load reads the checkpoint) at a small arena
 #   lora       one LoRA fine-tuning step, seconds per step (disco-ray finetune --backend cuda)
 #   chain      the matmul chain, launch ahead 0 and 4 (benchmarks/bench_gpu_chain.py)
@@ -26,7 +29,7 @@
 #   figures    the figures of the parts already run in OUT
 # DRY=1 prints the commands a part would run instead of running them (tests/test_gpu_session.py).
 set -euo pipefail
-PARTS="tests standin racecheck decode decode1 host disk lora chain llama torch streams1 p2p"
+PARTS="tests standin racecheck decode decode1 host hostbench disk lora chain llama torch streams1 p2p"
 PART_S=${PART_S:-470} # < 8 min: the part, Ray's install and the figures fit one 10-minute call
 part=${1:?usage: gpu_session.sh PART OUT [TILE]  (PART: $PARTS, figures)}
 out=${2:-gpu_out}
@@ -69,6 +72,7 @@ figures() { # what each part printed that matters, from its logs in $out
         echo "-- $(basename "$f" .log)"
         grep -E "^(device|ahead|transformers) " "$f" || true
     done
+    [[ -f $out/hostbench.log ]] && { echo "-- hostbench"; grep -E "^(==|streams| +[0-9])" "$out/hostbench.log" || true; }
     [[ -f $out/lora.log ]] && { echo "-- lora"; grep -E "step|s/step|seconds" "$out/lora.log" | tail -n 6 || true; }
     for f in "$out"/chain_ahead*.log; do
         [[ -f $f ]] || continue
@@ -107,6 +111,16 @@ run_part() { # the body of one part (under its timeout)
     host)
         py "$here/bench_gpu_decode.py" --dir "$ckpt" --batches 1 --ahead 0,4 --new 128 --repeat 1 \
             --capacity 4GiB --json "$out/host.json" 2>&1 | tee "$out/host.log"
+        ;;
+    hostbench) # OLD="dir ..." (checkouts' roots: git archive REV actors disco_ray planner workloads)
+        local k o
+        for k in --held "--held --no-kernels" ""; do # the decode regime (weights held), then loads each run
+            for o in "$root" ${OLD:-}; do
+                echo "== bench_host --device cuda ${k:-(every input each run)} on $o" >>"$out/hostbench.log"
+                PYTHONPATH="$o:$PYTHONPATH" py "$here/bench_host.py" --device cuda --repeat 7 $k 2>&1 |
+                    tee -a "$out/hostbench.log"
+            done
+        done
         ;;
     disk)
         py "$here/bench_gpu_decode.py" --dir "$ckpt" --batches 1,16 --ahead 4 --new 16 --weights disk \
