@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         CudaBackend.kernel = CudaBackend.copy = lambda self, *a: None  # type: ignore[method-assign]
     print(f"llama_prefill structure: {n} vertices; serial kernels {serial * 1e3:.1f} ms")
     print(
-        "streams  ahead  wall ms  us/vertex  over serial us/vertex  launch us (mean)  cpu us/vertex  py calls"
+        "streams  ahead  wall ms  us/vertex  over serial us/vertex  launch us (mean)  cpu us/vertex  py calls  "
+        "loads skipped"
     )
     for streams in map(int, args.streams.split(",")):
         for ahead in map(int, args.ahead.split(",")):
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     best = min(best, _timed(_run, ex, again if i else w.inputs))
                     cpu = min(cpu, time.process_time() - c)
                 host = be.statistics()["host"]
+                skipped = ex.statistics()["loads_skipped"]  # in the last run
                 outs = {k: ex.output(k, mg.outputs[k]) for k in tg.outputs}
                 got = check_outputs(outs, w.reference(w.inputs))
                 if not got["ok"] and not args.no_kernels:
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             calls = _calls(lambda c=config: Executor(0, mg, tg, c, backend=CudaBackend()), w.inputs, again)
             print(
                 f"{streams:7d}  {ahead:5d}  {best * 1e3:7.1f}  {best / n * 1e6:9.1f}  "
-                f"{(best - serial) / n * 1e6:21.1f}  {host['launch_us_mean']:16.1f}  {cpu / n * 1e6:13.1f}  {calls / n:8.1f}"
+                f"{(best - serial) / n * 1e6:21.1f}  {host['launch_us_mean']:16.1f}  {cpu / n * 1e6:13.1f}  {calls / n:8.1f}  {skipped:13d}"
             )
     return 0
 
