@@ -239,7 +239,8 @@ class Executor(VertexWork):
                 if key is not None:  # one member at a time (the core's lock): the first writes
                     self._acc_first[vid] = key not in self._acc_started
                     self._acc_started.add(key)
-                if waits and skip:  # launched ahead behind a skipped load: done, and no event
+                # launched ahead behind a skipped load: that load is done and has no event
+                if waits and not skip.isdisjoint(waits):
                     waits = tuple(w for w in waits if w not in skip)
                 self.backend.submit(s, vid, waits, mode.get(vid, Mode.LAUNCH))
             took = self.slots.take() if len(inline) > n and self._error is None else []

@@ -34,7 +34,7 @@ planned next vertex is not ready yet (work conservation, TURNIP section 5).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Iterable, Iterator, Mapping, Set
+from collections.abc import Container, Iterable, Mapping, Set
 
 from disco_ray.graph.errors import RunError
 from disco_ray.graph.memgraph import MemGraph, MKind
@@ -81,7 +81,6 @@ class WorkerCore:
             awaited,
             several=streams > 1,
         )
-        self.after = Tails(self.chain_of, self._pos)  # each member -> the members after it
         self.start()
 
     def start(self, ahead: bool = True, aside: Container[int] = frozenset()) -> None:
@@ -254,23 +253,6 @@ def _region(
         if ext == len(out):  # every edge leaving the run leaves from its last member
             best = len(run)
     return run[:best]
-
-
-class Tails(Mapping[int, tuple[int, ...]]):
-    """Each chain member -> the members after it in its chain, made when asked (each chain is
-    kept once, not once per member: a chain of n kernels would hold n*n/2 entries)."""
-
-    def __init__(self, chain_of: Mapping[int, tuple[int, ...]], pos: Mapping[int, int]):
-        self._chain_of, self._pos = chain_of, pos
-
-    def __getitem__(self, v: int) -> tuple[int, ...]:
-        return self._chain_of[v][self._pos[v] + 1 :]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._chain_of)
-
-    def __len__(self) -> int:
-        return len(self._chain_of)
 
 
 def chains(

@@ -37,6 +37,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from actors.executor import Executor
 from actors.options import WorkerConfig
 from disco_ray.bench.report import check_outputs
@@ -73,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "null":
         _null_cuda().install()
     elif args.device == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             print("bench_host.py: --device cuda needs a GPU (torch sees no CUDA device)", file=sys.stderr)
             return 2
@@ -133,8 +133,6 @@ def _serial(tg, inputs, device: str) -> None:
     """The kernels one after another in one thread, on `device` (all of them done on return)."""
     evaluate(tg, inputs, device)
     if device == "cuda":
-        import torch
-
         torch.cuda.synchronize()
 
 

@@ -28,6 +28,11 @@ def test_chains_link_only_what_one_stream_may_run_back_to_back(seed):
     _check_chains(seed)
 
 
+def _after(core: WorkerCore) -> dict[int, tuple[int, ...]]:
+    """Each chain member -> the members after it in its chain."""
+    return {v: chain[core._pos[v] + 1 :] for v, chain in core.chain_of.items()}
+
+
 def _check_chains(seed: int) -> int:
     """Checks the chains of a random plan on one and on several compute streams; returns how many
     chains on several streams begin with a fan-out."""
@@ -37,13 +42,14 @@ def _check_chains(seed: int) -> int:
     ends = several = 0
     for gpu in range(2):
         core = WorkerCore(mg, gpu)
+        after = _after(core)
         kinds = _kinds(mg, gpu)
         kernels = sorted(v for v, k in kinds.items() if k is MKind.KERNEL)
         remote_preds = {w for u, w, *_ in mg.edges if gpu_of[w] == gpu and gpu_of[u] != gpu}
-        heads = [v for v in core.after if core._pos[v] == 0]
-        assert heads or not core.after
+        heads = [v for v in after if core._pos[v] == 0]
+        assert heads or not after
         for h in heads:
-            chain = (h, *core.after[h])
+            chain = (h, *after[h])
             assert len(chain) > 1
             i = kernels.index(h)
             assert list(chain) == kernels[i : i + len(chain)]  # consecutive kernel ids
@@ -52,11 +58,12 @@ def _check_chains(seed: int) -> int:
                 assert v not in core.awaited  # its completion goes to another GPU at once
                 assert all(kinds[u] is MKind.KERNEL for u in core.local_succs.get(v, ()))
                 assert w not in remote_preds
-                assert core.after[v] == chain[chain.index(v) + 1 :]
+                assert after[v] == chain[chain.index(v) + 1 :]
         ends += len(heads)
         # several compute streams: a region, whose inner members feed only later members
         core = WorkerCore(mg, gpu, streams=3)
-        for v, rest in core.after.items():
+        after = _after(core)
+        for v, rest in after.items():
             chain = core.chain_of[v]
             assert list(chain) == sorted(chain) and v in core.kernels  # ids in order: a topological order
             if rest:  # v is inner: nothing outside the chain waits on it
@@ -64,7 +71,7 @@ def _check_chains(seed: int) -> int:
                 assert v not in core.awaited
             if core._pos[v]:  # a later member has a predecessor earlier in the chain
                 assert set(core.local_preds[v]) & set(chain[: core._pos[v]]) and v not in remote_preds
-        several += sum(1 for v in core.after if core._pos[v] == 0 and len(core.local_succs.get(v, ())) > 1)
+        several += sum(1 for v in after if core._pos[v] == 0 and len(core.local_succs.get(v, ())) > 1)
     assert ends > 2  # transfers, and in a tight plan offloads, end chains
     return several
 
@@ -95,7 +102,7 @@ def _run_with_units(mg, rng) -> int:
                 copies.append(v)
         if stream is None and kernels:
             head = heapq.heappop(kernels)
-            stream = core.claim(head) if head in core.after and head not in core.groups else (head,)
+            stream = core.claim(head) if head in core.chain_of and head not in core.groups else (head,)
             for i, m in enumerate(stream):
                 for u in core.local_preds.get(m, ()):
                     assert u in done or u in stream[:i], f"unit {stream}: {m} runs before its predecessor {u}"
