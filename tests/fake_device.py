@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 _lock = threading.RLock()  # completion checks and NCCL matching run from several threads
@@ -177,7 +178,9 @@ class StreamThread:
     launch order: a chain is completed oldest first)."""
 
     def __init__(self, stream, name: str):
-        self.stream, self.name = stream, name
+        # weakly: a stream and its thread make no reference cycle, so a test's streams are freed
+        # by reference counting, not by a later test's garbage collection
+        self.stream, self.name = weakref.ref(stream), name
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
 
@@ -188,7 +191,7 @@ class StreamThread:
             self.thread.start()
 
     def _serve(self) -> None:
-        _local.stream = self.stream
+        _local.stream = self.stream()
         while True:
             try:
                 work = self.q.get(timeout=IDLE_S)
